@@ -1,0 +1,1 @@
+"""ckptconv: convert large-model checkpoints to safetensors."""

@@ -1,0 +1,144 @@
+"""The `ckptconv` command line (click). Errors are one line on stderr; exit 0 ok, 1 problems, 2 bad input."""
+import functools
+import json
+import signal
+import sys
+import traceback
+from collections import Counter
+
+import click
+
+from . import dtypes
+from .convert import ConvertOptions, convert
+from .errors import CkptError
+from .readers import ReadOptions, open_checkpoint, readers
+from .sizes import format_size, parse_size
+
+
+def _fail(message: str, code: int = 2):
+    click.echo(f"ckptconv: error: {message}", err=True)
+    sys.exit(code)
+
+
+def command(fn):
+    """Common flags and error handling: one line per error unless --debug."""
+
+    @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+    @click.option("--quiet", is_flag=True, help="No progress bars.")
+    @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
+    @functools.wraps(fn)
+    def wrapper(*args, debug, **kwargs):
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so cleanup of partial output runs
+        try:
+            return fn(*args, **kwargs)
+        except CkptError as e:
+            if debug:
+                traceback.print_exc()
+            _fail(str(e), e.exit_code)
+        except OSError as e:
+            if debug:
+                traceback.print_exc()
+            _fail(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
+        except KeyboardInterrupt:
+            _fail("interrupted; no output was published", 130)
+        except Exception as e:  # a bug or an input we failed to classify: still one line
+            if debug:
+                traceback.print_exc()
+            _fail(f"unexpected {type(e).__name__}: {e} (rerun with --debug for a traceback)")
+
+    return wrapper
+
+
+def read_options(fn):
+    @click.option("--from", "fmt", type=click.Choice(sorted(readers())), help="Force the input format.")
+    @click.option("--only", multiple=True, metavar="PREFIX",
+                  help="Keep only tensors whose name starts with PREFIX (repeatable); skips unread items.")
+    @click.option("--allow-global", multiple=True, metavar="MODULE.NAME",
+                  help="Accept one more pickled class as inert data (never imported or called).")
+    @click.option("--skip-unsupported", is_flag=True,
+                  help="Leave out tensors safetensors cannot store (complex, quantized) and list them.")
+    @functools.wraps(fn)
+    def wrapper(*args, only, allow_global, skip_unsupported, **kwargs):
+        kwargs["read"] = ReadOptions(allow_globals=list(allow_global), skip_unsupported=skip_unsupported,
+                                     only=list(only))
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ckptconv")
+def main():
+    """Convert large-model checkpoints to sharded safetensors, safely and streaming."""
+
+
+def _convert_command(name, pickle_only, help_text):
+    @main.command(name, help=help_text)
+    @click.argument("src", type=click.Path(path_type=str))
+    @click.argument("out", type=click.Path(path_type=str))
+    @read_options
+    @click.option("--max-shard-size", default="5GB", show_default=True,
+                  help="Largest shard file, e.g. 500MB, 5GB, 1GiB. A tensor never spans files.")
+    @click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from tensor names that start with it.")
+    @click.option("--dtype", type=click.Choice(["keep", "bf16", "f16", "f32"]), default="keep", show_default=True,
+                  help="Cast floating tensors (round to nearest even); integers are kept.")
+    @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+    @click.option("--no-copy-extras", is_flag=True, help="Do not carry config/tokenizer files into OUT.")
+    @command
+    def run(src, out, fmt, read, max_shard_size, strip_prefix, dtype, overwrite, no_copy_extras, quiet, as_json):
+        opts = ConvertOptions(fmt=fmt, read=read, strip_prefix=strip_prefix, dtype=dtype,
+                              max_shard_size=parse_size(max_shard_size), overwrite=overwrite,
+                              copy_extras=not no_copy_extras, pickle_only=pickle_only, quiet=quiet)
+        summary = convert(src, out, opts)
+        if as_json:
+            click.echo(json.dumps(summary, indent=2))
+        else:
+            click.echo(f"wrote {summary['out']}: {summary['tensors']} tensors, {format_size(summary['bytes'])} "
+                       f"in {len(summary['files'])} files, {summary['seconds']:.2f} s "
+                       f"({summary['gb_per_s'] or 0:.2f} GB/s)")
+
+    return run
+
+
+_convert_command("convert", False, """Convert SRC (any supported format) to sharded safetensors in OUT.
+
+OUT gets model-0000k-of-0000n.safetensors shards, model.safetensors.index.json, manifest.json
+(file and per-tensor SHA-256) and SHA256SUMS. OUT is published atomically; nothing from SRC is
+executed. Example: ckptconv convert pytorch_model.bin out/ --max-shard-size 2GB""")
+_convert_command("pickle-to-safetensors", True, """Convert a pickle-based SRC (torch .pt/.bin, DCP, Grok-1
+pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing non-pickle sources.""")
+
+
+@main.command("inspect")
+@click.argument("path", type=click.Path(path_type=str))
+@read_options
+@command
+def inspect_cmd(path, fmt, read, quiet, as_json):
+    """Show what a checkpoint holds (format, tensors, dtypes, bytes, extras) without converting it."""
+    ckpt = open_checkpoint(path, fmt, read)
+    hist = Counter()
+    for t in ckpt.tensors:
+        hist[t.dtype.code] += t.nbytes
+    info = {"path": str(path), "format": ckpt.source["format"], "source": ckpt.source, "tensor_count": len(ckpt.tensors),
+            "total_bytes": ckpt.total_bytes, "dtypes": dict(sorted(hist.items())),
+            "tensors": [{"name": t.name, "dtype": t.dtype.code, "shape": list(t.shape), "bytes": t.nbytes}
+                        for t in ckpt.tensors],
+            "extras": ckpt.extras, "model_files": [rel for rel, _ in ckpt.model_files]}
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"{path}: {info['format']}, {len(ckpt.tensors)} tensors, {format_size(ckpt.total_bytes)}")
+    click.echo("dtypes: " + ", ".join(f"{k} {format_size(v)}" for k, v in info["dtypes"].items()))
+    width = max((len(t.name) for t in ckpt.tensors), default=4)
+    for t in ckpt.tensors:
+        click.echo(f"  {t.name:<{width}}  {t.dtype.code:<7} {str(list(t.shape)):<20} {format_size(t.nbytes)}")
+    if ckpt.extras:
+        click.echo("extras: " + json.dumps(ckpt.extras, sort_keys=True)[:2000])
+    if ckpt.source.get("skipped"):
+        click.echo("skipped: " + ", ".join(s["name"] for s in ckpt.source["skipped"]))
+    if ckpt.model_files:
+        click.echo("model files: " + ", ".join(rel for rel, _ in ckpt.model_files))
+
+
+if __name__ == "__main__":
+    main()

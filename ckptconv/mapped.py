@@ -1,0 +1,55 @@
+"""Memory-mapped input files: zero-copy views, positional reads into caller buffers, and page release.
+
+`ru_maxrss` counts every mapped page a process touched, so after a tensor is written its pages are
+advised away (`release`); the kernel keeps them in the page cache, only our resident set shrinks.
+"""
+import mmap
+import os
+
+from .errors import BadInput
+
+_PAGE = mmap.PAGESIZE
+
+
+class MappedFile:
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise BadInput(f"{self.path}: cannot open: {e.strerror}") from None
+        st = os.fstat(self.fd)
+        self.size = st.st_size
+        self.stamp = (st.st_size, st.st_mtime_ns)
+        self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if self.size else None
+        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def check(self, offset: int, length: int, what: str):
+        """Refuse a region that does not lie inside the file (a truncated or lying file)."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise BadInput(f"{self.path}: {what} needs bytes {offset}..{offset + length} "
+                           f"but the file has {self.size} bytes (truncated or corrupt)")
+
+    def readinto(self, buf, offset: int) -> int:
+        """Fill `buf` from `offset` with pread: no mapping is touched, so nothing counts in RSS."""
+        view = memoryview(buf)
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n == 0:
+                raise BadInput(f"{self.path}: unexpected end of file at offset {offset + done}")
+            done += n
+        return done
+
+    def release(self, offset: int, length: int):
+        """Drop our mapping of [offset, offset+length) from RSS; later access faults it back in."""
+        if self._map is None or length <= 0:
+            return
+        start = offset - offset % _PAGE
+        end = min(self.size, offset + length)
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def unchanged(self) -> bool:
+        st = os.stat(self.path)
+        return (st.st_size, st.st_mtime_ns) == self.stamp

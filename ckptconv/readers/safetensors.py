@@ -1,0 +1,84 @@
+"""Reader for safetensors: one file, or a directory with `model.safetensors.index.json` (or one file).
+
+Headers are validated strictly (offsets in bounds, contiguous, dtype x shape = bytes); every tensor
+is a contiguous view of the mapped file. Also reads ckptconv's own outputs.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BadInput
+from ..mapped import MappedFile
+from ..safetensors_format import parse_header
+from ..tensor import ArraySource, Checkpoint
+from . import ReadOptions, model_files, wanted
+
+NAME = "safetensors"
+PICKLE = False
+DESCRIPTION = "safetensors files and directories with model.safetensors.index.json"
+
+
+def _dir_target(path: Path):
+    index = sorted(path.glob("*.safetensors.index.json"))
+    if index:
+        return index[0]
+    files = sorted(path.glob("*.safetensors"))
+    return files[0] if len(files) == 1 else None
+
+
+def detect(path: Path) -> bool:
+    if path.is_dir():
+        return _dir_target(path) is not None
+    if path.name.endswith(".safetensors.index.json"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return False
+    return len(head) == 9 and head[8:9] == b"{"
+
+
+def load(path: Path, options: ReadOptions) -> Checkpoint:
+    target = _dir_target(path) if path.is_dir() else path
+    if target is None:
+        raise BadInput(f"{path}: no safetensors file or index found")
+    files = [target]
+    if target.name.endswith(".index.json"):
+        files = _files_from_index(target, options.only)
+    tensors, mapped = [], []
+    for f in files:
+        m = MappedFile(f)
+        mapped.append(m)
+        tensors += [t for t in file_tensors(m) if wanted(t.name, options.only)]
+    consumed = files + [target]
+    source = {"format": NAME, "path": str(path), "files": [p.name for p in files]}
+    return Checkpoint(tensors, {}, source, model_files(path, consumed) if path.is_dir() else [], mapped)
+
+
+def file_tensors(m: MappedFile) -> list:
+    header = parse_header(m.view, m.size, m.path)
+    if header.problems:
+        raise BadInput(f"{m.path}: {header.problems[0]}")
+    return [_source(m, e) for e in header.entries]
+
+
+def _source(m, e):
+    def array():
+        return np.frombuffer(m.view, dtype=e.dtype.numpy, count=(e.end - e.begin) // e.dtype.itemsize,
+                             offset=e.begin).reshape(e.shape)
+    return ArraySource(e.name, e.dtype, e.shape, array, (m, e.begin, e.end - e.begin), contiguous=True)
+
+
+def _files_from_index(index: Path, only) -> list:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (ValueError, KeyError, AssertionError):
+        raise BadInput(f"{index}: not a valid safetensors index (needs a 'weight_map' object)") from None
+    names = sorted({f for n, f in weight_map.items() if wanted(n, only)})
+    for f in names:
+        if not isinstance(f, str) or "/" in f or not (index.parent / f).is_file():
+            raise BadInput(f"{index}: shard {f!r} listed in the index is missing")
+    return [index.parent / f for f in names]

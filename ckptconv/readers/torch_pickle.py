@@ -1,0 +1,210 @@
+"""Reader for torch.save files without torch: the zip format (torch >= 1.6), the legacy format, and
+Hugging Face directories of `.bin` shards with `pytorch_model.bin.index.json`.
+
+`data.pkl` runs through the allowlisting unpickler with torch's stand-ins; each storage resolves to
+its zip entry (or its place after the legacy pickles), so every tensor is a view of the mapped file.
+"""
+import json
+import struct
+from pathlib import Path
+
+from .. import unpickler, ziparchive
+from ..errors import BadInput
+from ..mapped import MappedFile
+from ..tensor import Checkpoint
+from ..torch_globals import Storage, flatten, storage_dtype, torch_globals, Unsupported
+from . import ReadOptions, model_files, wanted
+
+NAME = "torch"
+PICKLE = True
+DESCRIPTION = "torch.save files (.pt/.pth/.bin/.ckpt, zip or legacy) and HF .bin shard directories"
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_HEAD = b"\x80\x02\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little")
+
+
+def _is_torch_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_LEGACY_HEAD))
+    except OSError:
+        return False
+    if head.startswith(_LEGACY_HEAD):
+        return True
+    if not head.startswith(b"PK\x03\x04"):
+        return False
+    try:
+        return any(n.endswith("data.pkl") for n in ziparchive.read_entries(MappedFile(path)))
+    except BadInput:
+        return path.suffix in (".pt", ".pth", ".bin", ".ckpt")  # let open() give the precise error
+
+
+def _index_file(directory: Path):
+    found = sorted(directory.glob("*.bin.index.json")) + sorted(directory.glob("*.pt.index.json"))
+    return found[0] if found else None
+
+
+def _dir_files(directory: Path) -> list:
+    index = _index_file(directory)
+    if index is not None:
+        return [index]
+    files = [p for p in sorted(directory.iterdir()) if p.is_file() and p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+    return [p for p in files if _is_torch_file(p)]
+
+
+def detect(path: Path) -> bool:
+    if path.is_dir():
+        return len(_dir_files(path)) == 1
+    return _is_torch_file(path)
+
+
+def load(path: Path, options: ReadOptions) -> Checkpoint:
+    allow = torch_globals()
+    allow.update(unpickler.allow_globals(options.allow_globals))
+    if path.is_dir():
+        found = _dir_files(path)
+        if len(found) != 1:
+            raise BadInput(f"{path}: expected one torch checkpoint or one *.bin.index.json, found {len(found)}")
+        target = found[0]
+    else:
+        target = path
+    shards = [target]
+    if target.name.endswith(".index.json"):
+        shards = _shards_from_index(target, options.only)
+    tensors, extras, skipped, mapped = [], {}, [], []
+    for shard in shards:
+        m = MappedFile(shard)
+        mapped.append(m)
+        obj = _load_file(m, allow)
+        t, e, s = flatten(obj, shard, skip_unsupported=options.skip_unsupported)
+        for name, src in t.items():
+            if wanted(name, options.only):
+                tensors.append(src)
+        extras.update({k: unpickler.to_jsonable(v) for k, v in e.items() if wanted(k, options.only)})
+        skipped += s
+    source = {"format": NAME, "path": str(path), "files": [str(p.relative_to(path) if path.is_dir() else p.name)
+                                                            for p in shards]}
+    if skipped:
+        source["skipped"] = skipped
+    consumed = shards + ([target] if target not in shards else [])
+    files = model_files(path, consumed) if path.is_dir() else []
+    return Checkpoint(tensors, extras, source, files, mapped)
+
+
+def _shards_from_index(index: Path, only) -> list:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise BadInput(f"{index}: not a valid shard index (needs a 'weight_map' object)") from None
+    order = []
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or "/" in shard or shard.startswith("."):
+            raise BadInput(f"{index}: weight_map entry {name!r} names an invalid shard {shard!r}")
+        if shard not in order and wanted(name, only):
+            order.append(shard)
+    paths = [index.parent / s for s in sorted(order)]
+    for p in paths:
+        if not p.is_file():
+            raise BadInput(f"{index}: shard {p.name} listed in the index is missing")
+    return paths
+
+
+def _load_file(m: MappedFile, allow):
+    if bytes(m.view[:len(_LEGACY_HEAD)]) == _LEGACY_HEAD:
+        return _load_legacy(m, allow)
+    if not ziparchive.is_zip(m):
+        raise BadInput(f"{m.path}: not a torch.save file (neither a zip archive nor the legacy format)")
+    return load_zip(m, allow)
+
+
+def load_zip(m: MappedFile, allow, base=0, length=None):
+    """Unpickle a torch zip archive at [base, base+length) of `m` (DCP chunks are such archives)."""
+    entries = ziparchive.read_entries(m, base, length)
+    pkl = [n for n in entries if n == "data.pkl" or n.endswith("/data.pkl")]
+    if len(pkl) != 1:
+        raise BadInput(f"{m.path}: torch zip archive must hold exactly one data.pkl, found {len(pkl)}")
+    prefix = pkl[0][:-len("data.pkl")]
+    order = entries.get(prefix + "byteorder")
+    big = order is not None and bytes(ziparchive.read_small(m, order, 16)).strip() == b"big"
+    storages = {}
+
+    def persistent_load(pid, ctx):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise ctx.unsafe(f"persistent id {pid!r} is not a torch storage reference")
+        _, stype, key, _location, numel = pid
+        if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+            raise ctx.bad(f"malformed storage reference {pid!r}")
+        if key in storages:
+            return storages[key]
+        entry = entries.get(f"{prefix}data/{key}")
+        if entry is None:
+            raise ctx.bad(f"storage {key!r} has no entry data/{key} in the archive")
+        dtype = storage_dtype(stype, ctx)
+        nbytes = numel if dtype is None or isinstance(dtype, Unsupported) else numel * dtype.itemsize
+        if nbytes > entry.size:
+            raise ctx.bad(f"storage {key!r} needs {nbytes} bytes but its entry holds {entry.size}")
+        storages[key] = Storage(key, dtype, m, entry.offset, nbytes, big)
+        return storages[key]
+
+    entry = entries[pkl[0]]
+    data = ziparchive.read_small(m, entry)
+    return unpickler.load(data, allow, m.path, entry.offset, persistent_load)
+
+
+def _load_legacy(m: MappedFile, allow):
+    """Legacy format: magic, protocol, sys_info pickles, the object pickle, the storage-key list pickle,
+    then each storage as an int64 element count followed by its bytes."""
+    pos = 0
+    header = []
+    for _ in range(3):
+        value, length = unpickler.load_prefix(m.view[pos:], {}, m.path, pos)
+        header.append(value)
+        pos += length
+    if header[0] != _LEGACY_MAGIC or header[1] != 1001:
+        raise BadInput(f"{m.path}: legacy torch file with unknown magic/protocol {header[:2]!r}")
+    sys_info = header[2] if isinstance(header[2], dict) else {}
+    if sys_info.get("little_endian") is False:
+        raise BadInput(f"{m.path}: big-endian legacy torch files are not supported")
+    storages, views = {}, []
+
+    def persistent_load(pid, ctx):
+        if not (isinstance(pid, tuple) and len(pid) == 6 and pid[0] == "storage"):
+            raise ctx.unsafe(f"persistent id {pid!r} is not a torch storage reference")
+        _, stype, key, _location, numel, view = pid
+        dtype = storage_dtype(stype, ctx)
+        if dtype is None or not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+            raise ctx.bad(f"malformed legacy storage reference {pid!r}")
+        item = 1 if isinstance(dtype, Unsupported) else dtype.itemsize
+        root = storages.setdefault(key, Storage(key, dtype, m, -1, numel * item))
+        if view is None:
+            return root
+        if not (isinstance(view, tuple) and len(view) == 3):
+            raise ctx.bad(f"malformed storage view {view!r}")
+        vkey, voffset, vsize = view
+        sub = Storage(vkey, dtype, m, -1, vsize * item)
+        views.append((sub, root, voffset * item))
+        return sub
+
+    obj, length = unpickler.load_prefix(m.view[pos:], allow, m.path, pos, persistent_load)
+    pos += length
+    keys, length = unpickler.load_prefix(m.view[pos:], {}, m.path, pos)
+    pos += length
+    if not isinstance(keys, list) or set(keys) != set(storages):
+        raise BadInput(f"{m.path}: legacy storage key list does not match the storages the pickle uses")
+    for key in keys:
+        m.check(pos, 8, f"storage {key!r} header")
+        numel = struct.unpack_from("<q", m.view, pos)[0]
+        st = storages[key]
+        m.check(pos + 8, st.nbytes, f"storage {key!r}")
+        if numel < 0 or (not isinstance(st.dtype, Unsupported) and numel * st.dtype.itemsize != st.nbytes):
+            raise BadInput(f"{m.path}: storage {key!r} at offset {pos} holds {numel} elements, "
+                           f"the pickle expects {st.nbytes // max(st.dtype.itemsize, 1)}")
+        st.offset = pos + 8
+        pos += 8 + st.nbytes
+    for sub, root, off in views:
+        if off + sub.nbytes > root.nbytes:
+            raise BadInput(f"{m.path}: storage view {sub.key!r} lies outside its storage {root.key!r}")
+        sub.offset = root.offset + off
+    return obj

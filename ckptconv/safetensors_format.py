@@ -1,0 +1,110 @@
+"""The safetensors file format, both ways: parse and validate a header, build one.
+
+Layout: u64 little-endian header length N, N bytes of JSON (padded with spaces to 8 bytes), data.
+The JSON maps names to {"dtype", "shape", "data_offsets": [begin, end]} relative to the data start,
+plus an optional "__metadata__" string map.
+"""
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+from . import dtypes
+from .errors import BadInput
+
+MAX_HEADER = 100 * 1000 * 1000  # the safetensors library's own limit
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    name: str
+    dtype: dtypes.DType
+    shape: tuple
+    begin: int  # absolute file offsets
+    end: int
+
+
+@dataclass
+class Header:
+    entries: list       # HeaderEntry in data order
+    metadata: dict
+    data_start: int
+    problems: list      # everything wrong, as sentences (empty for a valid file)
+
+
+def parse_header(view, size: int, path) -> Header:
+    """Parse and check a header. Unreadable headers raise BadInput; other faults land in `problems`."""
+    if size < 8:
+        raise BadInput(f"{path}: not a safetensors file: {size} bytes is too short for a header")
+    n = struct.unpack_from("<Q", view, 0)[0]
+    if n > MAX_HEADER or 8 + n > size:
+        raise BadInput(f"{path}: safetensors header claims {n} bytes but the file has {size} (truncated or corrupt)")
+
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        dup = {k for k in keys if keys.count(k) > 1}
+        if dup:
+            raise BadInput(f"{path}: safetensors header names {sorted(dup)[0]!r} twice")
+        return dict(pairs)
+
+    try:
+        raw = json.loads(bytes(view[8:8 + n]).decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise BadInput(f"{path}: safetensors header is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise BadInput(f"{path}: safetensors header is not a JSON object")
+    data_start, data_len = 8 + n, size - 8 - n
+    metadata = raw.pop("__metadata__", None) or {}
+    problems = []
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        problems.append("__metadata__ must map strings to strings")
+        metadata = {}
+    entries = []
+    for name, info in raw.items():
+        try:
+            entries.append(_entry(name, info, data_start, data_len))
+        except ValueError as e:
+            problems.append(f"tensor {name!r}: {e}")
+    entries.sort(key=lambda e: (e.begin, e.end))
+    at = data_start
+    for e in entries:
+        if e.begin < at:
+            problems.append(f"tensor {e.name!r} at bytes {e.begin - data_start}..{e.end - data_start} overlaps "
+                            "the tensor before it")
+        elif e.begin > at:
+            problems.append(f"{e.begin - at} unused bytes before tensor {e.name!r}")
+        at = max(at, e.end)
+    if at < data_start + data_len:
+        problems.append(f"{data_start + data_len - at} bytes after the last tensor are not described by the header")
+    return Header(entries, metadata, data_start, problems)
+
+
+def _entry(name, info, data_start, data_len) -> HeaderEntry:
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise ValueError("entry must have exactly dtype, shape and data_offsets")
+    code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if code not in dtypes.BY_CODE:
+        raise ValueError(f"unknown dtype {code!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**62 for d in shape):
+        raise ValueError(f"invalid shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_len):
+        raise ValueError(f"data_offsets {offsets!r} are outside the {data_len} data bytes")
+    dt = dtypes.BY_CODE[code]
+    need = math.prod(shape) * dt.itemsize
+    if offsets[1] - offsets[0] != need:
+        raise ValueError(f"dtype {code} x shape {shape} needs {need} bytes, data_offsets give "
+                         f"{offsets[1] - offsets[0]}")
+    return HeaderEntry(name, dt, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def build_header(entries, metadata=None) -> bytes:
+    """Header bytes (length prefix + JSON padded to 8) for [(name, DType, shape, nbytes)] in data order."""
+    obj = {"__metadata__": dict(metadata or {"format": "pt"})}
+    at = 0
+    for name, dt, shape, nbytes in entries:
+        obj[name] = {"dtype": dt.code, "shape": list(shape), "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text

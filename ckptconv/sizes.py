@@ -1,0 +1,31 @@
+"""Human byte sizes: `500MB`, `5GB` (powers of 1000, as Hugging Face uses) and `1GiB` (powers of 1024)."""
+import re
+
+from .errors import UsageError
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+
+
+def parse_size(text) -> int:
+    """Parse `5GB`, `500MB`, `1GiB`, `1.5GB` or a plain byte count into bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise UsageError(f"invalid size {text!r}: use a number with an optional unit such as 500MB, 5GB or 1GiB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise UsageError(f"invalid size {text!r}: must be positive")
+    return value
+
+
+def format_size(n: int) -> str:
+    """Format bytes for people: `2.11 GB`."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,231 @@
+"""Lazy tensor sources and the checkpoint they make up.
+
+A source knows its name, dtype and shape, and hands out any hyper-rectangle of its logical values
+(`region`) without touching the rest: a view of a mapped file, a slice of another source, a
+concatenation, a cast. Writers stream a source in bounded blocks (`iter_blocks`) or, when its bytes
+are one contiguous range of a file (`file_span`), read that range straight into their own buffers.
+"""
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .dtypes import DType
+from .errors import BadInput
+
+
+def _full(shape):
+    return tuple(slice(0, n) for n in shape)
+
+
+def _normalize(index, shape):
+    """Turn `index` into one (start, stop) pair per axis, each inside the shape."""
+    index = tuple(index) + _full(shape[len(index):])
+    out = []
+    for s, n in zip(index, shape):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError("regions take unit-step slices only")
+        out.append(slice(start, max(start, stop)))
+    return tuple(out)
+
+
+class TensorSource:
+    """Base class: subclasses implement `_region` and may implement `file_span` and `release`."""
+
+    name: str
+    dtype: DType
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def region(self, index=()) -> np.ndarray:
+        """Logical values of a hyper-rectangle (unit-step slices), little-endian, in `dtype`."""
+        arr = self._region(_normalize(index, self.shape))
+        if arr.dtype != self.dtype.numpy:
+            arr = arr.astype(self.dtype.numpy)  # byte swap of a big-endian source
+        return arr
+
+    def _region(self, index) -> np.ndarray:
+        raise NotImplementedError
+
+    def file_span(self):
+        """(MappedFile, offset) when the logical bytes are one contiguous little-endian file range."""
+        return None
+
+    def release(self):
+        """Advise away mapped pages this source touched (bounded RSS); a no-op by default."""
+
+    def renamed(self, name: str) -> "TensorSource":
+        return Renamed(self, name)
+
+    def sliced(self, axis: int, start: int, stop: int) -> "TensorSource":
+        return Slice(self, axis, start, stop)
+
+
+class ArraySource(TensorSource):
+    """A tensor backed by a numpy view (usually of a mapped file, possibly strided or big-endian).
+
+    `span` is (MappedFile, offset, length): the bytes the view reaches into, so they can be released;
+    `contiguous` says the view is exactly that range in row-major order.
+    """
+
+    def __init__(self, name, dtype: DType, shape, array_fn, span=None, contiguous=False):
+        self.name, self.dtype, self.shape = name, dtype, tuple(int(n) for n in shape)
+        self._array_fn = array_fn
+        self._span = span
+        self._contiguous = contiguous
+
+    def array(self) -> np.ndarray:
+        return self._array_fn()
+
+    def _region(self, index):
+        return self.array()[index]
+
+    def file_span(self):
+        if self._span is not None and self._contiguous:
+            return self._span[0], self._span[1]
+        return None
+
+    def release(self):
+        if self._span is not None:
+            mapped, offset, length = self._span
+            mapped.release(offset, length)
+
+
+class Renamed(TensorSource):
+    def __init__(self, base: TensorSource, name: str):
+        self.base, self.name, self.dtype, self.shape = base, name, base.dtype, base.shape
+
+    def _region(self, index):
+        return self.base.region(index)
+
+    def file_span(self):
+        return self.base.file_span()
+
+    def release(self):
+        self.base.release()
+
+
+class Slice(TensorSource):
+    """Rows [start, stop) of `base` along `axis`; still lazy."""
+
+    def __init__(self, base: TensorSource, axis: int, start: int, stop: int, name=None):
+        if not 0 <= start <= stop <= base.shape[axis]:
+            raise ValueError(f"slice {start}:{stop} out of range for axis {axis} of {base.shape}")
+        self.base, self.axis, self.start, self.stop = base, axis, start, stop
+        self.name, self.dtype = name or base.name, base.dtype
+        self.shape = base.shape[:axis] + (stop - start,) + base.shape[axis + 1:]
+
+    def _region(self, index):
+        s = index[self.axis]
+        index = index[:self.axis] + (slice(s.start + self.start, s.stop + self.start),) + index[self.axis + 1:]
+        return self.base.region(index)
+
+    def file_span(self):
+        span = self.base.file_span()
+        if span is None or any(n != 1 for n in self.base.shape[:self.axis]):
+            return None
+        row = math.prod(self.base.shape[self.axis + 1:]) * self.dtype.itemsize
+        return span[0], span[1] + self.start * row
+
+    def release(self):
+        self.base.release()
+
+
+class Concat(TensorSource):
+    """Several sources joined along `axis` (rank pieces, host slices, chunk rows)."""
+
+    def __init__(self, name, parts, axis: int):
+        first = parts[0]
+        for p in parts:
+            if p.dtype != first.dtype or p.shape[:axis] + p.shape[axis + 1:] != first.shape[:axis] + first.shape[axis + 1:]:
+                raise BadInput(f"tensor {name!r}: parts {first.shape}/{first.dtype.code} and "
+                               f"{p.shape}/{p.dtype.code} cannot be joined on axis {axis}")
+        self.name, self.parts, self.axis, self.dtype = name, list(parts), axis, first.dtype
+        self.shape = first.shape[:axis] + (sum(p.shape[axis] for p in parts),) + first.shape[axis + 1:]
+
+    def _region(self, index):
+        want = index[self.axis]
+        pieces, at = [], 0
+        for p in self.parts:
+            lo, hi = max(want.start, at), min(want.stop, at + p.shape[self.axis])
+            if lo < hi or (want.start == want.stop == at and not pieces):
+                sub = index[:self.axis] + (slice(lo - at, hi - at),) + index[self.axis + 1:]
+                pieces.append(p.region(sub))
+            at += p.shape[self.axis]
+        if not pieces:
+            return np.empty(tuple(s.stop - s.start for s in index), self.dtype.numpy)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=self.axis)
+
+    def release(self):
+        for p in self.parts:
+            p.release()
+
+
+class Computed(TensorSource):
+    """A tensor whose regions are computed from other sources (casts, dequantization, transposes)."""
+
+    def __init__(self, name, dtype: DType, shape, compute, inputs=()):
+        self.name, self.dtype, self.shape = name, dtype, tuple(shape)
+        self._compute, self._inputs = compute, inputs
+
+    def _region(self, index):
+        return self._compute(index)
+
+    def release(self):
+        for s in self._inputs:
+            s.release()
+
+
+def cast(src: TensorSource, dtype: DType) -> TensorSource:
+    """Cast a floating tensor (ml_dtypes rounds to nearest even), computed block by block."""
+    if src.dtype == dtype:
+        return src
+    return Computed(src.name, dtype, src.shape, lambda index: src.region(index).astype(dtype.numpy), (src,))
+
+
+def iter_blocks(src: TensorSource, limit: int):
+    """Yield C-contiguous arrays of at most ~`limit` bytes whose bytes, in order, are the tensor's."""
+    shape, item = src.shape, src.dtype.itemsize
+    if src.nbytes <= limit or not shape:
+        yield np.ascontiguousarray(src.region())
+        return
+    # The first axis whose single index fits in the limit is the one we step along in blocks.
+    axis = next(k for k in range(len(shape)) if math.prod(shape[k + 1:]) * item <= limit)
+    inner = math.prod(shape[axis + 1:]) * item
+    step = max(1, limit // max(inner, 1))
+    for prefix in itertools.product(*(range(n) for n in shape[:axis])):
+        head = tuple(slice(i, i + 1) for i in prefix)
+        for a in range(0, shape[axis], step):
+            yield np.ascontiguousarray(src.region(head + (slice(a, min(a + step, shape[axis])),)))
+
+
+def as_bytes(block: np.ndarray) -> memoryview:
+    """The raw bytes of a C-contiguous block (works for ml_dtypes too)."""
+    return memoryview(block.reshape(-1).view(np.uint8))
+
+
+@dataclass
+class Checkpoint:
+    """What a reader returns: ordered tensors, JSON-able extras, a description of the source."""
+
+    tensors: list
+    extras: dict = field(default_factory=dict)
+    source: dict = field(default_factory=dict)
+    model_files: list = field(default_factory=list)  # (relative name, path) carried into OUT unchanged
+    mapped: list = field(default_factory=list)       # MappedFiles to check for changes during a run
+
+    def __post_init__(self):
+        seen = set()
+        for t in self.tensors:
+            if t.name in seen:
+                raise BadInput(f"{self.source.get('path', 'checkpoint')}: two tensors are named {t.name!r}")
+            seen.add(t.name)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)

@@ -1,0 +1,250 @@
+"""Stand-ins for the torch globals in torch.save pickles: storages, tensor rebuilds, dtypes, Size.
+
+Shared by the torch zip reader, the legacy reader and DCP chunk files. A rebuilt tensor is a
+`TorchTensor` record (storage, offset, size, stride); readers turn it into a lazy `ArraySource`.
+Storage bytes are located by the reader's `persistent_load`, which returns a `Storage`.
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import dtypes
+from .errors import BadInput
+from .numpy_globals import NumpyArray, numpy_globals
+from .tensor import ArraySource
+from .unpickler import BENIGN, Function, InertClass, Marker, StandIn
+
+
+@dataclass
+class Unsupported:
+    """A torch dtype or tensor kind safetensors cannot store (complex, quantized, sparse)."""
+
+    what: str
+
+
+@dataclass
+class StorageType:
+    """`torch.FloatStorage`-style classes (dtype known) or `torch.storage.UntypedStorage` (dtype None)."""
+
+    dtype: object  # DType, Unsupported, or None for untyped
+
+
+@dataclass
+class Storage:
+    """A storage's bytes in a mapped file: `offset`, `nbytes`; `dtype` as the storage type says."""
+
+    key: str
+    dtype: object
+    mapped: object
+    offset: int
+    nbytes: int
+    big_endian: bool = False
+
+
+class TorchTensor:
+    """What `_rebuild_tensor_v2/_v3` builds: a strided view of a storage, validated against it."""
+
+    def __init__(self, ctx, storage, storage_offset, size, stride, dtype=None):
+        if not isinstance(storage, Storage):
+            raise ctx.unsafe("tensor rebuilt from something that is not a storage")
+        dt = dtype if dtype is not None else storage.dtype
+        size, stride = tuple(size), tuple(stride)
+        if not all(isinstance(v, int) for v in size + stride + (storage_offset,)):
+            raise ctx.bad("tensor size, stride and offset must be integers")
+        if len(size) != len(stride) or any(v < 0 for v in size + stride) or storage_offset < 0:
+            raise ctx.bad(f"tensor size {size} / stride {stride} / offset {storage_offset} are invalid")
+        self.storage, self.offset, self.size, self.stride, self.dtype = storage, storage_offset, size, stride, dt
+        if isinstance(dt, dtypes.DType) and math.prod(size):
+            last = storage_offset + sum((n - 1) * s for n, s in zip(size, stride))
+            if (last + 1) * dt.itemsize > storage.nbytes:
+                raise ctx.bad(f"tensor of size {size}, stride {stride}, offset {storage_offset} reaches element "
+                              f"{last}, beyond its storage {storage.key!r} of {storage.nbytes} bytes")
+
+    @property
+    def unsupported(self):
+        return self.dtype.what if isinstance(self.dtype, Unsupported) else None
+
+    def source(self, name) -> ArraySource:
+        dt, st = self.dtype, self.storage
+        item = dt.itemsize
+        contiguous = not st.big_endian and _is_row_major(self.size, self.stride)
+        start = st.offset + self.offset * item
+        length = math.prod(self.size) * item
+        np_dtype = dt.numpy.newbyteorder(">") if st.big_endian and item > 1 else dt.numpy
+        size, stride, mapped = self.size, self.stride, st.mapped
+
+        def array():
+            if not math.prod(size):
+                return np.empty(size, dt.numpy)
+            reach = (sum((n - 1) * s for n, s in zip(size, stride)) + 1) * item
+            flat = np.frombuffer(mapped.view, dtype=np.uint8, count=reach, offset=start)
+            return np.lib.stride_tricks.as_strided(flat.view(np_dtype), size, tuple(s * item for s in stride),
+                                                   writeable=False)
+
+        if contiguous:
+            return ArraySource(name, dt, size, array, (mapped, start, length), contiguous=True)
+        return ArraySource(name, dt, size, array, (mapped, st.offset, st.nbytes), contiguous=False)
+
+
+def _is_row_major(size, stride) -> bool:
+    expect = 1
+    for n, s in zip(reversed(size), reversed(stride)):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def _rebuild_v2(ctx, storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    return TorchTensor(ctx, storage, storage_offset, size, stride)
+
+
+def _rebuild_v3(ctx, storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
+    if not isinstance(dtype, Marker):
+        raise ctx.unsafe("_rebuild_tensor_v3 with a dtype that is not a torch dtype")
+    return TorchTensor(ctx, storage, storage_offset, size, stride, dtype.value)
+
+
+def _rebuild_parameter(ctx, data, requires_grad=False, hooks=None, state=None):
+    return data
+
+
+def _rebuild_from_type_v2(ctx, func, new_type, args, state=None):
+    if not isinstance(func, Function) or not isinstance(new_type, Marker):
+        raise ctx.unsafe("_rebuild_from_type_v2 with a function or type outside the allowlist")
+    return func.call(tuple(args), ctx)
+
+
+def _unsupported(kind):
+    def rebuild(ctx, *args):
+        return TorchTensorUnsupported(kind)
+    return rebuild
+
+
+@dataclass
+class TorchTensorUnsupported:
+    kind: str
+
+    @property
+    def unsupported(self):
+        return self.kind
+
+
+class _StrClass(StandIn):
+    """A str subclass (TorchVersion): instances are the string itself."""
+
+    def __init__(self, qualname):
+        self.qualname = qualname
+
+    def new(self, args, kwargs, ctx):
+        if len(args) != 1 or not isinstance(args[0], str):
+            raise ctx.bad(f"{self.qualname} of something other than one string")
+        return args[0]
+
+    call = lambda self, args, ctx: self.new(args, None, ctx)  # noqa: E731
+
+
+def _as_str(ctx, *args):
+    return ":".join(str(a) for a in args if a is not None)
+
+
+def _size(ctx, dims=()):
+    return tuple(dims)
+
+
+def torch_globals() -> dict:
+    """The allowlist for torch.save pickles (zip and legacy) and DCP chunk pickles."""
+    out = dict(BENIGN)
+    out.update(numpy_globals())
+    for dt in dtypes.DTYPES:
+        out[("torch", dt.torch)] = Marker(f"torch.{dt.torch}", dt)
+        if dt.storage:
+            out[("torch", dt.storage)] = Marker(f"torch.{dt.storage}", StorageType(dt))
+    for name in dtypes.TORCH_UNSUPPORTED:
+        out[("torch", name)] = Marker(f"torch.{name}", Unsupported(name))
+    for name in dtypes.TORCH_UNSUPPORTED_STORAGES:
+        out[("torch", name)] = Marker(f"torch.{name}", StorageType(Unsupported(name)))
+    out[("torch.storage", "UntypedStorage")] = Marker("torch.storage.UntypedStorage", StorageType(None))
+    out[("torch", "UntypedStorage")] = Marker("torch.UntypedStorage", StorageType(None))
+    for module, name, fn in [
+        ("torch._utils", "_rebuild_tensor", lambda ctx, st, off, size, stride: TorchTensor(ctx, st, off, size, stride)),
+        ("torch._utils", "_rebuild_tensor_v2", _rebuild_v2),
+        ("torch._utils", "_rebuild_tensor_v3", _rebuild_v3),
+        ("torch._utils", "_rebuild_parameter", _rebuild_parameter),
+        ("torch._utils", "_rebuild_parameter_with_state", _rebuild_parameter),
+        ("torch._tensor", "_rebuild_from_type_v2", _rebuild_from_type_v2),
+        ("torch._utils", "_rebuild_qtensor", _unsupported("quantized")),
+        ("torch._utils", "_rebuild_sparse_tensor", _unsupported("sparse")),
+        ("torch._utils", "_rebuild_nested_tensor", _unsupported("nested")),
+        ("torch", "Size", _size),
+        ("torch", "device", _as_str),
+        ("torch.serialization", "_get_layout", _as_str),
+    ]:
+        out[(module, name)] = Function(f"{module}.{name}", fn)
+    out[("torch.torch_version", "TorchVersion")] = _StrClass("torch.torch_version.TorchVersion")
+    out[("torch.nn.parameter", "Parameter")] = Marker("torch.nn.parameter.Parameter")
+    out[("torch", "Tensor")] = Marker("torch.Tensor")
+    for layout in ("strided", "sparse_coo", "sparse_csr"):
+        out[("torch", layout)] = Marker(f"torch.{layout}", f"torch.{layout}")
+    return out
+
+
+def storage_dtype(storage_type, ctx):
+    """The dtype a persistent id's storage type names: DType, Unsupported, or None (untyped)."""
+    if not isinstance(storage_type, Marker) or not isinstance(storage_type.value, StorageType):
+        raise ctx.unsafe("persistent id with a storage type outside the allowlist")
+    return storage_type.value.dtype
+
+
+def flatten(obj, path, prefix="", skip_unsupported=False, tensors=None, extras=None, skipped=None, depth=0):
+    """Flatten nested containers with `.` (DESIGN.md naming): tensors become sources, the rest extras."""
+    tensors = {} if tensors is None else tensors
+    extras = {} if extras is None else extras
+    skipped = [] if skipped is None else skipped
+    if depth > 200:
+        raise BadInput(f"{path}: containers nested more than 200 deep")
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            flatten(v, path, f"{prefix}.{k}" if prefix else str(k), skip_unsupported, tensors, extras, skipped, depth + 1)
+        return tensors, extras, skipped
+    if isinstance(obj, (list, tuple)) and any(_is_tensorlike(v) or isinstance(v, (dict, list, tuple)) for v in obj):
+        for i, v in enumerate(obj):
+            flatten(v, path, f"{prefix}.{i}" if prefix else str(i), skip_unsupported, tensors, extras, skipped, depth + 1)
+        return tensors, extras, skipped
+    name = prefix or "tensor"
+    if isinstance(obj, (TorchTensor, TorchTensorUnsupported)) and obj.unsupported:
+        if not skip_unsupported:
+            raise BadInput(f"{path}: tensor {name!r} has dtype {obj.unsupported}, which safetensors cannot store "
+                           "(use --skip-unsupported to leave it out)")
+        skipped.append({"name": name, "reason": obj.unsupported})
+    elif isinstance(obj, TorchTensor):
+        _add(tensors, path, name, obj.source(name))
+    elif isinstance(obj, NumpyArray):
+        _add(tensors, path, name, numpy_source(name, obj))
+    else:
+        if name in extras or name in tensors:
+            raise BadInput(f"{path}: two entries flatten to the name {name!r}")
+        extras[name] = obj
+    return tensors, extras, skipped
+
+
+def _is_tensorlike(v):
+    return isinstance(v, (TorchTensor, TorchTensorUnsupported, NumpyArray))
+
+
+def _add(tensors, path, name, source):
+    if name in tensors:
+        raise BadInput(f"{path}: two tensors flatten to the name {name!r}")
+    tensors[name] = source
+
+
+def numpy_source(name, arr: NumpyArray, mapped=None) -> ArraySource:
+    """An ArraySource for a pickled ndarray; zero-copy with a file span when its payload is mapped."""
+    a = arr.array
+    dt = dtypes.from_numpy(a.dtype)
+    if arr.payload is not None and mapped is not None:
+        span = (mapped, arr.payload.offset, len(arr.payload))
+        contiguous = a.flags.c_contiguous and a.dtype.byteorder != ">"
+        return ArraySource(name, dt, a.shape, lambda: a, span, contiguous)
+    return ArraySource(name, dt, a.shape, lambda: a)

@@ -1,0 +1,24 @@
+"""Stream transforms between reader and writer: rename (strip a prefix) and cast floating dtypes."""
+from .errors import UsageError
+from .tensor import cast
+
+
+def strip_prefix(tensors, prefix: str | None):
+    """Drop `prefix` from the names that start with it (`model.` is the common case)."""
+    if not prefix:
+        return tensors
+    out, seen = [], {}
+    for t in tensors:
+        name = t.name[len(prefix):] if t.name.startswith(prefix) and len(t.name) > len(prefix) else t.name
+        if name in seen:
+            raise UsageError(f"--strip-prefix {prefix!r} makes {seen[name]!r} and {t.name!r} both {name!r}")
+        seen[name] = t.name
+        out.append(t if name == t.name else t.renamed(name))
+    return out
+
+
+def cast_floats(tensors, dtype):
+    """Cast floating tensors to `dtype` (a DType), rounding to nearest even; integers are untouched."""
+    if dtype is None:
+        return tensors
+    return [cast(t, dtype) if t.dtype.is_float else t for t in tensors]

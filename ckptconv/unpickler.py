@@ -1,0 +1,538 @@
+"""The one allowlisting unpickler: a pickle VM that builds data and never calls into the file.
+
+`pickle.Unpickler.find_class` imports modules and calls whatever REDUCE names; this VM instead
+resolves every global through an explicit allowlist to an inert stand-in that we wrote (a `StandIn`),
+and REDUCE/NEWOBJ/BUILD only ever run those stand-ins. Anything else - an unknown global, an EXT
+code, an out-of-band buffer, a call on a non-callable - stops the run with `UnsafePickle` naming the
+file, the byte offset and what was asked for. Large BINBYTES/BINBYTES8/BYTEARRAY8 payloads are not
+copied: they come back as `Payload` views of the caller's (memory-mapped) buffer, with their offset.
+"""
+import codecs
+import hashlib
+import math
+import struct
+from dataclasses import dataclass
+
+from .errors import BadInput, UnsafePickle
+
+PAYLOAD_MIN = 64 * 1024  # payloads this large stay views of the mapped file
+
+
+@dataclass
+class Payload:
+    """A bytes payload left in place: `view` is a memoryview into the file, `offset` its position."""
+
+    view: memoryview
+    offset: int
+
+    def __len__(self):
+        return len(self.view)
+
+    def tobytes(self) -> bytes:
+        return self.view.tobytes()
+
+
+def as_buffer(data):
+    """bytes/bytearray/Payload -> something numpy.frombuffer accepts, without copying a Payload."""
+    return data.view if isinstance(data, Payload) else data
+
+
+class StandIn:
+    """What an allowlisted global resolves to. Subclasses override the operations they permit."""
+
+    qualname = "?"
+
+    def call(self, args, ctx):
+        raise ctx.unsafe(f"global {self.qualname!r} cannot be called")
+
+    def new(self, args, kwargs, ctx):
+        raise ctx.unsafe(f"global {self.qualname!r} cannot be instantiated")
+
+
+class Function(StandIn):
+    """A callable stand-in: REDUCE runs `fn(ctx, *args)`, our own code."""
+
+    def __init__(self, qualname, fn):
+        self.qualname, self.fn = qualname, fn
+
+    def call(self, args, ctx):
+        if not isinstance(args, tuple):
+            raise ctx.bad(f"{self.qualname} called with {type(args).__name__} instead of a tuple")
+        return self.fn(ctx, *args)
+
+
+class Marker(StandIn):
+    """A global that is only ever an argument (a dtype, a storage class): carries `value`."""
+
+    def __init__(self, qualname, value=None):
+        self.qualname, self.value = qualname, value
+
+
+class InertClass(StandIn):
+    """A benign class (argparse.Namespace, a user's --allow-global): instances are plain records."""
+
+    def __init__(self, qualname):
+        self.qualname = qualname
+
+    def call(self, args, ctx):
+        return InertObject(self.qualname, list(args))
+
+    def new(self, args, kwargs, ctx):
+        return InertObject(self.qualname, list(args), dict(kwargs or {}))
+
+
+class InertObject:
+    """An instance of an inert class: its constructor arguments and state, as data."""
+
+    def __init__(self, qualname, args=None, state=None):
+        self.qualname, self.args, self.state = qualname, args or [], state or {}
+
+    def build(self, state, ctx):
+        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            self.state.update(state)
+        else:
+            self.state["__state__"] = state
+
+
+class StateDict(dict):
+    """collections.OrderedDict as a plain dict; BUILD attributes (torch's `_metadata`) are kept aside."""
+
+    attrs = None
+
+    def build(self, state, ctx):
+        if not isinstance(state, dict):
+            raise ctx.bad("OrderedDict state is not a dict")
+        self.attrs = state
+
+
+def _ordered_dict(ctx, items=()):
+    d = StateDict()
+    for kv in items:
+        if not (isinstance(kv, (tuple, list)) and len(kv) == 2):
+            raise ctx.bad("OrderedDict item is not a (key, value) pair")
+        d[kv[0]] = kv[1]
+    return d
+
+
+def _encode(ctx, text, encoding="latin1"):
+    """_codecs.encode, as protocol-2 pickles use it to spell bytes; latin-1 only."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise ctx.unsafe(f"_codecs.encode({type(text).__name__}, {encoding!r}) is not allowed")
+    return text.encode("latin1")
+
+
+def _set(ctx, items=()):
+    return set(items)
+
+
+def _frozenset(ctx, items=()):
+    return frozenset(items)
+
+
+def _reconstructor(ctx, cls, base, state=None):
+    """copyreg._reconstructor: protocol 0/1 spelling of `object.__new__(cls)`, inert classes only."""
+    if not isinstance(cls, InertClass) or not isinstance(base, Marker) or base.value is not object:
+        raise ctx.unsafe(f"copyreg._reconstructor of {getattr(cls, 'qualname', type(cls).__name__)}")
+    return cls.new((), {}, ctx)
+
+
+# Globals every format may meet in non-tensor state; each format adds its own on top.
+BENIGN = {
+    ("collections", "OrderedDict"): Function("collections.OrderedDict", _ordered_dict),
+    ("_codecs", "encode"): Function("_codecs.encode", _encode),
+    ("builtins", "set"): Function("builtins.set", _set),
+    ("__builtin__", "set"): Function("builtins.set", _set),
+    ("builtins", "frozenset"): Function("builtins.frozenset", _frozenset),
+    ("__builtin__", "frozenset"): Function("builtins.frozenset", _frozenset),
+    ("builtins", "object"): Marker("builtins.object", object),
+    ("__builtin__", "object"): Marker("builtins.object", object),
+    ("copyreg", "_reconstructor"): Function("copyreg._reconstructor", _reconstructor),
+    ("copy_reg", "_reconstructor"): Function("copyreg._reconstructor", _reconstructor),
+    ("argparse", "Namespace"): InertClass("argparse.Namespace"),
+}
+
+
+def allow_globals(names) -> dict:
+    """`--allow-global MODULE.NAME`: accept these classes as inert records (never imported)."""
+    out = {}
+    for name in names or ():
+        module, _, attr = name.rpartition(".")
+        if not module or not attr:
+            raise BadInput(f"--allow-global {name!r}: expected MODULE.NAME")
+        out[(module, attr)] = InertClass(name)
+    return out
+
+
+class _Mark:
+    pass
+
+
+MARK = _Mark()
+
+
+class Context:
+    """What stand-ins see: where we are (for messages) and the reader's hooks."""
+
+    def __init__(self, path, base_offset):
+        self.path, self.base_offset, self.pos = path, base_offset, 0
+
+    def bad(self, msg) -> BadInput:
+        return BadInput(f"{self.path}: {msg} (pickle offset {self.base_offset + self.pos})")
+
+    def unsafe(self, msg) -> UnsafePickle:
+        return UnsafePickle(f"{self.path}: refused: {msg} (pickle offset {self.base_offset + self.pos}); "
+                            "nothing was executed")
+
+
+def load(data, allowlist: dict, path, base_offset=0, persistent_load=None):
+    """Run the pickle in `data` (bytes or memoryview) and return the object it builds.
+
+    `allowlist` maps (module, name) to StandIns; `persistent_load(pid, ctx)` resolves PERSID ids.
+    """
+    return load_prefix(data, allowlist, path, base_offset, persistent_load)[0]
+
+
+def load_prefix(data, allowlist: dict, path, base_offset=0, persistent_load=None, max_memo=10_000_000):
+    """Like `load` for a pickle followed by other bytes: returns (object, length of the pickle)."""
+    mv = memoryview(data).cast("B")
+    ctx = Context(path, base_offset)
+    try:
+        return _run(mv, allowlist, ctx, persistent_load, max_memo)
+    except (BadInput,):
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError,
+            UnicodeDecodeError, struct.error, MemoryError) as e:
+        raise ctx.bad(f"malformed pickle: {type(e).__name__}: {e}") from None
+
+
+def _run(mv, allowlist, ctx, persistent_load, max_memo):
+    n = len(mv)
+    pos = 0
+    stack, metastack, memo = [], [], {}
+
+    def take(k):
+        nonlocal pos
+        if k < 0 or pos + k > n:
+            raise ctx.bad(f"truncated pickle: needs {k} bytes, {n - pos} left")
+        out = mv[pos:pos + k]
+        pos += k
+        return out
+
+    def line():
+        nonlocal pos
+        end = pos
+        while end < n and mv[end] != 0x0A:
+            end += 1
+        if end >= n:
+            raise ctx.bad("truncated pickle: unterminated line")
+        out = bytes(mv[pos:end])
+        pos = end + 1
+        return out
+
+    def u(fmt, k):
+        return struct.unpack(fmt, take(k))[0]
+
+    def pop_mark():
+        nonlocal stack
+        if not metastack:
+            raise ctx.bad("MARK missing")
+        items = stack
+        stack = metastack.pop()
+        return items
+
+    def push_bytes(k, mutable=False):
+        start = pos
+        view = take(k)
+        if k >= PAYLOAD_MIN:
+            stack.append(Payload(view, ctx.base_offset + start))
+        else:
+            stack.append(bytearray(view) if mutable else bytes(view))
+
+    def resolve(module, name):
+        if not isinstance(module, str) or not isinstance(name, str):
+            raise ctx.unsafe("STACK_GLOBAL with non-string operands")
+        standin = allowlist.get((module, name))
+        if standin is None:
+            raise ctx.unsafe(f"global '{module}.{name}' is not on the allowlist")
+        return standin
+
+    def memo_put(idx):
+        if not stack:
+            raise ctx.bad("PUT on an empty stack")
+        if idx < 0 or (idx not in memo and len(memo) >= max_memo):
+            raise ctx.bad(f"memo index {idx} out of range")
+        memo[idx] = stack[-1]
+
+    def memo_get(idx):
+        if idx not in memo:
+            raise ctx.bad(f"memo key {idx} was never stored")
+        stack.append(memo[idx])
+
+    def instantiate(cls, args, kwargs=None):
+        if not isinstance(cls, StandIn):
+            raise ctx.unsafe(f"instantiating a {type(cls).__name__}, which is not an allowlisted class")
+        return cls.new(args, kwargs, ctx)
+
+    while True:
+        if pos >= n:
+            raise ctx.bad("truncated pickle: no STOP opcode")
+        ctx.pos = pos
+        op = mv[pos]
+        pos += 1
+        if op == 0x80:  # PROTO
+            if take(1)[0] > 5:
+                raise ctx.bad("unsupported pickle protocol")
+        elif op == 0x95:  # FRAME: a length hint; opcodes run on regardless
+            if u("<Q", 8) > n - pos:
+                raise ctx.bad("FRAME longer than the data")
+        elif op == 0x2E:  # STOP
+            if len(stack) != 1 or metastack:
+                raise ctx.bad("STOP with an unbalanced stack")
+            return stack[0], pos
+        elif op == 0x28:  # MARK
+            metastack.append(stack)
+            stack = []
+        elif op == 0x30:  # POP
+            if stack:
+                stack.pop()
+            else:
+                pop_mark()
+        elif op == 0x31:  # POP_MARK
+            pop_mark()
+        elif op == 0x32:  # DUP
+            stack.append(stack[-1])
+        # --- scalars
+        elif op == 0x4E:  # NONE
+            stack.append(None)
+        elif op == 0x88:
+            stack.append(True)
+        elif op == 0x89:
+            stack.append(False)
+        elif op == 0x4B:  # BININT1
+            stack.append(take(1)[0])
+        elif op == 0x4D:  # BININT2
+            stack.append(u("<H", 2))
+        elif op == 0x4A:  # BININT
+            stack.append(u("<i", 4))
+        elif op == 0x8A:  # LONG1
+            stack.append(int.from_bytes(take(take(1)[0]), "little", signed=True))
+        elif op == 0x8B:  # LONG4
+            k = u("<i", 4)
+            if k > 1 << 20:
+                raise ctx.bad(f"LONG4 of {k} bytes")
+            stack.append(int.from_bytes(take(k), "little", signed=True))
+        elif op == 0x47:  # BINFLOAT
+            stack.append(u(">d", 8))
+        elif op == 0x49:  # INT (text): also spells True/False in protocol 0
+            text = line()
+            stack.append(True if text == b"01" else False if text == b"00" else int(text))
+        elif op == 0x4C:  # LONG (text)
+            stack.append(int(line().rstrip(b"L")))
+        elif op == 0x46:  # FLOAT (text)
+            stack.append(float(line()))
+        # --- strings and bytes
+        elif op == 0x58:  # BINUNICODE
+            stack.append(str(take(u("<I", 4)), "utf-8", "surrogatepass"))
+        elif op == 0x8C:  # SHORT_BINUNICODE
+            stack.append(str(take(take(1)[0]), "utf-8", "surrogatepass"))
+        elif op == 0x8D:  # BINUNICODE8
+            stack.append(str(take(u("<Q", 8)), "utf-8", "surrogatepass"))
+        elif op == 0x56:  # UNICODE (text)
+            stack.append(line().decode("raw-unicode-escape"))
+        elif op == 0x43:  # SHORT_BINBYTES
+            push_bytes(take(1)[0])
+        elif op == 0x42:  # BINBYTES
+            push_bytes(u("<I", 4))
+        elif op == 0x8E:  # BINBYTES8
+            push_bytes(u("<Q", 8))
+        elif op == 0x96:  # BYTEARRAY8
+            push_bytes(u("<Q", 8), mutable=True)
+        elif op == 0x55:  # SHORT_BINSTRING (py2 str)
+            stack.append(str(take(take(1)[0]), "latin1"))
+        elif op == 0x54:  # BINSTRING
+            k = u("<i", 4)
+            stack.append(str(take(k), "latin1"))
+        elif op == 0x53:  # STRING (text, quoted)
+            text = line()
+            if len(text) < 2 or text[0] != text[-1] or text[:1] not in (b"'", b'"'):
+                raise ctx.bad("STRING opcode argument is not quoted")
+            stack.append(str(codecs.escape_decode(text[1:-1])[0], "latin1"))
+        elif op in (0x97, 0x98):  # NEXT_BUFFER, READONLY_BUFFER
+            raise ctx.unsafe("out-of-band buffers (NEXT_BUFFER/READONLY_BUFFER) are not accepted")
+        # --- containers
+        elif op == 0x29:
+            stack.append(())
+        elif op == 0x85:
+            stack[-1:] = [(stack[-1],)]
+        elif op == 0x86:
+            stack[-2:] = [tuple(stack[-2:])] if len(stack) >= 2 else _underflow(ctx)
+        elif op == 0x87:
+            stack[-3:] = [tuple(stack[-3:])] if len(stack) >= 3 else _underflow(ctx)
+        elif op == 0x74:  # TUPLE
+            items = pop_mark()
+            stack.append(tuple(items))
+        elif op == 0x5D:  # EMPTY_LIST
+            stack.append([])
+        elif op == 0x6C:  # LIST
+            items = pop_mark()
+            stack.append(items)
+        elif op == 0x61:  # APPEND
+            item = stack.pop()
+            _as(stack[-1], list, ctx, "APPEND").append(item)
+        elif op == 0x65:  # APPENDS
+            items = pop_mark()
+            _as(stack[-1], list, ctx, "APPENDS").extend(items)
+        elif op == 0x7D:  # EMPTY_DICT
+            stack.append({})
+        elif op == 0x64:  # DICT
+            items = pop_mark()
+            stack.append(dict(zip(items[0::2], items[1::2])))
+        elif op == 0x73:  # SETITEM
+            v = stack.pop()
+            k = stack.pop()
+            _as(stack[-1], dict, ctx, "SETITEM")[k] = v
+        elif op == 0x75:  # SETITEMS
+            items = pop_mark()
+            if len(items) % 2:
+                raise ctx.bad("SETITEMS with an odd number of items")
+            d = _as(stack[-1], dict, ctx, "SETITEMS")
+            for i in range(0, len(items), 2):
+                d[items[i]] = items[i + 1]
+        elif op == 0x8F:  # EMPTY_SET
+            stack.append(set())
+        elif op == 0x90:  # ADDITEMS
+            items = pop_mark()
+            _as(stack[-1], set, ctx, "ADDITEMS").update(items)
+        elif op == 0x91:  # FROZENSET
+            items = pop_mark()
+            stack.append(frozenset(items))
+        # --- memo
+        elif op == 0x70:  # PUT (text)
+            memo_put(int(line()))
+        elif op == 0x71:
+            memo_put(take(1)[0])
+        elif op == 0x72:
+            memo_put(u("<I", 4))
+        elif op == 0x94:  # MEMOIZE
+            memo_put(len(memo))
+        elif op == 0x67:  # GET (text)
+            memo_get(int(line()))
+        elif op == 0x68:
+            memo_get(take(1)[0])
+        elif op == 0x6A:
+            memo_get(u("<I", 4))
+        # --- globals and objects: only stand-ins ever run
+        elif op == 0x63:  # GLOBAL
+            module = line().decode("utf-8")
+            name = line().decode("utf-8")
+            stack.append(resolve(module, name))
+        elif op == 0x93:  # STACK_GLOBAL
+            name = stack.pop()
+            module = stack.pop()
+            stack.append(resolve(module, name))
+        elif op in (0x82, 0x83, 0x84):  # EXT1/2/4
+            raise ctx.unsafe("extension-registry opcode (EXT1/EXT2/EXT4) is not accepted")
+        elif op == 0x52:  # REDUCE
+            args = stack.pop()
+            func = stack.pop()
+            if not isinstance(func, StandIn):
+                raise ctx.unsafe(f"REDUCE on a {type(func).__name__}, which is not an allowlisted callable")
+            stack.append(func.call(args, ctx))
+        elif op == 0x81:  # NEWOBJ
+            args = stack.pop()
+            cls = stack.pop()
+            stack.append(instantiate(cls, args))
+        elif op == 0x92:  # NEWOBJ_EX
+            kwargs = stack.pop()
+            args = stack.pop()
+            cls = stack.pop()
+            stack.append(instantiate(cls, args, kwargs))
+        elif op == 0x6F:  # OBJ
+            items = pop_mark()
+            if not items:
+                raise ctx.bad("OBJ without a class")
+            stack.append(instantiate(items[0], tuple(items[1:])))
+        elif op == 0x69:  # INST
+            module = line().decode("utf-8")
+            name = line().decode("utf-8")
+            cls = resolve(module, name)
+            items = pop_mark()
+            stack.append(instantiate(cls, tuple(items)))
+        elif op == 0x62:  # BUILD
+            state = stack.pop()
+            obj = stack[-1]
+            build = getattr(type(obj), "build", None)
+            if build is None or not callable(build) or isinstance(obj, StandIn):
+                raise ctx.unsafe(f"BUILD (setstate) on a {type(obj).__name__} is not allowed")
+            obj.build(state, ctx)
+        elif op == 0x50:  # PERSID (text)
+            pid = line().decode("ascii")
+            stack.append(_persistent(persistent_load, pid, ctx))
+        elif op == 0x51:  # BINPERSID
+            stack.append(_persistent(persistent_load, stack.pop(), ctx))
+        else:
+            raise ctx.bad(f"unknown pickle opcode 0x{op:02x}")
+
+
+def _underflow(ctx):
+    raise ctx.bad("stack underflow")
+
+
+def _as(obj, kind, ctx, opname):
+    if type(obj) is not kind and not (kind is dict and isinstance(obj, StateDict)):
+        raise ctx.unsafe(f"{opname} on a {type(obj).__name__}")
+    return obj
+
+
+def _persistent(hook, pid, ctx):
+    if hook is None:
+        raise ctx.unsafe(f"persistent id {pid!r} in a pickle that has no persistent objects")
+    return hook(pid, ctx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Turning what a pickle built into JSON-able extras.
+
+_MAX_NODES = 1_000_000
+
+
+def to_jsonable(value, _budget=None, _active=None):
+    """Plain JSON values for the manifest: tuples/sets become lists, bytes a size and digest."""
+    budget = _budget if _budget is not None else [_MAX_NODES]
+    active = _active if _active is not None else set()
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise BadInput("non-tensor state is too large or self-referencing to record as extras")
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, (bytes, bytearray, Payload)):
+        raw = value.view if isinstance(value, Payload) else value
+        return {"__bytes__": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    if id(value) in active:
+        raise BadInput("non-tensor state refers to itself")
+    active.add(id(value))
+    try:
+        if isinstance(value, dict):
+            return {str(k): to_jsonable(v, budget, active) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [to_jsonable(v, budget, active) for v in value]
+        if isinstance(value, (set, frozenset)):
+            return sorted((to_jsonable(v, budget, active) for v in value), key=repr)
+        if isinstance(value, InertObject):
+            out = {"__class__": value.qualname}
+            if value.args:
+                out["args"] = to_jsonable(value.args, budget, active)
+            out.update({str(k): to_jsonable(v, budget, active) for k, v in value.state.items()})
+            return out
+        if isinstance(value, StandIn):
+            return {"__global__": value.qualname}
+        jsonable = getattr(value, "to_jsonable", None)
+        if jsonable is not None:
+            return jsonable()
+        return repr(value)
+    finally:
+        active.discard(id(value))

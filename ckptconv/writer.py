@@ -1,0 +1,174 @@
+"""The sharded safetensors writer: plan the shards (pure data), then stream each file.
+
+Output contract (DESIGN.md): `model-0000k-of-0000n.safetensors` filled in order up to the shard size,
+`model.safetensors.index.json`, `manifest.json` with file and per-tensor logical SHA-256, and a
+coreutils `SHA256SUMS`. Every chunk is written once and hashed twice (file, tensor) on two threads
+while the next one is read; sources with a contiguous file range are read with pread into a small
+ring of buffers, others are gathered block by block. Pages of mapped inputs are released as we go.
+"""
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+
+from .errors import BadInput, OutputError
+from .hashing import CHUNK, Pipeline, write_all
+from .safetensors_format import build_header
+from .tensor import as_bytes, iter_blocks
+
+MANIFEST_FORMAT = "ckptconv.manifest/1"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass
+class ShardFile:
+    name: str
+    tensors: list   # TensorSources, in data order
+    header: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(t.nbytes for t in self.tensors)
+
+
+def plan_shards(tensors, max_shard_size: int, prefix="model") -> list:
+    """Hugging Face's rule: fill shards in order up to `max_shard_size`; a tensor never spans files
+    (one larger than the limit gets a shard of its own). Always `prefix-0000k-of-0000n` names."""
+    groups, current, size = [], [], 0
+    for t in tensors:
+        if current and size + t.nbytes > max_shard_size:
+            groups.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current or not groups:
+        groups.append(current)
+    n = len(groups)
+    return [ShardFile(f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors", g,
+                      build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in g]))
+            for i, g in enumerate(groups)]
+
+
+@dataclass
+class Written:
+    """What writing produced: digests for the manifest."""
+
+    files: dict = field(default_factory=dict)     # name -> {"sha256", "size"}
+    tensors: dict = field(default_factory=dict)   # name -> {"dtype", "shape", "file", "sha256"}
+
+
+class _Buffers:
+    """A small ring of reusable read buffers for the pread path."""
+
+    def __init__(self, count, size):
+        self.free = [bytearray(size) for _ in range(count)]
+
+
+def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=True) -> Written:
+    written = Written()
+    buffers = _Buffers(pipeline.depth + 1, CHUNK)
+    for shard in shards:
+        path = os.path.join(out_dir, shard.name)
+        file_h = hashlib.sha256()
+        try:
+            with open(path, "wb", buffering=0) as f:
+                pipeline.push(f, file_h, None, shard.header)
+                digests = [(t, _write_tensor(f, file_h, t, pipeline, buffers, progress)) for t in shard.tensors]
+                pipeline.drain()
+                if fsync:
+                    os.fsync(f.fileno())
+        except OSError as e:
+            raise OutputError(f"{path}: write failed: {e.strerror or e}") from None
+        for t, digest in digests:
+            written.tensors[t.name] = {"dtype": t.dtype.code, "shape": list(t.shape), "file": shard.name,
+                                       "sha256": digest.result()}
+        written.files[shard.name] = {"sha256": file_h.hexdigest(), "size": shard.size}
+    return written
+
+
+def _write_tensor(f, file_h, t, pipeline, buffers, progress):
+    tensor_h = hashlib.sha256()
+    span = t.file_span()
+    try:
+        if span is not None:
+            mapped, offset = span
+            mapped.check(offset, t.nbytes, f"tensor {t.name!r}")
+            remaining = t.nbytes
+            while remaining:
+                while not buffers.free:
+                    pipeline.retire_one()
+                buf = buffers.free.pop()
+                n = min(len(buf), remaining)
+                view = memoryview(buf)[:n]
+                mapped.readinto(view, offset)
+                pipeline.push(f, file_h, tensor_h, view, lambda b=buf: buffers.free.append(b))
+                offset += n
+                remaining -= n
+                if progress:
+                    progress(n)
+        else:
+            for block in iter_blocks(t, CHUNK):
+                data = as_bytes(block)
+                pipeline.push(f, file_h, tensor_h, data)
+                if progress:
+                    progress(len(data))
+    except (ValueError, IndexError) as e:
+        raise BadInput(f"tensor {t.name!r}: cannot read its data: {e}") from None
+    finally:
+        t.release()
+    return pipeline.tensor_hasher.digest(tensor_h)
+
+
+def copy_files(out_dir, files, written: Written):
+    """Carry model files (config.json, tokenizer...) into OUT unchanged, hashed for the manifest."""
+    for rel, src in files:
+        dst = os.path.join(out_dir, rel)
+        h = hashlib.sha256()
+        with open(src, "rb") as fi, open(dst, "wb") as fo:
+            while chunk := fi.read(CHUNK):
+                h.update(chunk)
+                write_all(fo, chunk)
+        written.files[rel] = {"sha256": h.hexdigest(), "size": os.path.getsize(dst)}
+
+
+def write_json(out_dir, name, obj, written: Written = None) -> bytes:
+    data = (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+    with open(os.path.join(out_dir, name), "wb") as f:
+        write_all(f, data)
+    if written is not None:
+        written.files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    return data
+
+
+def finish(out_dir, shards, written: Written, source: dict, extras: dict, extra_manifest=None):
+    """Write the index, the manifest and SHA256SUMS once every shard is written and hashed."""
+    total = sum(t.nbytes for s in shards for t in s.tensors)
+    index = {"metadata": {"total_size": total},
+             "weight_map": {t.name: s.name for s in shards for t in s.tensors}}
+    write_json(out_dir, INDEX_NAME, index, written)
+    manifest = {"format": MANIFEST_FORMAT, "source": source, "files": dict(sorted(written.files.items())),
+                "tensors": written.tensors, "extras": extras}
+    manifest.update(extra_manifest or {})
+    data = write_json(out_dir, "manifest.json", manifest)
+    sums = dict(written.files)
+    sums["manifest.json"] = {"sha256": hashlib.sha256(data).hexdigest()}
+    lines = "".join(f"{v['sha256']}  {k}\n" for k, v in sorted(sums.items()))
+    with open(os.path.join(out_dir, "SHA256SUMS"), "w") as f:
+        f.write(lines)
+    return manifest
+
+
+def write_output(out_dir, tensors, source, extras, model_files=(), max_shard_size=5 * 10**9,
+                 progress=None, extra_manifest=None, fsync=True):
+    """Write a complete output directory (shards, index, manifest, SHA256SUMS) into `out_dir`."""
+    if shutil.disk_usage(out_dir).free < sum(t.nbytes for t in tensors):
+        raise OutputError(f"{out_dir}: not enough free disk space for {sum(t.nbytes for t in tensors)} bytes")
+    shards = plan_shards(tensors, max_shard_size)
+    pipeline = Pipeline()
+    try:
+        written = write_shards(out_dir, shards, pipeline, progress, fsync)
+    finally:
+        pipeline.close()
+    copy_files(out_dir, model_files, written)
+    return finish(out_dir, shards, written, source, extras, extra_manifest)

@@ -1,0 +1,143 @@
+"""A strict reader for the stored (uncompressed) zip archives torch.save writes, over a mapped file.
+
+Only what torch produces is accepted: stored entries, no encryption, unique relative names, local
+headers that agree with the central directory, data inside the file and not overlapping. Each
+entry's data offset is computed from its local header, so tensors can be views of the mapping.
+"""
+import struct
+import zlib
+from dataclasses import dataclass
+
+from .errors import BadInput
+
+_EOCD, _EOCD64, _LOC64, _CEN, _LOC = 0x06054B50, 0x06064B50, 0x07064B50, 0x02014B50, 0x04034B50
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    offset: int   # of the data, in the file
+    size: int
+    crc: int
+
+
+def is_zip(mapped) -> bool:
+    return mapped.size >= 4 and bytes(mapped.view[:4]) == b"PK\x03\x04"
+
+
+def read_entries(mapped, base=0, length=None) -> dict:
+    """Parse the archive in [base, base+length) of `mapped`; returns {name: Entry} in file order."""
+    length = mapped.size - base if length is None else length
+    path = mapped.path
+    if base < 0 or length < 22 or base + length > mapped.size:
+        raise BadInput(f"{path}: zip archive at offset {base} is truncated")
+    view = mapped.view[base:base + length]
+
+    def bad(msg):
+        return BadInput(f"{path}: not a valid torch zip archive: {msg}")
+
+    tail_start = max(0, length - 22 - 65535)
+    tail = bytes(view[tail_start:])
+    at = tail.rfind(struct.pack("<I", _EOCD))
+    if at < 0:
+        raise bad("end of central directory not found (truncated file?)")
+    eocd = tail_start + at
+    if eocd + 22 > length:
+        raise bad("end of central directory record is truncated")
+    (_, disk, cd_disk, _, count, cd_size, cd_offset, _) = struct.unpack_from("<IHHHHIIH", view, eocd)
+    if disk or cd_disk:
+        raise bad("multi-disk archives are not supported")
+    if 0xFFFF in (count,) or 0xFFFFFFFF in (cd_size, cd_offset):
+        loc = eocd - 20
+        if loc < 0 or struct.unpack_from("<I", view, loc)[0] != _LOC64:
+            raise bad("ZIP64 end-of-directory locator missing")
+        z64 = struct.unpack_from("<Q", view, loc + 8)[0]
+        if z64 + 56 > length or struct.unpack_from("<I", view, z64)[0] != _EOCD64:
+            raise bad("ZIP64 end of central directory record missing or out of bounds")
+        count, cd_size, cd_offset = struct.unpack_from("<QQQ", view, z64 + 32)
+    if cd_offset + cd_size > length:
+        raise bad(f"central directory ({cd_size} bytes at {cd_offset}) lies beyond the end of the file")
+    if count > cd_size // 46 + 1:
+        raise bad(f"central directory claims {count} entries in {cd_size} bytes")
+
+    entries, pos, end = {}, cd_offset, cd_offset + cd_size
+    for _ in range(count):
+        if pos + 46 > end or struct.unpack_from("<I", view, pos)[0] != _CEN:
+            raise bad(f"central directory entry at offset {base + pos} is malformed")
+        (flags, method, crc, csize, usize, nlen, xlen, clen, hdr) = (
+            struct.unpack_from("<H", view, pos + 8)[0], struct.unpack_from("<H", view, pos + 10)[0],
+            *struct.unpack_from("<IIIHHH", view, pos + 16), struct.unpack_from("<I", view, pos + 42)[0])
+        if pos + 46 + nlen + xlen + clen > end:
+            raise bad(f"central directory entry at offset {base + pos} overruns the directory")
+        raw_name = bytes(view[pos + 46:pos + 46 + nlen])
+        extra = bytes(view[pos + 46 + nlen:pos + 46 + nlen + xlen])
+        pos += 46 + nlen + xlen + clen
+        try:
+            name = raw_name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise bad(f"entry name {raw_name!r} is not UTF-8") from None
+        usize, csize, hdr = _zip64(extra, usize, csize, hdr, bad, name)
+        if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/") or ":" in name:
+            raise bad(f"entry name {name!r} is absolute or escapes the archive")
+        if name in entries:
+            raise bad(f"entry {name!r} appears twice")
+        if flags & 0x1:
+            raise bad(f"entry {name!r} is encrypted")
+        if method != 0:
+            raise bad(f"entry {name!r} is compressed (method {method}); torch.save writes stored entries "
+                      "only - was this archive repacked?")
+        if csize != usize:
+            raise bad(f"entry {name!r} is stored but its sizes differ ({csize} != {usize})")
+        if hdr + 30 > length or struct.unpack_from("<I", view, hdr)[0] != _LOC:
+            raise bad(f"entry {name!r}: local header at offset {base + hdr} is missing")
+        lnlen, lxlen = struct.unpack_from("<HH", view, hdr + 26)
+        lmethod = struct.unpack_from("<H", view, hdr + 8)[0]
+        if bytes(view[hdr + 30:hdr + 30 + lnlen]) != raw_name or lmethod != method:
+            raise bad(f"entry {name!r}: local header disagrees with the central directory")
+        data = hdr + 30 + lnlen + lxlen
+        if data + usize > length:
+            raise bad(f"entry {name!r} claims {usize} bytes at offset {base + data}, beyond the end of the file "
+                      "(truncated?)")
+        entries[name] = Entry(name, base + data, usize, crc)
+
+    ordered = sorted(entries.values(), key=lambda e: e.offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if a.offset + a.size > b.offset - 30:
+            raise bad(f"entries {a.name!r} and {b.name!r} overlap")
+    if ordered and ordered[-1].offset + ordered[-1].size > base + cd_offset:
+        raise bad(f"entry {ordered[-1].name!r} overlaps the central directory")
+    return entries
+
+
+def _zip64(extra, usize, csize, hdr, bad, name):
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, pos)
+        body = extra[pos + 4:pos + 4 + size]
+        if tag == 0x0001:
+            fields, k = [], 0
+            for present in (usize == 0xFFFFFFFF, csize == 0xFFFFFFFF, hdr == 0xFFFFFFFF):
+                if present:
+                    if k + 8 > len(body):
+                        raise bad(f"entry {name!r}: ZIP64 extra field is too short")
+                    fields.append(struct.unpack_from("<Q", body, k)[0])
+                    k += 8
+                else:
+                    fields.append(None)
+            usize = fields[0] if fields[0] is not None else usize
+            csize = fields[1] if fields[1] is not None else csize
+            hdr = fields[2] if fields[2] is not None else hdr
+        pos += 4 + size
+    if 0xFFFFFFFF in (usize, csize, hdr):
+        raise bad(f"entry {name!r} needs a ZIP64 extra field that is missing")
+    return usize, csize, hdr
+
+
+def read_small(mapped, entry: Entry, limit=1 << 31) -> memoryview:
+    """An entry's bytes (a view), CRC-checked: for pickles and small metadata, not tensor data."""
+    if entry.size > limit:
+        raise BadInput(f"{mapped.path}: entry {entry.name!r} is unexpectedly large ({entry.size} bytes)")
+    data = mapped.view[entry.offset:entry.offset + entry.size]
+    if zlib.crc32(data) != entry.crc:
+        raise BadInput(f"{mapped.path}: entry {entry.name!r} fails its CRC check (corrupt file)")
+    return data
