@@ -59,8 +59,12 @@ TORCH_UNSUPPORTED = {
     "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2", "int1", "int2", "int3", "int4", "int5", "int6", "int7",
     "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
 }
-TORCH_UNSUPPORTED_STORAGES = {"ComplexFloatStorage", "ComplexDoubleStorage", "QInt8Storage", "QUInt8Storage",
-                              "QInt32Storage", "QUInt4x2Storage", "QUInt2x4Storage"}
+# Typed-storage classes of such dtypes: class name -> (dtype name, bytes per element).
+TORCH_UNSUPPORTED_STORAGES = {
+    "ComplexFloatStorage": ("complex64", 8), "ComplexDoubleStorage": ("complex128", 16),
+    "QInt8Storage": ("qint8", 1), "QUInt8Storage": ("quint8", 1), "QInt32Storage": ("qint32", 4),
+    "QUInt4x2Storage": ("quint4x2", 1), "QUInt2x4Storage": ("quint2x4", 1),
+}
 # Aliases torch also accepts as attribute names.
 BY_TORCH.update({"float": BY_TORCH["float32"], "double": BY_TORCH["float64"], "half": BY_TORCH["float16"],
                  "long": BY_TORCH["int64"], "int": BY_TORCH["int32"], "short": BY_TORCH["int16"]})

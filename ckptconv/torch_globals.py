@@ -13,7 +13,7 @@ from . import dtypes
 from .errors import BadInput
 from .numpy_globals import NumpyArray, numpy_globals
 from .tensor import ArraySource
-from .unpickler import BENIGN, Function, InertClass, Marker, StandIn
+from .unpickler import BENIGN, Function, Marker, StandIn
 
 
 @dataclass
@@ -21,6 +21,7 @@ class Unsupported:
     """A torch dtype or tensor kind safetensors cannot store (complex, quantized, sparse)."""
 
     what: str
+    itemsize: int = 1
 
 
 @dataclass
@@ -163,8 +164,8 @@ def torch_globals() -> dict:
             out[("torch", dt.storage)] = Marker(f"torch.{dt.storage}", StorageType(dt))
     for name in dtypes.TORCH_UNSUPPORTED:
         out[("torch", name)] = Marker(f"torch.{name}", Unsupported(name))
-    for name in dtypes.TORCH_UNSUPPORTED_STORAGES:
-        out[("torch", name)] = Marker(f"torch.{name}", StorageType(Unsupported(name)))
+    for name, (what, itemsize) in dtypes.TORCH_UNSUPPORTED_STORAGES.items():
+        out[("torch", name)] = Marker(f"torch.{name}", StorageType(Unsupported(what, itemsize)))
     out[("torch.storage", "UntypedStorage")] = Marker("torch.storage.UntypedStorage", StorageType(None))
     out[("torch", "UntypedStorage")] = Marker("torch.UntypedStorage", StorageType(None))
     for module, name, fn in [

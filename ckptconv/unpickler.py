@@ -123,6 +123,14 @@ def _encode(ctx, text, encoding="latin1"):
     return text.encode("latin1")
 
 
+def _bytearray(ctx, data=b"", encoding=None):
+    if isinstance(data, str):
+        data = _encode(ctx, data, encoding or "")
+    if not isinstance(data, (bytes, bytearray)):
+        raise ctx.unsafe(f"builtins.bytearray of a {type(data).__name__}")
+    return bytearray(data)
+
+
 def _set(ctx, items=()):
     return set(items)
 
@@ -146,6 +154,8 @@ BENIGN = {
     ("__builtin__", "set"): Function("builtins.set", _set),
     ("builtins", "frozenset"): Function("builtins.frozenset", _frozenset),
     ("__builtin__", "frozenset"): Function("builtins.frozenset", _frozenset),
+    ("builtins", "bytearray"): Function("builtins.bytearray", _bytearray),
+    ("__builtin__", "bytearray"): Function("builtins.bytearray", _bytearray),
     ("builtins", "object"): Marker("builtins.object", object),
     ("__builtin__", "object"): Marker("builtins.object", object),
     ("copyreg", "_reconstructor"): Function("copyreg._reconstructor", _reconstructor),

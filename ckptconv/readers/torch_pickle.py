@@ -141,11 +141,10 @@ def load_zip(m: MappedFile, allow, base=0, length=None):
         entry = entries.get(f"{prefix}data/{key}")
         if entry is None:
             raise ctx.bad(f"storage {key!r} has no entry data/{key} in the archive")
-        dtype = storage_dtype(stype, ctx)
-        nbytes = numel if dtype is None or isinstance(dtype, Unsupported) else numel * dtype.itemsize
+        nbytes = numel * _itemsize(storage_dtype(stype, ctx))
         if nbytes > entry.size:
             raise ctx.bad(f"storage {key!r} needs {nbytes} bytes but its entry holds {entry.size}")
-        storages[key] = Storage(key, dtype, m, entry.offset, nbytes, big)
+        storages[key] = Storage(key, storage_dtype(stype, ctx), m, entry.offset, nbytes, big)
         return storages[key]
 
     entry = entries[pkl[0]]
@@ -174,9 +173,9 @@ def _load_legacy(m: MappedFile, allow):
             raise ctx.unsafe(f"persistent id {pid!r} is not a torch storage reference")
         _, stype, key, _location, numel, view = pid
         dtype = storage_dtype(stype, ctx)
-        if dtype is None or not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+        if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
             raise ctx.bad(f"malformed legacy storage reference {pid!r}")
-        item = 1 if isinstance(dtype, Unsupported) else dtype.itemsize
+        item = _itemsize(dtype)
         root = storages.setdefault(key, Storage(key, dtype, m, -1, numel * item))
         if view is None:
             return root
@@ -198,9 +197,9 @@ def _load_legacy(m: MappedFile, allow):
         numel = struct.unpack_from("<q", m.view, pos)[0]
         st = storages[key]
         m.check(pos + 8, st.nbytes, f"storage {key!r}")
-        if numel < 0 or (not isinstance(st.dtype, Unsupported) and numel * st.dtype.itemsize != st.nbytes):
+        if numel < 0 or numel * _itemsize(st.dtype) != st.nbytes:
             raise BadInput(f"{m.path}: storage {key!r} at offset {pos} holds {numel} elements, "
-                           f"the pickle expects {st.nbytes // max(st.dtype.itemsize, 1)}")
+                           f"the pickle expects {st.nbytes // _itemsize(st.dtype)}")
         st.offset = pos + 8
         pos += 8 + st.nbytes
     for sub, root, off in views:
@@ -208,3 +207,10 @@ def _load_legacy(m: MappedFile, allow):
             raise BadInput(f"{m.path}: storage view {sub.key!r} lies outside its storage {root.key!r}")
         sub.offset = root.offset + off
     return obj
+
+
+def _itemsize(dtype) -> int:
+    """Bytes per element a storage reference counts in: untyped storages (None) count bytes."""
+    if dtype is None:
+        return 1
+    return dtype.itemsize

@@ -1,0 +1,163 @@
+"""torch.save (zip and legacy) and HF .bin directories -> safetensors, checked by the real consumers."""
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import assert_same, bits, load_output, run
+from tests import fixtures
+
+
+def convert(src, out, *extra):
+    r = run("convert", src, out, "--quiet", *extra)
+    assert r.exit_code == 0, r.stderr
+    return out
+
+
+def test_dtype_matrix_bit_exact(torch_fixtures, tmp_path):
+    out = convert(torch_fixtures["dtypes"], tmp_path / "out")
+    got = load_output(out)
+    want = fixtures.dtype_matrix()
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert_same(got[name], t, name)
+
+
+@pytest.mark.parametrize("kind", ["layouts", "legacy"])
+def test_views_transposes_offsets_shared_storage(torch_fixtures, tmp_path, kind):
+    out = convert(torch_fixtures[kind], tmp_path / "out")
+    got = load_output(out)
+    want = fixtures.layout_cases()
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert_same(got[name], t.detach().contiguous(), name)
+    assert got["transposed"][0, 5] == 5 * 8  # logical values, not the base's order
+
+
+def test_legacy_dtype_matrix(torch_fixtures, tmp_path):
+    got = load_output(convert(torch_fixtures["legacy_dtypes"], tmp_path / "out"))
+    for name, t in fixtures.dtype_matrix().items():
+        assert_same(got[name], t, name)
+
+
+def test_nested_training_state_names_and_extras(torch_fixtures, tmp_path):
+    out = convert(torch_fixtures["train"], tmp_path / "out")
+    got = load_output(out)
+    state = fixtures.training_state()
+    assert_same(got["model.0.weight"], state["model"]["0.weight"])
+    assert_same(got["optim.state.0.exp_avg"], state["optim"]["state"][0]["exp_avg"])
+    assert_same(got["optim.state.3.exp_avg_sq"], state["optim"]["state"][3]["exp_avg_sq"])
+    assert_same(got["nested.a.1.b"], state["nested"]["a"][1]["b"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    extras = manifest["extras"]
+    assert extras["epoch"] == 3 and extras["loss"] == 0.25 and extras["version"] == torch.__version__
+    assert extras["args"] == {"__class__": "argparse.Namespace", "lr": 1e-3, "name": "run1"}
+    assert extras["optim.param_groups.0.betas"] == [0.9, 0.999]
+    assert extras["optim.param_groups.0.params"] == [0, 1, 2, 3]
+
+
+def test_hf_sharded_bin_loads_in_transformers_with_identical_logits(hf_llama, tmp_path):
+    from transformers import LlamaForCausalLM
+    out = convert(hf_llama["dir"], tmp_path / "out", "--max-shard-size", "100KB")
+    names = sorted(p.name for p in out.iterdir())
+    assert "config.json" in names and "README.md" in names
+    assert sum(n.endswith(".safetensors") for n in names) > 1
+    got = load_output(out)
+    for name, t in hf_llama["state"].items():
+        assert_same(got[name], t, name)
+    model = LlamaForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = model(hf_llama["ids"]).logits
+    assert torch.equal(logits, hf_llama["logits"])
+
+
+def test_sha256sums_passes_coreutils(torch_fixtures, tmp_path):
+    out = convert(torch_fixtures["train"], tmp_path / "out")
+    r = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=out, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    listed = {line.split("  ", 1)[1] for line in (out / "SHA256SUMS").read_text().splitlines()}
+    assert listed == {p.name for p in out.iterdir()} - {"SHA256SUMS"}
+
+
+def test_manifest_contract(torch_fixtures, tmp_path):
+    import hashlib
+    out = convert(torch_fixtures["layouts"], tmp_path / "out")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["format"] == "ckptconv.manifest/1"
+    assert manifest["source"]["format"] == "torch"
+    got = load_output(out)
+    for name, info in manifest["tensors"].items():
+        assert info["sha256"] == hashlib.sha256(bits(got[name])).hexdigest()
+        assert info["dtype"] in ("F32", "F64", "F16", "BF16", "I32")
+        assert info["shape"] == list(got[name].shape)
+    for file, info in manifest["files"].items():
+        data = (out / file).read_bytes()
+        assert info == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    from safetensors import safe_open
+    with safe_open(out / "model-00001-of-00001.safetensors", framework="np") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_output_is_deterministic(torch_fixtures, tmp_path):
+    a = convert(torch_fixtures["train"], tmp_path / "a", "--max-shard-size", "200")
+    b = convert(torch_fixtures["train"], tmp_path / "b", "--max-shard-size", "200")
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir()) and len(files) > 4
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+def test_only_strip_prefix_and_cast(torch_fixtures, tmp_path):
+    import ml_dtypes
+    import numpy as np
+    out = convert(torch_fixtures["train"], tmp_path / "out", "--only", "model", "--strip-prefix", "model.",
+                  "--dtype", "bf16")
+    got = load_output(out)
+    state = fixtures.training_state()["model"]
+    assert set(got) == set(state)
+    for name, t in state.items():
+        want = t.numpy().astype(ml_dtypes.bfloat16).view(np.uint16)
+        assert got[name].dtype == torch.bfloat16
+        assert np.array_equal(got[name].view(torch.int16).numpy().view(np.uint16), want), name
+
+
+def test_unsupported_dtype_named_or_skipped(torch_fixtures, tmp_path):
+    r = run("convert", torch_fixtures["complex"], tmp_path / "out")
+    assert r.exit_code == 2
+    assert "'z'" in r.stderr and "complex64" in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+    out = convert(torch_fixtures["complex"], tmp_path / "out2", "--skip-unsupported")
+    assert set(load_output(out)) == {"w"}
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["source"]["skipped"] == [{"name": "z", "reason": "complex64"}]
+
+
+def test_existing_output_refused_unless_overwrite(torch_fixtures, tmp_path):
+    out = convert(torch_fixtures["dtypes"], tmp_path / "out")
+    r = run("convert", torch_fixtures["dtypes"], out)
+    assert r.exit_code == 2 and "already exists" in r.stderr
+    convert(torch_fixtures["layouts"], out, "--overwrite")
+    assert "transposed" in load_output(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp dir or lock left
+
+
+def test_inspect_json(torch_fixtures):
+    r = run("inspect", torch_fixtures["train"], "--json")
+    assert r.exit_code == 0
+    info = json.loads(r.stdout)
+    assert info["format"] == "torch"
+    names = {t["name"]: t for t in info["tensors"]}
+    assert names["model.0.weight"] == {"name": "model.0.weight", "dtype": "F32", "shape": [3, 4], "bytes": 48}
+    assert info["extras"]["epoch"] == 3
+
+
+def test_safetensors_source_roundtrip(torch_fixtures, tmp_path):
+    first = convert(torch_fixtures["dtypes"], tmp_path / "a", "--max-shard-size", "100")
+    second = convert(first, tmp_path / "b")
+    got = load_output(second)
+    for name, t in fixtures.dtype_matrix().items():
+        assert_same(got[name], t, name)
+    r = run("pickle-to-safetensors", first, tmp_path / "c")
+    assert r.exit_code == 2 and "not a pickle-based" in r.stderr
