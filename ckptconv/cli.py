@@ -84,11 +84,14 @@ def _convert_command(name, pickle_only, help_text):
                   help="Cast floating tensors (round to nearest even); integers are kept.")
     @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
     @click.option("--no-copy-extras", is_flag=True, help="Do not carry config/tokenizer files into OUT.")
+    @click.option("--fsync", is_flag=True, help="fsync every file before OUT is published (durable on power loss).")
     @command
-    def run(src, out, fmt, read, max_shard_size, strip_prefix, dtype, overwrite, no_copy_extras, quiet, as_json):
+    def run(src, out, fmt, read, max_shard_size, strip_prefix, dtype, overwrite, no_copy_extras, fsync, quiet,
+            as_json):
         opts = ConvertOptions(fmt=fmt, read=read, strip_prefix=strip_prefix, dtype=dtype,
                               max_shard_size=parse_size(max_shard_size), overwrite=overwrite,
-                              copy_extras=not no_copy_extras, pickle_only=pickle_only, quiet=quiet)
+                              copy_extras=not no_copy_extras, pickle_only=pickle_only, quiet=quiet,
+                              fsync=fsync)
         summary = convert(src, out, opts)
         if as_json:
             click.echo(json.dumps(summary, indent=2))

@@ -1,4 +1,4 @@
-"""Memory-mapped input files: zero-copy views, positional reads into caller buffers, and page release.
+"""Memory-mapped input files: zero-copy views, bounds checks, and page release.
 
 `ru_maxrss` counts every mapped page a process touched, so after a tensor is written its pages are
 advised away (`release`); the kernel keeps them in the page cache, only our resident set shrinks.
@@ -29,17 +29,6 @@ class MappedFile:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise BadInput(f"{self.path}: {what} needs bytes {offset}..{offset + length} "
                            f"but the file has {self.size} bytes (truncated or corrupt)")
-
-    def readinto(self, buf, offset: int) -> int:
-        """Fill `buf` from `offset` with pread: no mapping is touched, so nothing counts in RSS."""
-        view = memoryview(buf)
-        done = 0
-        while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n == 0:
-                raise BadInput(f"{self.path}: unexpected end of file at offset {offset + done}")
-            done += n
-        return done
 
     def release(self, offset: int, length: int):
         """Drop our mapping of [offset, offset+length) from RSS; later access faults it back in."""

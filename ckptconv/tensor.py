@@ -3,7 +3,7 @@
 A source knows its name, dtype and shape, and hands out any hyper-rectangle of its logical values
 (`region`) without touching the rest: a view of a mapped file, a slice of another source, a
 concatenation, a cast. Writers stream a source in bounded blocks (`iter_blocks`) or, when its bytes
-are one contiguous range of a file (`file_span`), read that range straight into their own buffers.
+are one contiguous range of a file (`file_span`), hash and copy that range without gathering it.
 """
 import itertools
 import math

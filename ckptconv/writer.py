@@ -2,9 +2,9 @@
 
 Output contract (DESIGN.md): `model-0000k-of-0000n.safetensors` filled in order up to the shard size,
 `model.safetensors.index.json`, `manifest.json` with file and per-tensor logical SHA-256, and a
-coreutils `SHA256SUMS`. Every chunk is written once and hashed twice (file, tensor) on two threads
-while the next one is read; sources with a contiguous file range are read with pread into a small
-ring of buffers, others are gathered block by block. Pages of mapped inputs are released as we go.
+coreutils `SHA256SUMS`. Every chunk is written once and hashed twice (file, tensor) on two threads.
+Sources that are one contiguous file range are hashed straight from the mapping and copied by the
+kernel (copy_file_range); others are gathered block by block. Mapped pages are released as we go.
 """
 import hashlib
 import json
@@ -58,23 +58,15 @@ class Written:
     tensors: dict = field(default_factory=dict)   # name -> {"dtype", "shape", "file", "sha256"}
 
 
-class _Buffers:
-    """A small ring of reusable read buffers for the pread path."""
-
-    def __init__(self, count, size):
-        self.free = [bytearray(size) for _ in range(count)]
-
-
-def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=True) -> Written:
+def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False) -> Written:
     written = Written()
-    buffers = _Buffers(pipeline.depth + 1, CHUNK)
     for shard in shards:
         path = os.path.join(out_dir, shard.name)
         file_h = hashlib.sha256()
         try:
             with open(path, "wb", buffering=0) as f:
                 pipeline.push(f, file_h, None, shard.header)
-                digests = [(t, _write_tensor(f, file_h, t, pipeline, buffers, progress)) for t in shard.tensors]
+                digests = [(t, _write_tensor(f, file_h, t, pipeline, progress)) for t in shard.tensors]
                 pipeline.drain()
                 if fsync:
                     os.fsync(f.fileno())
@@ -87,24 +79,21 @@ def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=True)
     return written
 
 
-def _write_tensor(f, file_h, t, pipeline, buffers, progress):
+def _write_tensor(f, file_h, t, pipeline, progress):
     tensor_h = hashlib.sha256()
     span = t.file_span()
     try:
         if span is not None:
+            # Hash straight from the mapping (no copy), let the kernel copy file to file, and
+            # advise each chunk's pages away once both hashes are done with it.
             mapped, offset = span
             mapped.check(offset, t.nbytes, f"tensor {t.name!r}")
-            remaining = t.nbytes
-            while remaining:
-                while not buffers.free:
-                    pipeline.retire_one()
-                buf = buffers.free.pop()
-                n = min(len(buf), remaining)
-                view = memoryview(buf)[:n]
-                mapped.readinto(view, offset)
-                pipeline.push(f, file_h, tensor_h, view, lambda b=buf: buffers.free.append(b))
+            end = offset + t.nbytes
+            while offset < end:
+                n = min(CHUNK, end - offset)
+                pipeline.push(f, file_h, tensor_h, mapped.view[offset:offset + n],
+                              lambda o=offset, k=n: mapped.release(o, k), (mapped.fd, offset))
                 offset += n
-                remaining -= n
                 if progress:
                     progress(n)
         else:
@@ -160,7 +149,7 @@ def finish(out_dir, shards, written: Written, source: dict, extras: dict, extra_
 
 
 def write_output(out_dir, tensors, source, extras, model_files=(), max_shard_size=5 * 10**9,
-                 progress=None, extra_manifest=None, fsync=True):
+                 progress=None, extra_manifest=None, fsync=False):
     """Write a complete output directory (shards, index, manifest, SHA256SUMS) into `out_dir`."""
     if shutil.disk_usage(out_dir).free < sum(t.nbytes for t in tensors):
         raise OutputError(f"{out_dir}: not enough free disk space for {sum(t.nbytes for t in tensors)} bytes")

@@ -1,0 +1,143 @@
+"""`make bench`: ckptconv against the bound and the naive way, on the same bytes, in one run.
+
+Method (../shared/BENCHMARKS.md): each command is a separate process on a warm page cache; we report
+the median wall time of BENCH_REPEAT runs, GB/s, peak RSS (ru_maxrss of that process, via wait4) and
+ratios to the bound (read + write with SHA-256 in a second thread) and to cp. Not a test: no thresholds.
+"""
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(os.environ.get("BENCH_DIR", ROOT / "bench-data"))
+REPEAT = int(os.environ.get("BENCH_REPEAT", "3"))
+PY = sys.executable
+
+BOUND = r'''
+import hashlib, os, sys, threading, queue
+src, dst = sys.argv[1], sys.argv[2]
+q = queue.Queue(4); h = hashlib.sha256()
+def hasher():
+    while (b := q.get()) is not None:
+        h.update(b)
+t = threading.Thread(target=hasher); t.start()
+with open(src, "rb", buffering=0) as fi, open(dst, "wb", buffering=0) as fo:
+    while True:
+        b = fi.read(16 << 20)
+        if not b:
+            break
+        q.put(b); fo.write(b)
+q.put(None); t.join(); print(h.hexdigest())
+'''
+
+NAIVE_TORCH = r'''
+import sys, torch
+from safetensors.torch import save_file
+sd = torch.load(sys.argv[1], mmap=True, weights_only=True)
+save_file({k: v.contiguous() for k, v in sd.items()}, sys.argv[2] + "/model.safetensors", metadata={"format": "pt"})
+'''
+
+
+def generate(fn, path: Path, *args):
+    """Make a benchmark input once, in a child process (so our own RSS never leaks into a fork)."""
+    if not path.exists():
+        code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench; bench.{fn}{args!r}"
+        subprocess.run([PY, "-c", code], check=True)
+    return path
+
+
+def llama_1b(path, layers: int):
+    """A bf16 checkpoint shaped like a 1B Llama (hidden 2048, MLP 5632, vocab 32000), saved by torch."""
+    path = Path(path)
+    import torch
+    path.parent.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    h, f, v = 2048, 5632, 32000
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    sd = {"model.embed_tokens.weight": w(v, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for n in ("q", "k", "v", "o"):
+            sd[p + f"self_attn.{n}_proj.weight"] = w(h, h)
+        sd[p + "mlp.gate_proj.weight"] = w(f, h)
+        sd[p + "mlp.up_proj.weight"] = w(f, h)
+        sd[p + "mlp.down_proj.weight"] = w(h, f)
+        sd[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        sd[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    sd["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    sd["lm_head.weight"] = w(v, h)
+    tmp = path.with_suffix(".tmp")
+    torch.save(sd, tmp)
+    os.rename(tmp, path)
+    return path
+
+
+def measure(cmd, out=None):
+    """Run `cmd` REPEAT times (fresh `out` each time); return median seconds and max peak RSS in MB."""
+    times, rss = [], []
+    for _ in range(REPEAT):
+        if out is not None:
+            shutil.rmtree(out, ignore_errors=True)
+            if cmd[0] != "cp" and "ckptconv.cli" not in cmd:
+                out.mkdir(parents=True)
+        os.sync()  # start each run with no dirty pages from the last one (not timed)
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)
+        times.append(time.perf_counter() - start)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"benchmark command failed: {' '.join(map(str, cmd))}")
+        rss.append(usage.ru_maxrss / 1024)
+    if out is not None:
+        shutil.rmtree(out, ignore_errors=True)
+    return statistics.median(times), max(rss)
+
+
+def warm(path: Path):
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
+
+
+def table(title, nbytes, rows):
+    bound = dict((r[0], r) for r in rows)["bound"][1]
+    cp = dict((r[0], r) for r in rows)["cp"][1]
+    print(f"\n{title} ({nbytes / 1e9:.3f} GB, median of {REPEAT})")
+    print(f"| command | wall s | GB/s | peak RSS MB | x bound | x cp |\n|---|---:|---:|---:|---:|---:|")
+    for name, secs, rss in rows:
+        print(f"| {name} | {secs:.2f} | {nbytes / secs / 1e9:.2f} | {rss:.0f} | {secs / bound:.2f} | {secs / cp:.2f} |")
+    sys.stdout.flush()
+
+
+def bench_convert(layers):
+    src = generate("llama_1b", DATA / f"llama-{layers}L.pt", str(DATA / f"llama-{layers}L.pt"), layers)
+    scratch = DATA / "scratch"
+    scratch.mkdir(exist_ok=True)
+    warm(src)
+    n = src.stat().st_size
+    rows = [
+        ("cp", *measure(["cp", src, scratch / "copy"], None)),
+        ("bound", *measure([PY, "-c", BOUND, src, scratch / "bound"], None)),
+        ("ckptconv convert", *measure([PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"],
+                                      scratch / "out")),
+        ("torch.load(mmap) + save_file", *measure([PY, "-c", NAIVE_TORCH, src, scratch / "naive"], scratch / "naive")),
+    ]
+    for f in ("copy", "bound"):
+        (scratch / f).unlink(missing_ok=True)
+    table(f"convert .pt -> safetensors, {layers} layers", n, rows)
+
+
+def main():
+    which = sys.argv[1:] or ["convert"]
+    if "convert" in which:
+        bench_convert(18)
+        bench_convert(36)
+
+
+if __name__ == "__main__":
+    main()
