@@ -19,19 +19,42 @@ PY = sys.executable
 
 BOUND = r'''
 import hashlib, os, sys, threading, queue
-src, dst = sys.argv[1], sys.argv[2]
+*srcs, dst = sys.argv[1:]
 q = queue.Queue(4); h = hashlib.sha256()
 def hasher():
     while (b := q.get()) is not None:
         h.update(b)
 t = threading.Thread(target=hasher); t.start()
-with open(src, "rb", buffering=0) as fi, open(dst, "wb", buffering=0) as fo:
-    while True:
-        b = fi.read(16 << 20)
-        if not b:
-            break
-        q.put(b); fo.write(b)
+with open(dst, "wb", buffering=0) as fo:
+    for src in srcs:
+        with open(src, "rb", buffering=0) as fi:
+            while True:
+                b = fi.read(16 << 20)
+                if not b:
+                    break
+                q.put(b); fo.write(b)
 q.put(None); t.join(); print(h.hexdigest())
+'''
+
+NAIVE_GROK = r'''
+import dataclasses, os, pickle, sys
+import numpy as np
+from safetensors.numpy import save_file
+@dataclasses.dataclass
+class QuantizedWeight8bit:
+    weight: np.ndarray
+    scales: np.ndarray
+sys.modules["__main__"].QuantizedWeight8bit = QuantizedWeight8bit
+src, out = sys.argv[1], sys.argv[2]
+tensors = {}
+for name in sorted(os.listdir(src)):
+    with open(os.path.join(src, name), "rb") as f:
+        obj = pickle.load(f)  # what the official loader does (it executes whatever the file says)
+    if isinstance(obj, QuantizedWeight8bit):
+        tensors[name + ".weight"], tensors[name + ".scales"] = obj.weight, obj.scales
+    else:
+        tensors[name] = obj
+save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
 '''
 
 NAIVE_TORCH = r'''
@@ -77,6 +100,16 @@ def llama_1b(path, layers: int):
     torch.save(sd, tmp)
     os.rename(tmp, path)
     return path
+
+
+def grok_dir(path, layers: int):
+    """A Grok-1-style directory of numpy pickles (int8 + bf16 scales), about 103 MB per layer."""
+    sys.path.insert(0, str(ROOT))
+    from tests import grok_fixtures as gf
+    dims = gf.Dims(vocab=32000, emb=1024, q_heads=8, kv_heads=2, head=128, ffn=4096, experts=8)
+    tmp = Path(str(path) + ".tmp")
+    gf.write_dir(tmp, gf.make_params(layers, dims))
+    os.rename(tmp, path)
 
 
 def measure(cmd, out=None):
@@ -132,11 +165,32 @@ def bench_convert(layers):
     table(f"convert .pt -> safetensors, {layers} layers", n, rows)
 
 
+def bench_grok(layers):
+    src = generate("grok_dir", DATA / f"grok-{layers}L", str(DATA / f"grok-{layers}L"), layers) / "ckpt-0"
+    scratch = DATA / "scratch"
+    scratch.mkdir(exist_ok=True)
+    files = sorted(src.iterdir())
+    for f in files:
+        warm(f)
+    n = sum(f.stat().st_size for f in files)
+    rows = [
+        ("cp", *measure(["cp", "-r", src, scratch / "copy"], scratch / "copy")),
+        ("bound", *measure([PY, "-c", BOUND, *files, scratch / "bound"], None)),
+        ("ckptconv pickle-to-safetensors", *measure(
+            [PY, "-m", "ckptconv.cli", "pickle-to-safetensors", src, scratch / "out", "--quiet"], scratch / "out")),
+        ("pickle.load each file + save_file", *measure([PY, "-c", NAIVE_GROK, src, scratch / "naive"],
+                                                        scratch / "naive")),
+    ]
+    (scratch / "bound").unlink(missing_ok=True)
+    table(f"Grok-style pickle directory -> safetensors (lossless), {layers} layers, {len(files)} files", n, rows)
+
+
+SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20)}
+
+
 def main():
-    which = sys.argv[1:] or ["convert"]
-    if "convert" in which:
-        bench_convert(18)
-        bench_convert(36)
+    for name in sys.argv[1:] or list(SCENARIOS):
+        SCENARIOS[name]()
 
 
 if __name__ == "__main__":

@@ -57,10 +57,21 @@ def read_options(fn):
                   help="Accept one more pickled class as inert data (never imported or called).")
     @click.option("--skip-unsupported", is_flag=True,
                   help="Leave out tensors safetensors cannot store (complex, quantized) and list them.")
+    @click.option("--names", type=click.Path(exists=True, dir_okay=False),
+                  help="Grok-style directories: JSON list (or {index: name}) naming the tensor files.")
+    @click.option("--dequantize", type=click.Choice(["bf16", "f32"]),
+                  help="Grok-style int8 weights: write one dense tensor (bf16 rounds to nearest even).")
+    @click.option("--layout", type=click.Choice(["mixtral"]),
+                  help="Grok-style directories: export under Mixtral-style names, dense, [out, in].")
+    @click.option("--host-axis", type=int, help="Axis to join several hosts' files on, for unknown layouts.")
+    @click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True,
+                  help="Files parsed in parallel.")
     @functools.wraps(fn)
-    def wrapper(*args, only, allow_global, skip_unsupported, **kwargs):
+    def wrapper(*args, only, allow_global, skip_unsupported, names, dequantize, layout, host_axis, workers,
+                **kwargs):
         kwargs["read"] = ReadOptions(allow_globals=list(allow_global), skip_unsupported=skip_unsupported,
-                                     only=list(only))
+                                     only=list(only), names=names, dequantize=dequantize, layout=layout,
+                                     host_axis=host_axis, workers=workers)
         return fn(*args, **kwargs)
 
     return wrapper

@@ -41,7 +41,7 @@ def convert(src, out, opts: ConvertOptions) -> dict:
     total = sum(t.nbytes for t in tensors)
     with atomic_output(out, opts.overwrite) as tmp, byte_progress(total, "convert", opts.quiet) as progress:
         manifest = write_output(tmp, tensors, source, ckpt.extras, ckpt.model_files if opts.copy_extras else (),
-                                opts.max_shard_size, progress, fsync=opts.fsync)
+                                opts.max_shard_size, progress, ckpt.manifest, opts.fsync)
         for m in ckpt.mapped:
             if not m.unchanged():
                 raise BadInput(f"{m.path}: changed while it was being converted; nothing was written")

@@ -218,6 +218,7 @@ class Checkpoint:
     source: dict = field(default_factory=dict)
     model_files: list = field(default_factory=list)  # (relative name, path) carried into OUT unchanged
     mapped: list = field(default_factory=list)       # MappedFiles to check for changes during a run
+    manifest: dict = field(default_factory=dict)     # extra top-level manifest entries (quantization)
 
     def __post_init__(self):
         seen = set()

@@ -99,7 +99,7 @@ def _write_tensor(f, file_h, t, pipeline, progress):
         else:
             for block in iter_blocks(t, CHUNK):
                 data = as_bytes(block)
-                pipeline.push(f, file_h, tensor_h, data)
+                pipeline.push(f, file_h, tensor_h, data, t.release)
                 if progress:
                     progress(len(data))
     except (ValueError, IndexError) as e:
