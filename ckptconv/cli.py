@@ -10,7 +10,9 @@ import click
 
 from . import dtypes
 from .convert import ConvertOptions, convert
-from .errors import CkptError
+from .errors import CkptError, UsageError
+from .reshard import reshard
+from .rules import PRESETS
 from .readers import ReadOptions, open_checkpoint, readers
 from .sizes import format_size, parse_size
 
@@ -121,6 +123,65 @@ OUT gets model-0000k-of-0000n.safetensors shards, model.safetensors.index.json, 
 executed. Example: ckptconv convert pytorch_model.bin out/ --max-shard-size 2GB""")
 _convert_command("pickle-to-safetensors", True, """Convert a pickle-based SRC (torch .pt/.bin, DCP, Grok-1
 pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing non-pickle sources.""")
+
+
+@main.command("reshard")
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("out", type=click.Path(path_type=str), required=False)
+@click.option("--tp", type=click.IntRange(1), required=True, help="Tensor-parallel size of the target mesh.")
+@click.option("--ep", type=click.IntRange(1), default=1, show_default=True,
+              help="Expert-parallel groups for MoE models (ranks = tp x ep, rank = group x tp + tp rank).")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Partition preset (default: from config.json "
+              "model_type, else from tensor names).")
+@click.option("--rules", "rules_file", type=click.Path(exists=True, dir_okay=False),
+              help="Partition rules file (TOML, see docs/reshard.md).")
+@click.option("--heads", type=int, help="Query heads (overrides config.json).")
+@click.option("--kv-heads", type=int, help="Key/value heads (overrides config.json).")
+@click.option("--head-dim", type=int, help="Head dimension (overrides config.json).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (rule, axis, bytes per rank) and write nothing.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file in each rank dir.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--fsync", is_flag=True, help="fsync every file before OUT is published.")
+@read_options
+@command
+def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim, dry_run, max_shard_size, overwrite,
+                fsync, fmt, read, quiet, as_json):
+    """Slice SRC for a tensor-parallel (and expert-parallel) mesh: OUT/mesh.json and OUT/rank-XXXXX/.
+
+    Each rank directory is a complete sharded-safetensors output holding exactly what that rank
+    loads (column-parallel layers their output features, row-parallel their input features,
+    attention whole heads). Example: ckptconv reshard model/ out/ --tp 8
+    """
+    if out is None and not dry_run:
+        raise UsageError("OUT is required unless --dry-run")
+    summary = reshard(src, out, tp, ep, preset, rules_file, {"heads": heads, "kv_heads": kv_heads,
+                                                             "head_dim": head_dim},
+                      read, fmt, parse_size(max_shard_size), overwrite, dry_run, quiet, fsync)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    elif dry_run:
+        click.echo(format_plan(summary))
+    else:
+        click.echo(f"wrote {summary['out']}: {summary['ranks']} ranks ({summary['preset']} rules, "
+                   f"{summary['split']} tensors split, {len(summary['replicated'])} replicated), "
+                   f"{format_size(summary['bytes_written'])} in {summary['seconds']:.2f} s")
+
+
+def format_plan(summary) -> str:
+    lines = [f"plan: {summary['preset']} rules ({summary['layout']} layout, {summary['params']}), "
+             f"tp={summary['tp']} ep={summary['ep']}: {summary['ranks']} ranks"]
+    width = max(len(t["name"]) for t in summary["tensors"])
+    lines.append(f"  {'tensor':<{width}}  {'rule':<34} {'axis':>4}  {'bytes/rank (max)':>16}")
+    for t in summary["tensors"]:
+        axis = "-" if t["axis"] is None else str(t["axis"])
+        lines.append(f"  {t['name']:<{width}}  {t['rule']:<34} {axis:>4}  {format_size(max(t['bytes_per_rank'])):>16}"
+                     + ("  uneven: ranges" if "ranges" in t else ""))
+    per = summary["bytes_per_rank"]
+    lines.append(f"totals: source {format_size(summary['source_bytes'])}; per rank {format_size(min(per))}"
+                 f"..{format_size(max(per))}; {summary['split']} split, {len(summary['replicated'])} replicated")
+    if summary["replicated"]:
+        lines.append("replicated: " + ", ".join(summary["replicated"]))
+    return "\n".join(lines)
 
 
 @main.command("inspect")

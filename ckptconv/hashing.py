@@ -28,7 +28,7 @@ class Pipeline:
     """Write chunks to a file while two hashers digest them (the file's hash and one tensor's)."""
 
     def __init__(self, depth=4):
-        self.file_hasher, self.tensor_hasher = OrderedHasher(), OrderedHasher()
+        self.file_hasher, self.tensor_hasher, self.tap_hasher = OrderedHasher(), OrderedHasher(), OrderedHasher()
         self.depth = depth
         self.kernel_copy = True
         self._inflight = deque()
@@ -48,15 +48,18 @@ class Pipeline:
             self.kernel_copy = False  # this filesystem pair cannot: write from our buffer instead
             write_all(fileobj, memoryview(data)[done:])
 
-    def push(self, fileobj, file_h, tensor_h, data, done=None, copy_from=None):
+    def push(self, fileobj, file_h, tensor_h, data, done=None, copy_from=None, tap=None):
         """Hash `data` twice in the background and write it here; `done()` runs when it is free again.
 
         With `copy_from=(fd, offset)` naming where `data` came from, the kernel copies those bytes
-        file to file (copy_file_range), which costs a third of a write from our buffer.
+        file to file (copy_file_range), which costs a third of a write from our buffer. `tap` is one
+        more hash fed with the same bytes (a resharded tensor's global digest).
         """
         futures = [self.file_hasher.update(file_h, data)]
         if tensor_h is not None:
             futures.append(self.tensor_hasher.update(tensor_h, data))
+        if tap is not None:
+            futures.append(self.tap_hasher.update(tap, data))
         if copy_from is not None and self.kernel_copy:
             self._copy(copy_from, fileobj, data)
         else:
@@ -78,8 +81,8 @@ class Pipeline:
 
     def close(self):
         self.drain()
-        self.file_hasher.close()
-        self.tensor_hasher.close()
+        for hasher in (self.file_hasher, self.tensor_hasher, self.tap_hasher):
+            hasher.close()
 
 
 def write_all(fileobj, data):

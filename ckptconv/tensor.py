@@ -161,6 +161,18 @@ class Concat(TensorSource):
             return np.empty(tuple(s.stop - s.start for s in index), self.dtype.numpy)
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=self.axis)
 
+    def sliced(self, axis: int, start: int, stop: int) -> TensorSource:
+        """A slice along the join axis that falls inside one part is a slice of that part (keeps its
+        file span, so a tp 8 -> 4 reshard still copies contiguous ranges)."""
+        if axis == self.axis:
+            at = 0
+            for p in self.parts:
+                n = p.shape[axis]
+                if at <= start and stop <= at + n:
+                    return p.sliced(axis, start - at, stop - at).renamed(self.name)
+                at += n
+        return Slice(self, axis, start, stop)
+
     def release(self):
         for p in self.parts:
             p.release()

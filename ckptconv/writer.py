@@ -58,7 +58,7 @@ class Written:
     tensors: dict = field(default_factory=dict)   # name -> {"dtype", "shape", "file", "sha256"}
 
 
-def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False) -> Written:
+def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False, taps=None) -> Written:
     written = Written()
     for shard in shards:
         path = os.path.join(out_dir, shard.name)
@@ -66,7 +66,9 @@ def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False
         try:
             with open(path, "wb", buffering=0) as f:
                 pipeline.push(f, file_h, None, shard.header)
-                digests = [(t, _write_tensor(f, file_h, t, pipeline, progress)) for t in shard.tensors]
+                taps = taps or {}
+                digests = [(t, _write_tensor(f, file_h, t, pipeline, progress, taps.get(t.name)))
+                           for t in shard.tensors]
                 pipeline.drain()
                 if fsync:
                     os.fsync(f.fileno())
@@ -79,7 +81,7 @@ def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False
     return written
 
 
-def _write_tensor(f, file_h, t, pipeline, progress):
+def _write_tensor(f, file_h, t, pipeline, progress, tap):
     tensor_h = hashlib.sha256()
     span = t.file_span()
     try:
@@ -92,14 +94,14 @@ def _write_tensor(f, file_h, t, pipeline, progress):
             while offset < end:
                 n = min(CHUNK, end - offset)
                 pipeline.push(f, file_h, tensor_h, mapped.view[offset:offset + n],
-                              lambda o=offset, k=n: mapped.release(o, k), (mapped.fd, offset))
+                              lambda o=offset, k=n: mapped.release(o, k), (mapped.fd, offset), tap)
                 offset += n
                 if progress:
                     progress(n)
         else:
             for block in iter_blocks(t, CHUNK):
                 data = as_bytes(block)
-                pipeline.push(f, file_h, tensor_h, data, t.release)
+                pipeline.push(f, file_h, tensor_h, data, t.release, tap=tap)
                 if progress:
                     progress(len(data))
     except (ValueError, IndexError) as e:
@@ -149,14 +151,16 @@ def finish(out_dir, shards, written: Written, source: dict, extras: dict, extra_
 
 
 def write_output(out_dir, tensors, source, extras, model_files=(), max_shard_size=5 * 10**9,
-                 progress=None, extra_manifest=None, fsync=False):
-    """Write a complete output directory (shards, index, manifest, SHA256SUMS) into `out_dir`."""
+                 progress=None, extra_manifest=None, fsync=False, taps=None):
+    """Write a complete output directory (shards, index, manifest, SHA256SUMS) into `out_dir`.
+
+    `taps` maps tensor names to extra hashes fed with those tensors' bytes as they are written."""
     if shutil.disk_usage(out_dir).free < sum(t.nbytes for t in tensors):
         raise OutputError(f"{out_dir}: not enough free disk space for {sum(t.nbytes for t in tensors)} bytes")
     shards = plan_shards(tensors, max_shard_size)
     pipeline = Pipeline()
     try:
-        written = write_shards(out_dir, shards, pipeline, progress, fsync)
+        written = write_shards(out_dir, shards, pipeline, progress, fsync, taps)
     finally:
         pipeline.close()
     copy_files(out_dir, model_files, written)

@@ -28,15 +28,8 @@ def wanted(name: str, only) -> bool:
 
 
 def _modules():
-    from . import safetensors, torch_pickle
-    mods = [torch_pickle, safetensors]
-    for optional in ("grok", "dcp"):
-        try:
-            mods.append(__import__(f"{__name__}.{optional}", fromlist=[optional]))
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{optional}":
-                raise
-    return mods
+    from . import grok, mesh, safetensors, torch_pickle
+    return [mesh, torch_pickle, safetensors, grok]
 
 
 def readers() -> dict:

@@ -1,0 +1,100 @@
+"""Reader for ckptconv reshard outputs (`mesh.json` + `rank-XXXXX/`): presents the global tensors.
+
+Each global tensor is a lazy join of slices of the rank pieces that cover it, following mesh.json
+(even blocks, or `ranges`); replicated tensors are rank 0's copy. Nothing is assembled in memory,
+so a tp 8 output reshards to tp 4 (or merges back to tp 1) slice by slice.
+"""
+import json
+from pathlib import Path
+
+from .. import dtypes
+from ..errors import BadInput
+from ..tensor import Checkpoint, Concat
+from . import ReadOptions, model_files, wanted
+from . import safetensors as st
+
+NAME = "mesh"
+PICKLE = False
+DESCRIPTION = "ckptconv reshard outputs (mesh.json + rank-XXXXX/ directories)"
+
+
+def detect(path: Path) -> bool:
+    return path.is_dir() and (path / "mesh.json").is_file()
+
+
+def read_mesh(path: Path) -> dict:
+    try:
+        mesh = json.loads((path / "mesh.json").read_text())
+        assert mesh.get("format") == "ckptconv.mesh/1" and isinstance(mesh.get("tensors"), dict)
+        int(mesh["ranks"])
+    except (OSError, ValueError, AssertionError, KeyError, TypeError):
+        raise BadInput(f"{path / 'mesh.json'}: not a ckptconv.mesh/1 description") from None
+    return mesh
+
+
+def intervals(entry: dict, ranks: int, rank: int, name: str):
+    """The [start, stop) intervals along the split axis that rank `rank` holds (DESIGN.md)."""
+    if "ranges" in entry:
+        return [tuple(iv) for iv in entry["ranges"][rank]]
+    n = entry["shape"][entry["axis"]]
+    if n % ranks:
+        raise BadInput(f"mesh.json: tensor {name!r} is recorded as an even split of {n} over {ranks} ranks")
+    k = n // ranks
+    return [(rank * k, (rank + 1) * k)]
+
+
+def load(path: Path, options: ReadOptions) -> Checkpoint:
+    mesh = read_mesh(path)
+    ranks = mesh["ranks"]
+    pieces, mapped = [], []
+    for r in range(ranks):
+        ckpt = st.load(path / f"rank-{r:05d}", ReadOptions(only=options.only))
+        pieces.append({t.name: t for t in ckpt.tensors})
+        mapped += ckpt.mapped
+    # mesh.json is sorted by name; the rank files keep the source's order, so use that
+    order = {}
+    for r in range(ranks):
+        for name in pieces[r]:
+            order.setdefault(name, (r, len(order)))
+    names = sorted((n for n in mesh["tensors"] if wanted(n, options.only)), key=lambda n: order.get(n, (ranks, 0)))
+    tensors = [assemble(name, mesh["tensors"][name], pieces, ranks) for name in names]
+    source = {"format": NAME, "path": str(path), "tp": mesh.get("tp"), "ep": mesh.get("ep"), "rules": mesh["rules"]}
+    files = model_files(path / "rank-00000") if (path / "rank-00000").is_dir() else []
+    return Checkpoint(tensors, {}, source, files, mapped)
+
+
+def assemble(name, entry, pieces, ranks):
+    """A lazy global tensor from the rank pieces, checked against mesh.json's shape and dtype."""
+    shape, axis, dt = tuple(entry["shape"]), entry["axis"], dtypes.from_code(entry["dtype"])
+    holders = [r for r in range(ranks) if name in pieces[r]]
+    if not holders:
+        raise BadInput(f"tensor {name!r} is in mesh.json but in no rank directory")
+    if axis is None:
+        src = pieces[holders[0]][name]
+        if src.shape != shape or src.dtype != dt:
+            raise BadInput(f"tensor {name!r}: rank {holders[0]} holds {src.shape}/{src.dtype.code}, "
+                           f"mesh.json says {shape}/{dt.code}")
+        return src
+    segments = []  # (global start, global stop, rank, offset in the rank's piece)
+    for r in holders:
+        at = 0
+        for a, b in intervals(entry, ranks, r, name):
+            segments.append((a, b, r, at))
+            at += b - a
+        piece = pieces[r][name]
+        expect = shape[:axis] + (at,) + shape[axis + 1:]
+        if piece.shape != expect or piece.dtype != dt:
+            raise BadInput(f"tensor {name!r}: rank {r} holds {piece.shape}/{piece.dtype.code}, expected "
+                           f"{expect}/{dt.code} from mesh.json")
+    parts, pos = [], 0
+    for a, b, r, off in sorted(segments):
+        if b <= pos:
+            continue  # an interval another rank already supplied (a shared kv head)
+        if a > pos:
+            raise BadInput(f"tensor {name!r}: no rank holds indices {pos}..{a} of axis {axis}")
+        start = off + (pos - a)
+        parts.append(pieces[r][name].sliced(axis, start, off + (b - a)))
+        pos = b
+    if pos != shape[axis]:
+        raise BadInput(f"tensor {name!r}: no rank holds indices {pos}..{shape[axis]} of axis {axis}")
+    return parts[0].renamed(name) if len(parts) == 1 else Concat(name, parts, axis)

@@ -1,0 +1,248 @@
+"""reshard: per-rank pieces checked against independent per-head references, a numerical TP forward
+pass in numpy, round trips through tp 8 -> 4 -> 1, quantized scales, expert parallelism, errors."""
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests import grok_fixtures as gf
+from tests.conftest import run
+
+
+def rank_tensors(out, rank) -> dict:
+    d = Path(out) / f"rank-{rank:05d}"
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    got = {}
+    for f in sorted(set(index["weight_map"].values())):
+        got.update(load_file(d / f))
+    return got
+
+
+def reshard(src, out, *extra):
+    r = run("reshard", src, out, "--quiet", *extra)
+    assert r.exit_code == 0, r.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_state(hf_llama):
+    return {k: v.numpy() for k, v in hf_llama["state"].items()}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_llama_pieces_match_per_head_reference(hf_llama, llama_state, tmp_path, tp):
+    out = reshard(hf_llama["dir"], tmp_path / "out", "--tp", tp)
+    mesh = json.loads((out / "mesh.json").read_text())
+    assert mesh["tp"] == tp and mesh["ranks"] == tp and mesh["rules"]["name"] == "llama"
+    H, KV, hd = 8, 2, 8
+    ranks = [rank_tensors(out, r) for r in range(tp)]
+    for name, full in llama_state.items():
+        entry = mesh["tensors"][name]
+        assert entry["shape"] == list(full.shape) and entry["dtype"] == "F32"
+        pieces = [ranks[r][name] for r in range(tp)]
+        if "k_proj" in name or "v_proj" in name:
+            heads = full.reshape(KV, hd, -1)
+            for r, piece in enumerate(pieces):
+                mine = range(r * KV // tp, (r + 1) * KV // tp) if KV >= tp else [r * KV // tp]
+                assert np.array_equal(piece, heads[list(mine)].reshape(-1, full.shape[1])), (name, r)
+            continue
+        if "q_proj" in name:
+            heads = full.reshape(H, hd, -1)
+            for r, piece in enumerate(pieces):
+                assert np.array_equal(piece, heads[r * H // tp:(r + 1) * H // tp].reshape(-1, full.shape[1]))
+        axis = entry["axis"]
+        if axis is None:
+            assert all(np.array_equal(p, full) for p in pieces), name
+        else:
+            assert "ranges" not in entry
+            assert all(p.shape[axis] == full.shape[axis] // tp for p in pieces)
+            assert np.array_equal(np.concatenate(pieces, axis=axis), full), name
+    expected_axis = {"o_proj": 1, "down_proj": 1, "gate_proj": 0, "embed_tokens": 0, "lm_head": 0, "norm": None}
+    for key, axis in expected_axis.items():
+        assert all(e["axis"] == axis for n, e in mesh["tensors"].items() if key in n), key
+    if tp > KV:
+        assert "ranges" in mesh["tensors"]["model.layers.0.self_attn.k_proj.weight"]
+
+
+def _attention(x, q, k, v, o, heads, kv_heads, hd):
+    """Causal multi-head attention without positional encoding, GQA by repeating kv heads."""
+    t = x.shape[0]
+    Q = (x @ q.T).reshape(t, heads, hd).transpose(1, 0, 2)
+    K = (x @ k.T).reshape(t, kv_heads, hd).transpose(1, 0, 2)
+    V = (x @ v.T).reshape(t, kv_heads, hd).transpose(1, 0, 2)
+    rep = heads // kv_heads
+    K, V = np.repeat(K, rep, axis=0), np.repeat(V, rep, axis=0)
+    s = Q @ K.transpose(0, 2, 1) / np.sqrt(hd) + np.triu(np.full((t, t), -1e9), 1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return (p @ V).transpose(1, 0, 2).reshape(t, heads * hd) @ o.T
+
+
+def _mlp(x, gate, up, down):
+    g = x @ gate.T
+    return ((g / (1 + np.exp(-g))) * (x @ up.T)) @ down.T
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tensor_parallel_forward_matches_unsplit(hf_llama, llama_state, tmp_path, tp):
+    out = reshard(hf_llama["dir"], tmp_path / "out", "--tp", tp)
+    H, KV, hd = 8, 2, 8
+    x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float64)
+    p = "model.layers.1."
+    full = {k: llama_state[p + k].astype(np.float64) for k in
+            ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]}
+    want_attn = _attention(x, *(full[f"self_attn.{n}_proj.weight"] for n in "qkvo"), H, KV, hd)
+    want_mlp = _mlp(x, full["mlp.gate_proj.weight"], full["mlp.up_proj.weight"], full["mlp.down_proj.weight"])
+    attn = mlp = 0
+    for r in range(tp):
+        w = {k: v.astype(np.float64) for k, v in rank_tensors(out, r).items() if k.startswith(p)}
+        local_kv = w[p + "self_attn.k_proj.weight"].shape[0] // hd
+        attn = attn + _attention(x, *(w[p + f"self_attn.{n}_proj.weight"] for n in "qkvo"), H // tp, local_kv, hd)
+        mlp = mlp + _mlp(x, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
+    np.testing.assert_allclose(attn, want_attn, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(mlp, want_mlp, rtol=1e-9, atol=1e-12)
+
+
+def test_round_trip_8_4_1_equals_source(hf_llama, llama_state, tmp_path):
+    tp8 = reshard(hf_llama["dir"], tmp_path / "tp8", "--tp", 8)
+    tp4 = reshard(tp8, tmp_path / "tp4", "--tp", 4)
+    tp1 = reshard(tp4, tmp_path / "tp1", "--tp", 1)
+    direct4 = tmp_path / "direct4"
+    reshard(hf_llama["dir"], direct4, "--tp", 4)
+    for r in range(4):  # resharding 8 -> 4 gives what a direct tp 4 gives, file for file
+        for f in sorted((direct4 / f"rank-{r:05d}").iterdir()):
+            if f.name not in ("manifest.json", "SHA256SUMS"):
+                assert (tp4 / f"rank-{r:05d}" / f.name).read_bytes() == f.read_bytes(), f.name
+    got = rank_tensors(tp1, 0)
+    assert set(got) == set(llama_state)
+    for name, full in llama_state.items():
+        assert np.array_equal(got[name], full), name
+    mesh8 = json.loads((tp8 / "mesh.json").read_text())["tensors"]
+    mesh1 = json.loads((tp1 / "mesh.json").read_text())["tensors"]
+    assert {n: e["sha256"] for n, e in mesh8.items()} == {n: e["sha256"] for n, e in mesh1.items()}
+    import hashlib
+    assert mesh1["lm_head.weight"]["sha256"] == hashlib.sha256(llama_state["lm_head.weight"].tobytes()).hexdigest()
+    assert mesh1["model.layers.0.self_attn.o_proj.weight"]["sha256"] == \
+        hashlib.sha256(llama_state["model.layers.0.self_attn.o_proj.weight"].tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=32,
+                                       bos_token_id=0, eos_token_id=0))
+    d = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(d)
+    return d, {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt2_fused_qkv_per_head(gpt2_dir, tmp_path, tp):
+    src, state = gpt2_dir
+    out = reshard(src, tmp_path / "out", "--tp", tp)
+    mesh = json.loads((out / "mesh.json").read_text())["tensors"]
+    ranks = [rank_tensors(out, r) for r in range(tp)]
+    names = set(ranks[0])
+    wname = next(n for n in names if n.endswith("h.0.attn.c_attn.weight"))
+    full = state["transformer.h.0.attn.c_attn.weight"]  # Conv1D: [in, 3 * hidden], q | k | v
+    H, hd = 4, 16
+    for r in range(tp):
+        heads = range(r * H // tp, (r + 1) * H // tp)
+        want = np.concatenate([full[:, part * 64 + h * hd: part * 64 + (h + 1) * hd] for part in range(3) for h in heads],
+                              axis=1)
+        assert np.array_equal(ranks[r][wname], want)
+    assert mesh[wname]["axis"] == 1 and "ranges" in mesh[wname]
+    proj = next(n for n in names if n.endswith("h.0.attn.c_proj.weight"))
+    assert mesh[proj]["axis"] == 0  # row-parallel in [in, out] layout
+    bias = next(n for n in names if n.endswith("h.0.attn.c_proj.bias"))
+    assert mesh[bias]["axis"] is None
+    fc_bias = next(n for n in names if n.endswith("h.0.mlp.c_fc.bias"))
+    assert mesh[fc_bias]["axis"] == 0
+
+
+def test_grok_quantized_scales_follow_weights(tmp_path):
+    params = gf.make_params(1, seed=2)
+    src = gf.write_dir(tmp_path / "src", params)
+    out = reshard(src, tmp_path / "out", "--tp", 2, "--heads", 4, "--kv-heads", 2, "--head-dim", 32)
+    mesh = json.loads((out / "mesh.json").read_text())
+    assert mesh["rules"]["name"] == "grok-1"
+    ranks = [rank_tensors(out, r) for r in range(2)]
+    for path, value in params.items():
+        if not isinstance(value, gf.QuantizedWeight8bit):
+            continue
+        name = path.replace("/", ".")
+        entry = mesh["tensors"][name + ".weight"]
+        axis = entry["axis"]
+        assert axis is not None, name
+        dense = [gf.dequantize_ref(gf.QuantizedWeight8bit(ranks[r][name + ".weight"], ranks[r][name + ".scales"]),
+                                   np.float32) for r in range(2)]
+        assert np.array_equal(np.concatenate(dense, axis=axis), gf.dequantize_ref(value, np.float32)), name
+    # attention output is row-parallel on its grouped K axis: its 8 scale groups split 4 + 4
+    o = "transformer.decoder_layer_0.multi_head_attention.linear.w"
+    assert mesh["tensors"][o + ".weight"]["axis"] == 0 and mesh["tensors"][o + ".scales"]["axis"] == 0
+    assert ranks[0][o + ".scales"].shape == (4, 64)
+
+
+def test_group_straddling_ranks_refused(tmp_path):
+    params = gf.make_params(1, seed=2)
+    src = gf.write_dir(tmp_path / "src", params)
+    rules = tmp_path / "rules.toml"  # linear_1 [E, F=256, D] has 8 groups of 32 rows on F: tp 16 cuts them
+    rules.write_text('layout = "jax"\n[[rule]]\npattern = ".*moe\\\\.linear_1\\\\.w\\\\.weight"\nkind = "row"\n')
+    r = run("reshard", src, tmp_path / "out", "--tp", 16, "--rules", rules)
+    assert r.exit_code == 2 and "straddle" in r.stderr and "--dequantize" in r.stderr
+    assert not (tmp_path / "out").exists()
+    r = run("reshard", src, tmp_path / "out", "--tp", 8, "--rules", rules)
+    assert r.exit_code == 0, r.stderr
+    r = run("reshard", src, tmp_path / "out2", "--tp", 16, "--heads", 4, "--kv-heads", 2, "--head-dim", 32)
+    assert r.exit_code == 2 and "4 query heads cannot be split over tp=16" in r.stderr
+
+
+def test_expert_parallel_grok(tmp_path):
+    params = gf.make_params(1, seed=3)
+    src = gf.write_dir(tmp_path / "src", params)
+    out = reshard(src, tmp_path / "out", "--tp", 2, "--ep", 2, "--heads", 4, "--kv-heads", 2, "--head-dim", 32)
+    mesh = json.loads((out / "mesh.json").read_text())
+    assert mesh["ranks"] == 4
+    moe = "transformer.decoder_layer_0.moe.linear.w.weight"
+    assert mesh["tensors"][moe]["ranges"] == [[[0, 2]], [[0, 2]], [[2, 4]], [[2, 4]]]
+    w = params["transformer/decoder_layer_0/moe/linear/w"].weight
+    assert np.array_equal(rank_tensors(out, 3)[moe], w[2:4])
+    q = "transformer.decoder_layer_0.multi_head_attention.query.w.weight"
+    assert np.array_equal(rank_tensors(out, 2)[q], rank_tensors(out, 0)[q])  # same tp rank in another group
+
+
+def test_indivisible_dimension_named(hf_llama, tmp_path):
+    r = run("reshard", hf_llama["dir"], tmp_path / "out", "--tp", 3)
+    assert r.exit_code == 2 and "tp=3" in r.stderr
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_no_preset_fits_exits_2(torch_fixtures, tmp_path):
+    r = run("reshard", torch_fixtures["train"], tmp_path / "out", "--tp", 2)
+    assert r.exit_code == 2 and "no partition preset fits" in r.stderr
+
+
+def test_rules_file(torch_fixtures, tmp_path):
+    rules = tmp_path / "rules.toml"
+    rules.write_text('layout = "torch"\n[[rule]]\npattern = "model\\\\.0\\\\.weight"\nkind = "column"\n'
+                     '[[rule]]\npattern = "model\\\\.2\\\\.weight"\naxis = 1\n')
+    out = reshard(torch_fixtures["train"], tmp_path / "out", "--tp", 1, "--rules", rules, "--only", "model")
+    mesh = json.loads((out / "mesh.json").read_text())
+    assert mesh["tensors"]["model.0.weight"]["axis"] == 0 and mesh["tensors"]["model.2.weight"]["axis"] == 1
+    assert mesh["tensors"]["model.0.bias"]["axis"] is None
+    assert "model\\\\.0" in mesh["rules"]["params"]["file"]
+
+
+def test_dry_run_explains_plan(hf_llama, tmp_path):
+    r = run("reshard", hf_llama["dir"], "--tp", 4, "--dry-run")
+    assert r.exit_code == 0
+    assert "llama rules" in r.stdout and "column(kv_heads=2, head_dim=8)" in r.stdout and "replicated:" in r.stdout
+    r = run("reshard", hf_llama["dir"], "--tp", 4, "--dry-run", "--json")
+    plan = json.loads(r.stdout)
+    assert plan["ranks"] == 4 and plan["split"] == 16 and len(plan["replicated"]) == 5
