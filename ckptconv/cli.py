@@ -1,6 +1,7 @@
 """The `ckptconv` command line (click). Errors are one line on stderr; exit 0 ok, 1 problems, 2 bad input."""
 import functools
 import json
+from pathlib import Path
 import signal
 import sys
 import traceback
@@ -11,7 +12,9 @@ import click
 from . import dtypes
 from .convert import ConvertOptions, convert
 from .errors import CkptError, UsageError
+from .progress import byte_progress
 from .reshard import reshard
+from .verify import total_bytes, verify
 from .rules import PRESETS
 from .readers import ReadOptions, open_checkpoint, readers
 from .sizes import format_size, parse_size
@@ -182,6 +185,42 @@ def format_plan(summary) -> str:
     if summary["replicated"]:
         lines.append("replicated: " + ", ".join(summary["replicated"]))
     return "\n".join(lines)
+
+
+@main.command("verify")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--against", type=click.Path(path_type=str), help="Compare every tensor with this source, bit for bit.")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "tpu"]), help="Load every rank's pieces onto devices "
+              "with JAX and check them there.")
+@click.option("--allow-fewer-devices", is_flag=True, help="Map ranks to devices round-robin when there are fewer.")
+@read_options
+@command
+def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, quiet, as_json):
+    """Check an output of convert or reshard: digests, structure, the source, and a device load.
+
+    Prints every problem found, one per line naming the file and the tensor; exits 0 when clean,
+    1 when problems were found, 2 when it could not verify. Example: ckptconv verify out/ --against model/
+    """
+    with byte_progress(total_bytes(path) if Path(path).is_dir() else 0, "verify", quiet) as progress:
+        report = verify(path, against, read, fmt, device, allow_fewer_devices, progress)
+    if as_json:
+        click.echo(json.dumps({"ok": not report.problems, "problems": report.problems, "files": report.files,
+                               "tensors": report.tensors, "bytes": report.bytes, "device": report.device}, indent=2))
+    else:
+        for p in report.problems:
+            click.echo(p)
+        status = "OK" if not report.problems else f"{len(report.problems)} problem(s)"
+        click.echo(f"{path}: {status}: {report.files} shard files, {report.tensors} tensors, "
+                   f"{format_size(report.bytes)} hashed" + (", matches the source" if against and not report.problems
+                                                            else ""))
+        if report.device:
+            d = report.device
+            click.echo(f"device {d['platform']}: {d['ranks']} rank(s) on {d['devices']} device(s), "
+                       f"{format_size(d['bytes'])} placed at {d['gb_per_s']} GB/s"
+                       + (", global arrays assembled" if d["global_arrays"] else "")
+                       + "; peak per device: " + ", ".join(f"{k} {format_size(v)}" for k, v in d["peak_device_bytes"].items()))
+    if report.problems:
+        sys.exit(1)
 
 
 @main.command("inspect")

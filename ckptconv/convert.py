@@ -38,6 +38,8 @@ def convert(src, out, opts: ConvertOptions) -> dict:
     source = dict(ckpt.source)
     if target is not None:
         source["cast"] = target.code
+    if opts.strip_prefix:
+        source["strip_prefix"] = opts.strip_prefix
     total = sum(t.nbytes for t in tensors)
     with atomic_output(out, opts.overwrite) as tmp, byte_progress(total, "convert", opts.quiet) as progress:
         manifest = write_output(tmp, tensors, source, ckpt.extras, ckpt.model_files if opts.copy_extras else (),
