@@ -30,24 +30,13 @@ def main():
           + ", ".join(sorted(p.name for p in src.iterdir())))
     sh("inspect", src)
     sh("convert", src, WORK / "safetensors", "--max-shard-size", "100KB")
-    for step in demo_steps(src):
-        sh(*step)
+    sh("reshard", WORK / "safetensors", WORK / "tp4", "--tp", "4", "--dry-run")
+    sh("reshard", WORK / "safetensors", WORK / "tp4", "--tp", "4")
+    sh("verify", WORK / "safetensors", "--against", src)
+    sh("verify", WORK / "tp4", "--against", src, "--device", "cpu")
     print("\n$ (cd demo-out/safetensors && sha256sum -c SHA256SUMS)", flush=True)
     subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=WORK / "safetensors", check=True)
     print(f"\ndemo done: outputs are in {WORK.relative_to(ROOT)}/")
-
-
-def demo_steps(src):
-    """Steps for the commands beyond convert, as they exist in this version."""
-    from ckptconv.cli import main as cli
-    steps = []
-    if "reshard" in cli.commands:
-        steps.append(("reshard", WORK / "safetensors", WORK / "tp4", "--tp", "4"))
-    if "verify" in cli.commands:
-        steps.append(("verify", WORK / "safetensors", "--against", src))
-        if "reshard" in cli.commands:
-            steps.append(("verify", WORK / "tp4", "--against", src))
-    return steps
 
 
 if __name__ == "__main__":
