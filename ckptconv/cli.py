@@ -40,6 +40,9 @@ def command(fn):
             if debug:
                 traceback.print_exc()
             _fail(str(e), e.exit_code)
+        except BrokenPipeError:  # stdout closed early (`| head`): not an error of ours
+            sys.stderr.close()
+            sys.exit(0)
         except OSError as e:
             if debug:
                 traceback.print_exc()

@@ -42,3 +42,21 @@ class MappedFile:
     def unchanged(self) -> bool:
         st = os.stat(self.path)
         return (st.st_size, st.st_mtime_ns) == self.stamp
+
+
+class MemoryFile(MappedFile):
+    """Bytes that did not come from a mappable file (a decompressed DCP chunk), behind MappedFile's
+    interface: tensors over it are views of this buffer; there is no fd for the kernel to copy from."""
+
+    fd = None
+
+    def __init__(self, data: bytes, path: str):
+        self.path, self.size, self.stamp = path, len(data), None
+        self._map = None
+        self.view = memoryview(data)
+
+    def release(self, offset: int, length: int):
+        pass
+
+    def unchanged(self) -> bool:
+        return True

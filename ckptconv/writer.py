@@ -93,8 +93,9 @@ def _write_tensor(f, file_h, t, pipeline, progress, tap):
             end = offset + t.nbytes
             while offset < end:
                 n = min(CHUNK, end - offset)
+                copy_from = (mapped.fd, offset) if mapped.fd is not None else None
                 pipeline.push(f, file_h, tensor_h, mapped.view[offset:offset + n],
-                              lambda o=offset, k=n: mapped.release(o, k), (mapped.fd, offset), tap)
+                              lambda o=offset, k=n: mapped.release(o, k), copy_from, tap)
                 offset += n
                 if progress:
                     progress(n)

@@ -28,8 +28,8 @@ def wanted(name: str, only) -> bool:
 
 
 def _modules():
-    from . import grok, mesh, safetensors, torch_pickle
-    return [mesh, torch_pickle, safetensors, grok]
+    from . import dcp, grok, mesh, safetensors, torch_pickle
+    return [mesh, dcp, torch_pickle, safetensors, grok]
 
 
 def readers() -> dict:
