@@ -102,6 +102,55 @@ def llama_1b(path, layers: int):
     return path
 
 
+NAIVE_DCP = r'''
+import os, sys, torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from safetensors.torch import save_file
+src, out = sys.argv[1], sys.argv[2]
+dcp_to_torch_save(src, out + "/full.pt")
+sd = torch.load(out + "/full.pt", mmap=True, weights_only=True)
+save_file({k: v.contiguous() for k, v in sd.items()}, out + "/model.safetensors", metadata={"format": "pt"})
+'''
+
+NAIVE_TP = r'''
+import os, sys, torch
+from safetensors.torch import save_file
+sd = torch.load(sys.argv[1], mmap=True, weights_only=True)
+tp = 8
+for r in range(tp):
+    piece = {}
+    for k, v in sd.items():
+        if v.dim() == 2 and ("o_proj" in k or "down_proj" in k):
+            piece[k] = v.chunk(tp, 1)[r].contiguous()
+        elif v.dim() == 2:
+            piece[k] = v.chunk(tp, 0)[r].contiguous()
+        else:
+            piece[k] = v
+    os.makedirs(f"{sys.argv[2]}/rank-{r}", exist_ok=True)
+    save_file(piece, f"{sys.argv[2]}/rank-{r}/model.safetensors", metadata={"format": "pt"})
+'''
+
+HASH_ONE_THREAD = r'''
+import hashlib, sys
+for path in sys.argv[1:]:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while b := f.read(16 << 20):
+            h.update(b)
+'''
+
+
+def dcp_dir(path, layers: int):
+    """The 1B-shaped Llama state dict saved by torch's DCP from one process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    sd = torch.load(generate("llama_1b", DATA / f"llama-{layers}L.pt", str(DATA / f"llama-{layers}L.pt"), layers),
+                    mmap=True, weights_only=True)
+    tmp = Path(str(path) + ".tmp")
+    dcp.save(dict(sd), checkpoint_id=tmp)
+    os.rename(tmp, path)
+
+
 def grok_dir(path, layers: int):
     """A Grok-1-style directory of numpy pickles (int8 + bf16 scales), about 103 MB per layer."""
     sys.path.insert(0, str(ROOT))
@@ -185,7 +234,78 @@ def bench_grok(layers):
     table(f"Grok-style pickle directory -> safetensors (lossless), {layers} layers, {len(files)} files", n, rows)
 
 
-SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20)}
+def bench_dcp(layers):
+    src = generate("dcp_dir", DATA / f"dcp-{layers}L", str(DATA / f"dcp-{layers}L"), layers)
+    scratch = DATA / "scratch"
+    scratch.mkdir(exist_ok=True)
+    files = sorted(src.glob("*.distcp"))
+    for f in files:
+        warm(f)
+    n = sum(f.stat().st_size for f in files)
+    rows = [
+        ("cp", *measure(["cp", "-r", src, scratch / "copy"], scratch / "copy")),
+        ("bound", *measure([PY, "-c", BOUND, *files, scratch / "bound"], None)),
+        ("ckptconv convert (DCP)", *measure([PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"],
+                                            scratch / "out")),
+        ("dcp_to_torch_save + torch.load + save_file", *measure([PY, "-c", NAIVE_DCP, src, scratch / "naive"],
+                                                                 scratch / "naive")),
+    ]
+    (scratch / "bound").unlink(missing_ok=True)
+    table(f"DCP (1 process, {len(files)} .distcp) -> safetensors, {layers} layers", n, rows)
+
+
+def bench_reshard(layers):
+    src = generate("llama_1b", DATA / f"llama-{layers}L.pt", str(DATA / f"llama-{layers}L.pt"), layers)
+    scratch = DATA / "scratch"
+    scratch.mkdir(exist_ok=True)
+    warm(src)
+    n = src.stat().st_size
+    rows = [
+        ("cp", *measure(["cp", src, scratch / "copy"], None)),
+        ("bound", *measure([PY, "-c", BOUND, src, scratch / "bound"], None)),
+        ("ckptconv reshard --tp 8", *measure([PY, "-m", "ckptconv.cli", "reshard", src, scratch / "tp8", "--tp", "8",
+                                              "--heads", "16", "--kv-heads", "16", "--head-dim", "128", "--quiet"],
+                                             scratch / "tp8")),
+        ("naive TP=8: torch.load(mmap), chunk, save_file x 8 (no hashes)",
+         *measure([PY, "-c", NAIVE_TP, src, scratch / "naive"], scratch / "naive")),
+    ]
+    for f in ("copy", "bound"):
+        (scratch / f).unlink(missing_ok=True)
+    table(f"reshard .pt -> tp 8, {layers} layers", n, rows)
+
+
+def bench_verify(layers):
+    src = generate("llama_1b", DATA / f"llama-{layers}L.pt", str(DATA / f"llama-{layers}L.pt"), layers)
+    out, tp8 = DATA / f"verify-{layers}L", DATA / f"verify-{layers}L-tp8"
+    for target, args in ((out, ["convert", src, out]),
+                         (tp8, ["reshard", src, tp8, "--tp", "8", "--heads", "16", "--kv-heads", "16",
+                                "--head-dim", "128"])):
+        if not target.exists():
+            subprocess.run([PY, "-m", "ckptconv.cli", *map(str, args), "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    files = sorted(out.glob("*.safetensors"))
+    for f in files:
+        warm(f)
+    n = sum(f.stat().st_size for f in files)
+    hash_secs, hash_rss = measure([PY, "-c", HASH_ONE_THREAD, *files])
+    verify_secs, verify_rss = measure([PY, "-m", "ckptconv.cli", "verify", out, "--quiet"])
+    print(f"\nverify (structural, every file hashed), {n / 1e9:.3f} GB, median of {REPEAT}")
+    print("| command | wall s | GB/s | peak RSS MB | x one hashlib pass |\n|---|---:|---:|---:|---:|")
+    print(f"| hashlib sha256, one thread, 16 MiB reads | {hash_secs:.2f} | {n / hash_secs / 1e9:.2f} | {hash_rss:.0f} | 1.00 |")
+    print(f"| ckptconv verify | {verify_secs:.2f} | {n / verify_secs / 1e9:.2f} | {verify_rss:.0f} | "
+          f"{verify_secs / hash_secs:.2f} |")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([PY, "-m", "ckptconv.cli", "verify", tp8, "--device", "cpu", "--json", "--quiet"],
+                       capture_output=True, text=True, env=env)
+    import json
+    dev = json.loads(r.stdout)["device"]
+    print(f"\nverify --device cpu of the tp 8 output on 8 CPU devices: {dev['bytes'] / 1e9:.3f} GB placed in "
+          f"{dev['seconds']:.2f} s = {dev['gb_per_s']:.2f} GB/s, global arrays: {dev['global_arrays']}")
+    sys.stdout.flush()
+
+
+SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20),
+             "dcp": lambda: bench_dcp(18), "reshard": lambda: (bench_reshard(18), bench_reshard(36)),
+             "verify": lambda: bench_verify(18)}
 
 
 def main():

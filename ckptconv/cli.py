@@ -104,20 +104,24 @@ def _convert_command(name, pickle_only, help_text):
     @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
     @click.option("--no-copy-extras", is_flag=True, help="Do not carry config/tokenizer files into OUT.")
     @click.option("--fsync", is_flag=True, help="fsync every file before OUT is published (durable on power loss).")
+    @click.option("--resume", is_flag=True, help="Reuse the shards a killed run of the same conversion finished "
+                  "(re-verified against its journal).")
     @command
-    def run(src, out, fmt, read, max_shard_size, strip_prefix, dtype, overwrite, no_copy_extras, fsync, quiet,
-            as_json):
+    def run(src, out, fmt, read, max_shard_size, strip_prefix, dtype, overwrite, no_copy_extras, fsync, resume,
+            quiet, as_json):
         opts = ConvertOptions(fmt=fmt, read=read, strip_prefix=strip_prefix, dtype=dtype,
                               max_shard_size=parse_size(max_shard_size), overwrite=overwrite,
                               copy_extras=not no_copy_extras, pickle_only=pickle_only, quiet=quiet,
-                              fsync=fsync)
+                              fsync=fsync, resume=resume)
         summary = convert(src, out, opts)
         if as_json:
             click.echo(json.dumps(summary, indent=2))
         else:
             click.echo(f"wrote {summary['out']}: {summary['tensors']} tensors, {format_size(summary['bytes'])} "
                        f"in {len(summary['files'])} files, {summary['seconds']:.2f} s "
-                       f"({summary['gb_per_s'] or 0:.2f} GB/s)")
+                       f"({summary['gb_per_s'] or 0:.2f} GB/s)"
+                       + (f"; reused {format_size(summary['resumed_bytes'])} from the interrupted run"
+                          if summary["resumed_bytes"] else ""))
 
     return run
 

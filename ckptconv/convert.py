@@ -22,6 +22,7 @@ class ConvertOptions:
     pickle_only: bool = False
     quiet: bool = False
     fsync: bool = False
+    resume: bool = False
 
 
 def convert(src, out, opts: ConvertOptions) -> dict:
@@ -41,13 +42,14 @@ def convert(src, out, opts: ConvertOptions) -> dict:
     if opts.strip_prefix:
         source["strip_prefix"] = opts.strip_prefix
     total = sum(t.nbytes for t in tensors)
-    with atomic_output(out, opts.overwrite) as tmp, byte_progress(total, "convert", opts.quiet) as progress:
-        manifest = write_output(tmp, tensors, source, ckpt.extras, ckpt.model_files if opts.copy_extras else (),
-                                opts.max_shard_size, progress, ckpt.manifest, opts.fsync)
+    with atomic_output(out, opts.overwrite, opts.resume) as tmp, byte_progress(total, "convert", opts.quiet) as progress:
+        manifest, reused = write_output(tmp, tensors, source, ckpt.extras,
+                                        ckpt.model_files if opts.copy_extras else (), opts.max_shard_size, progress,
+                                        ckpt.manifest, opts.fsync, resume=opts.resume)
         for m in ckpt.mapped:
             if not m.unchanged():
                 raise BadInput(f"{m.path}: changed while it was being converted; nothing was written")
     seconds = time.perf_counter() - started
     return {"out": str(out), "format": ckpt.source["format"], "tensors": len(tensors), "bytes": total,
-            "files": sorted(manifest["files"]), "seconds": round(seconds, 3),
+            "files": sorted(manifest["files"]), "seconds": round(seconds, 3), "resumed_bytes": reused,
             "gb_per_s": round(total / seconds / 1e9, 3) if seconds else None}

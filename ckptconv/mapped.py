@@ -3,8 +3,10 @@
 `ru_maxrss` counts every mapped page a process touched, so after a tensor is written its pages are
 advised away (`release`); the kernel keeps them in the page cache, only our resident set shrinks.
 """
+import contextlib
 import mmap
 import os
+import stat
 
 from .errors import BadInput
 
@@ -12,17 +14,36 @@ _PAGE = mmap.PAGESIZE
 
 
 class MappedFile:
+    """A whole file mapped read-only. No descriptor is kept open (a Grok-1 directory has hundreds of
+    files per host); `opened()` gives one for the kernel to copy from."""
+
+    copyable = True
+
     def __init__(self, path):
         self.path = os.fspath(path)
         try:
-            self.fd = os.open(self.path, os.O_RDONLY)
+            if not stat.S_ISREG(os.stat(self.path).st_mode):
+                raise BadInput(f"{self.path}: not a regular file")
+            fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
             raise BadInput(f"{self.path}: cannot open: {e.strerror}") from None
-        st = os.fstat(self.fd)
-        self.size = st.st_size
-        self.stamp = (st.st_size, st.st_mtime_ns)
-        self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if self.size else None
+        try:
+            st = os.fstat(fd)
+            self.size = st.st_size
+            self.stamp = (st.st_size, st.st_mtime_ns)
+            self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if self.size else None
+        finally:
+            os.close(fd)
         self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    @contextlib.contextmanager
+    def opened(self):
+        """A read-only descriptor of the file, for copy_file_range; closed afterwards."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def check(self, offset: int, length: int, what: str):
         """Refuse a region that does not lie inside the file (a truncated or lying file)."""
@@ -46,9 +67,9 @@ class MappedFile:
 
 class MemoryFile(MappedFile):
     """Bytes that did not come from a mappable file (a decompressed DCP chunk), behind MappedFile's
-    interface: tensors over it are views of this buffer; there is no fd for the kernel to copy from."""
+    interface: tensors over it are views of this buffer; there is no file for the kernel to copy from."""
 
-    fd = None
+    copyable = False
 
     def __init__(self, data: bytes, path: str):
         self.path, self.size, self.stamp = path, len(data), None

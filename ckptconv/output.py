@@ -60,8 +60,9 @@ def _take_lock(out: Path) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_output(out, overwrite=False):
-    """Yield a temporary directory; publish it as `out` if the block succeeds, remove it otherwise."""
+def atomic_output(out, overwrite=False, resume=False):
+    """Yield a temporary directory; publish it as `out` if the block succeeds, remove it otherwise.
+    With `resume`, what a killed run left there is handed back for the writer to re-verify."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise OutputError(f"{out}: already exists (use --overwrite to replace it)")
@@ -70,9 +71,9 @@ def atomic_output(out, overwrite=False):
     lock = _take_lock(out)
     tmp = temp_path(out)
     try:
-        if tmp.exists():
+        if tmp.exists() and not resume:
             shutil.rmtree(tmp)  # left by a killed run
-        tmp.mkdir()
+        tmp.mkdir(exist_ok=resume)
         yield tmp
         _fsync_dir(tmp)
         if out.exists():

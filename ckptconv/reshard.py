@@ -234,7 +234,7 @@ def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=N
             rank_dir = tmp / f"rank-{rank:05d}"
             rank_dir.mkdir()
             source = {**ckpt.source, "resharded": {"tp": tp, "ep": ep, "rank": rank}}
-            manifest = write_output(rank_dir, rank_pieces(sources, plans, rank), source, ckpt.extras,
+            manifest, _ = write_output(rank_dir, rank_pieces(sources, plans, rank), source, ckpt.extras,
                                     ckpt.model_files, max_shard_size, progress, fsync=fsync, taps=taps)
             if rank == 0:
                 digests = {n: v["sha256"] for n, v in manifest["tensors"].items()}

@@ -95,10 +95,20 @@ def load_rules_file(path) -> RuleSet:
 # ---------------------------------------------------------------------------------------------
 # Presets
 
+def model_params(cfg: dict, overrides: dict) -> dict:
+    """Head counts from a Hugging Face config.json (any family's spelling), then --heads/--kv-heads/--head-dim."""
+    heads = overrides.get("heads") or cfg.get("num_attention_heads") or cfg.get("n_head")
+    hidden = cfg.get("hidden_size") or cfg.get("n_embd")
+    out = {"heads": heads,
+           "kv_heads": overrides.get("kv_heads") or cfg.get("num_key_value_heads") or heads,
+           "head_dim": overrides.get("head_dim") or cfg.get("head_dim") or (hidden // heads if hidden and heads else None),
+           "hidden": hidden}
+    return {k: v for k, v in out.items() if v}
+
+
 def llama(cfg: dict) -> RuleSet:
     """Llama and its relatives (Mistral, Qwen2, Mixtral naming), GQA: torch layout."""
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    heads, kv, hd = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     p = r"(?:model\.)?layers\.\d+\."
     rules = [
         Rule(r"(?:model\.)?embed_tokens\.weight", "vocab"),
@@ -117,9 +127,9 @@ def llama(cfg: dict) -> RuleSet:
 
 def gpt2(cfg: dict) -> RuleSet:
     """GPT-2: Conv1D weights are [in, out] (jax-like layout); c_attn fuses q, k, v."""
-    heads, hidden = cfg["n_head"], cfg["n_embd"]
+    heads, hd = cfg["heads"], cfg["head_dim"]
     p = r"(?:transformer\.)?h\.\d+\."
-    qkv = dict(heads=heads, kv_heads=heads, head_dim=hidden // heads)
+    qkv = dict(heads=heads, kv_heads=heads, head_dim=hd)
     rules = [
         Rule(r"(?:transformer\.)?wte\.weight", "vocab"),
         Rule(p + r"attn\.c_attn\.(?:weight|bias)", "qkv", **qkv),
@@ -128,17 +138,17 @@ def gpt2(cfg: dict) -> RuleSet:
         Rule(p + r"mlp\.c_proj\.weight", "row"),
         Rule(r"lm_head\.weight", "vocab"),
     ]
-    return RuleSet("gpt2", "jax", rules, {"heads": heads, "hidden": hidden})
+    return RuleSet("gpt2", "jax", rules, {"heads": heads, "head_dim": hd})
 
 
 def gpt_neox(cfg: dict) -> RuleSet:
     """GPT-NeoX: query_key_value interleaves q, k, v per head, so whole heads are contiguous rows."""
-    heads = cfg["num_attention_heads"]
+    heads = cfg["heads"]
     p = r"(?:gpt_neox\.)?layers\.\d+\."
     rules = [
         Rule(r"(?:gpt_neox\.)?embed_in\.weight", "vocab"),
         Rule(p + r"attention\.query_key_value\.(?:weight|bias)", "column", heads=heads,
-             head_dim=3 * cfg["hidden_size"] // heads),
+             head_dim=3 * cfg["head_dim"]),
         Rule(p + r"attention\.dense\.weight", "row"),
         Rule(p + r"mlp\.dense_h_to_4h\.(?:weight|bias)", "column"),
         Rule(p + r"mlp\.dense_4h_to_h\.weight", "row"),
@@ -153,7 +163,7 @@ GROK1 = {"heads": 48, "kv_heads": 8, "head_dim": 128}
 def grok1(cfg: dict) -> RuleSet:
     """Grok-1 tree names (lossless int8 `.weight` + `.scales`, or dequantized): JAX layout [in, out],
     MoE weights [E, in, out]; attention by whole heads, MoE F split, router and norms replicated."""
-    heads, kv, hd = cfg.get("heads", 48), cfg.get("kv_heads", 8), cfg.get("head_dim", 128)
+    heads, kv, hd = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     p = r"transformer\.decoder_layer_\d+\."
     w = r"(?:\.weight)?"
     rules = [
@@ -190,13 +200,12 @@ def choose(names, config: dict | None, preset: str | None, rules_file, heads_ove
                          "A tensor-parallel output in which nothing is split would be a mistake.")
     if preset not in PRESETS:
         raise UsageError(f"--preset {preset!r}: unknown (known: {', '.join(PRESETS)})")
-    cfg.update({k: v for k, v in heads_override.items() if v})
-    if preset == "grok-1":
-        cfg = {**GROK1, **{k: v for k, v in heads_override.items() if v}}
+    overrides = {k: v for k, v in heads_override.items() if v}
+    params = {**GROK1, **overrides} if preset == "grok-1" else model_params(cfg, overrides)
     try:
-        return PRESETS[preset](cfg)
+        return PRESETS[preset](params)
     except KeyError as e:
-        raise UsageError(f"preset {preset}: config.json lacks {e.args[0]!r} (give --heads/--kv-heads/--head-dim "
+        raise UsageError(f"preset {preset}: no {e.args[0]!r} in config.json (give --heads/--kv-heads/--head-dim "
                          "or --rules)") from None
 
 

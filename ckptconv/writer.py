@@ -6,6 +6,7 @@ coreutils `SHA256SUMS`. Every chunk is written once and hashed twice (file, tens
 Sources that are one contiguous file range are hashed straight from the mapping and copied by the
 kernel (copy_file_range); others are gathered block by block. Mapped pages are released as we go.
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -13,7 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 
 from .errors import BadInput, OutputError
-from .hashing import CHUNK, Pipeline, write_all
+from .hashing import CHUNK, Pipeline, sha256_file, write_all
 from .safetensors_format import build_header
 from .tensor import as_bytes, iter_blocks
 
@@ -58,10 +59,58 @@ class Written:
     tensors: dict = field(default_factory=dict)   # name -> {"dtype", "shape", "file", "sha256"}
 
 
-def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False, taps=None) -> Written:
+JOURNAL = ".ckptconv-journal.json"
+
+
+def _plan_id(shards) -> str:
+    """Identifies a shard plan: names, headers (names, dtypes, shapes, offsets) in order."""
+    h = hashlib.sha256()
+    for s in shards:
+        h.update(s.name.encode() + b"\0" + s.header)
+    return h.hexdigest()
+
+
+def _journal_write(out_dir, plan_id, written: Written):
+    """Record finished shards (atomically) so a killed run can be resumed."""
+    tmp = os.path.join(out_dir, JOURNAL + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"plan": plan_id, "files": written.files, "tensors": written.tensors}, f)
+    os.replace(tmp, os.path.join(out_dir, JOURNAL))
+
+
+def reusable(out_dir, shards, progress=None) -> Written:
+    """Shards a killed run finished, re-hashed and checked against its journal; the rest is redone."""
+    try:
+        with open(os.path.join(out_dir, JOURNAL)) as f:
+            journal = json.load(f)
+    except (OSError, ValueError):
+        return Written()
+    done = Written()
+    if journal.get("plan") != _plan_id(shards):
+        return done  # different input or options: nothing can be trusted
+    for shard in shards:
+        info = journal["files"].get(shard.name)
+        path = os.path.join(out_dir, shard.name)
+        if info is None or not os.path.isfile(path) or os.path.getsize(path) != info["size"]:
+            continue
+        if sha256_file(path, progress=progress) != info["sha256"]:
+            continue
+        done.files[shard.name] = info
+        done.tensors.update({t.name: journal["tensors"][t.name] for t in shard.tensors})
+    return done
+
+
+def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False, taps=None,
+                 reuse: Written = None) -> Written:
     written = Written()
+    plan_id = _plan_id(shards)
+    reuse = reuse or Written()
     for shard in shards:
         path = os.path.join(out_dir, shard.name)
+        if shard.name in reuse.files:
+            written.files[shard.name] = reuse.files[shard.name]
+            written.tensors.update({t.name: reuse.tensors[t.name] for t in shard.tensors})
+            continue
         file_h = hashlib.sha256()
         try:
             with open(path, "wb", buffering=0) as f:
@@ -78,6 +127,9 @@ def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False
             written.tensors[t.name] = {"dtype": t.dtype.code, "shape": list(t.shape), "file": shard.name,
                                        "sha256": digest.result()}
         written.files[shard.name] = {"sha256": file_h.hexdigest(), "size": shard.size}
+        _journal_write(out_dir, plan_id, written)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(out_dir, JOURNAL))
     return written
 
 
@@ -90,15 +142,16 @@ def _write_tensor(f, file_h, t, pipeline, progress, tap):
             # advise each chunk's pages away once both hashes are done with it.
             mapped, offset = span
             mapped.check(offset, t.nbytes, f"tensor {t.name!r}")
-            end = offset + t.nbytes
-            while offset < end:
-                n = min(CHUNK, end - offset)
-                copy_from = (mapped.fd, offset) if mapped.fd is not None else None
-                pipeline.push(f, file_h, tensor_h, mapped.view[offset:offset + n],
-                              lambda o=offset, k=n: mapped.release(o, k), copy_from, tap)
-                offset += n
-                if progress:
-                    progress(n)
+            with mapped.opened() if mapped.copyable else contextlib.nullcontext() as fd:
+                end = offset + t.nbytes
+                while offset < end:
+                    n = min(CHUNK, end - offset)
+                    pipeline.push(f, file_h, tensor_h, mapped.view[offset:offset + n],
+                                  lambda o=offset, k=n: mapped.release(o, k),
+                                  (fd, offset) if fd is not None else None, tap)
+                    offset += n
+                    if progress:
+                        progress(n)
         else:
             for block in iter_blocks(t, CHUNK):
                 data = as_bytes(block)
@@ -152,17 +205,23 @@ def finish(out_dir, shards, written: Written, source: dict, extras: dict, extra_
 
 
 def write_output(out_dir, tensors, source, extras, model_files=(), max_shard_size=5 * 10**9,
-                 progress=None, extra_manifest=None, fsync=False, taps=None):
-    """Write a complete output directory (shards, index, manifest, SHA256SUMS) into `out_dir`.
+                 progress=None, extra_manifest=None, fsync=False, taps=None, resume=False):
+    """Write a complete output directory (shards, index, manifest, SHA256SUMS) into `out_dir`;
+    returns (manifest, bytes reused from a killed run).
 
-    `taps` maps tensor names to extra hashes fed with those tensors' bytes as they are written."""
-    if shutil.disk_usage(out_dir).free < sum(t.nbytes for t in tensors):
-        raise OutputError(f"{out_dir}: not enough free disk space for {sum(t.nbytes for t in tensors)} bytes")
+    `taps` maps tensor names to extra hashes fed with those tensors' bytes as they are written.
+    With `resume`, shards a killed run finished in `out_dir` are re-verified and kept."""
     shards = plan_shards(tensors, max_shard_size)
+    reuse = reusable(out_dir, shards) if resume else Written()
+    needed = sum(s.size for s in shards if s.name not in reuse.files)
+    if shutil.disk_usage(out_dir).free < needed:
+        raise OutputError(f"{out_dir}: not enough free disk space for {needed} bytes")
     pipeline = Pipeline()
     try:
-        written = write_shards(out_dir, shards, pipeline, progress, fsync, taps)
+        written = write_shards(out_dir, shards, pipeline, progress, fsync, taps, reuse)
     finally:
         pipeline.close()
+
     copy_files(out_dir, model_files, written)
-    return finish(out_dir, shards, written, source, extras, extra_manifest)
+    manifest = finish(out_dir, shards, written, source, extras, extra_manifest)
+    return manifest, sum(v["size"] for v in reuse.files.values())

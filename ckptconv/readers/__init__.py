@@ -40,6 +40,8 @@ def detect(path) -> object:
     path = Path(path)
     if not path.exists():
         raise BadInput(f"{path}: no such file or directory")
+    if not path.is_dir() and not path.is_file():
+        raise BadInput(f"{path}: not a regular file or a directory")
     for mod in _modules():
         if mod.detect(path):
             return mod

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import dtypes, unpickler
-from ..errors import BadInput, UsageError
+from ..errors import BadInput, UnsafePickle, UsageError
 from ..mapped import MappedFile, MemoryFile
 from ..safetensors_format import parse_header
 from ..tensor import Checkpoint, Concat, TensorSource
@@ -203,8 +203,10 @@ class DCPReader:
 class MemoryView(MappedFile):
     """The tail of a mapped file from `base`, seen as a file of its own (a safetensors blob)."""
 
+    copyable = False
+
     def __init__(self, mapped, base):
-        self.path, self.fd, self.base = mapped.path, None, base
+        self.path, self.base = mapped.path, base
         self.size, self._map, self.stamp = mapped.size - base, None, None
         self.view = mapped.view[base:]
 
@@ -326,12 +328,17 @@ def _bytes_item(reader, fqn, info, tensors, extras, options):
     head = bytes(m.view[offset:offset + 4])
     if head == b"PK\x03\x04":
         value = load_zip(m, reader.allow, offset, length)
-    elif head[:1] == b"\x80":
-        value = unpickler.load(m.view[offset:offset + length], reader.allow, m.path, offset)
     else:
-        raw = m.view[offset:offset + length]
-        extras[fqn] = {"__opaque__": length, "sha256": hashlib.sha256(raw).hexdigest()}
-        return
+        # Any pickle protocol (0 and 1 have no header) is run by the VM, which never executes
+        # anything: a hostile global is refused; bytes that do not parse as a pickle are opaque.
+        try:
+            value = unpickler.load(m.view[offset:offset + length], reader.allow, m.path, offset)
+        except UnsafePickle:
+            raise
+        except BadInput:
+            raw = m.view[offset:offset + length]
+            extras[fqn] = {"__opaque__": length, "sha256": hashlib.sha256(raw).hexdigest()}
+            return
     t, e, _ = flatten(value, m.path, prefix=fqn, skip_unsupported=options.skip_unsupported)
     tensors.extend(t.values())
     extras.update({k: unpickler.to_jsonable(v) for k, v in e.items()})

@@ -1,0 +1,77 @@
+"""Property tests: random and mutated inputs to the unpickler, the zip parser and the safetensors
+header parser only ever raise the project's own error (never another exception, never a hang).
+The long coverage-guided run is `make fuzz` (atheris, fuzz/fuzz_parsers.py)."""
+import io
+import pickle
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fuzz.fuzz_parsers import parse_any
+from tests import attacks
+
+SETTINGS = settings(max_examples=300, deadline=2000, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+def _torch_bytes():
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(6.0).reshape(2, 3).t(), "n": {"step": 3, "lr": 0.1}}, buf)
+    return buf.getvalue()
+
+
+def _safetensors_bytes():
+    from safetensors.numpy import save
+    return save({"a": np.arange(6, dtype=np.float32), "b": np.ones((2, 2), np.int8)})
+
+
+SEEDS = {
+    "pickle": pickle.dumps({"a": [1, 2.5, "x", b"y", (None, True)], "b": {1, 2}}, protocol=4),
+    "torch-zip": _torch_bytes(),
+    "safetensors": _safetensors_bytes(),
+    "grok": attacks.torch_legacy(pickle.dumps(np.arange(5, dtype=np.float32), protocol=2)),
+}
+
+
+@st.composite
+def mutated(draw, seed: bytes):
+    data = bytearray(seed)
+    for _ in range(draw(st.integers(1, 8))):
+        op = draw(st.sampled_from(["flip", "cut", "insert", "overwrite"]))
+        i = draw(st.integers(0, max(len(data) - 1, 0)))
+        if op == "flip" and data:
+            data[i] ^= 1 << draw(st.integers(0, 7))
+        elif op == "cut":
+            del data[i:i + draw(st.integers(1, 64))]
+        elif op == "insert":
+            data[i:i] = draw(st.binary(min_size=1, max_size=16))
+        else:
+            n = draw(st.sampled_from([1, 4, 8]))
+            data[i:i + n] = draw(st.sampled_from([b"\xff" * n, b"\x00" * n, b"\x7f" + b"\xff" * (n - 1)]))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("kind", sorted(SEEDS))
+@SETTINGS
+@given(data=st.data())
+def test_mutated_inputs_only_raise_clean_errors(kind, data):
+    parse_any(data.draw(mutated(SEEDS[kind])))
+
+
+@SETTINGS
+@given(st.binary(max_size=512))
+def test_random_bytes_only_raise_clean_errors(blob):
+    parse_any(blob)
+
+
+def test_claimed_sizes_are_not_allocated():
+    """A pickle that claims an 8 EiB payload is refused before any allocation."""
+    parse_any(b"\x80\x04\x8e" + (2**63).to_bytes(8, "little") + b".")
+    parse_any(b"\x80\x02\x8b" + (2**31 - 1).to_bytes(4, "little") + b".")
+    zdata = bytearray(SEEDS["torch-zip"])
+    cd = zdata.rfind(b"PK\x05\x06")
+    zdata[cd + 10:cd + 12] = b"\xff\xfe"  # entry count far beyond what the directory holds
+    parse_any(bytes(zdata))

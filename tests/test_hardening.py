@@ -1,0 +1,289 @@
+"""Hostile and broken input, interrupted and concurrent runs, full disks: nothing executed, nothing
+lost, nothing half-written."""
+import json
+import os
+import resource
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckptconv import ziparchive
+from ckptconv.errors import BadInput
+from ckptconv.mapped import MappedFile
+from ckptconv.readers import ReadOptions, open_checkpoint
+from tests import attacks
+from tests.conftest import ROOT, run
+
+
+@pytest.fixture(scope="module")
+def dcp_template(tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+    d = tmp_path_factory.mktemp("dcp-template") / "ckpt"
+    dcp.save({"w": torch.ones(4), "step": 5}, checkpoint_id=d)
+    return d
+
+
+ATTACKS = list(attacks.attacks(Path("/nonexistent")))
+
+
+@pytest.mark.parametrize("container", attacks.CONTAINERS)
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_attack_corpus_refused_everywhere(tmp_path, dcp_template, container, attack):
+    canary = tmp_path / "canary"
+    pkl = attacks.attacks(canary)[attack]
+    src = attacks.write_container(container, pkl, tmp_path / "src", dcp_template)
+    r = run("convert", src, tmp_path / "out")
+    assert r.exit_code == 2, (r.stdout, r.stderr)
+    assert r.stderr.startswith("ckptconv: error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert str(tmp_path / "src") in r.stderr, r.stderr
+    assert any(word in r.stderr for word in ("allowlist", "refused", "persistent id", "EXT", "not accepted",
+                                             "cannot be", "BUILD", "ndarray", "malformed")), r.stderr
+    assert not canary.exists()
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+# --- zip container abuse
+
+
+def _zip(entries, **kw) -> bytes:
+    import io
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name, data in entries:
+            if kw.get("zip64"):
+                with z.open(name, "w", force_zip64=True) as f:
+                    f.write(data)
+            else:
+                z.writestr(name, data)
+    return buf.getvalue()
+
+
+def _entries(data: bytes, tmp_path):
+    p = tmp_path / "x.pt"
+    p.write_bytes(data)
+    return ziparchive.read_entries(MappedFile(p))
+
+
+@pytest.mark.parametrize("names, needle", [
+    (["archive/../evil.pkl"], "escapes the archive"),
+    (["/abs/data.pkl"], "absolute"),
+    (["archive/data.pkl", "archive/data.pkl"], "appears twice"),
+])
+def test_zip_bad_names(tmp_path, names, needle):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        data = _zip([(n, b"x") for n in names])
+    with pytest.raises(BadInput, match=needle):
+        _entries(data, tmp_path)
+
+
+def test_zip_central_directory_disagrees_with_local_header(tmp_path):
+    data = bytearray(_zip([("archive/a", b"aaaa"), ("archive/b", b"bbbb")]))
+    cd = data.rfind(b"PK\x01\x02")  # the second central record: point it at the first local header
+    struct.pack_into("<I", data, cd + 42, 0)
+    with pytest.raises(BadInput, match="disagrees"):
+        _entries(bytes(data), tmp_path)
+
+
+def test_zip_size_beyond_file(tmp_path):
+    data = bytearray(_zip([("archive/a", b"aaaa")]))
+    cd = data.rfind(b"PK\x01\x02")
+    struct.pack_into("<II", data, cd + 20, 10**9, 10**9)
+    with pytest.raises(BadInput, match="beyond the end of the file"):
+        _entries(bytes(data), tmp_path)
+
+
+def test_zip_overlapping_entries(tmp_path):
+    data = bytearray(_zip([("archive/a", b"a" * 100), ("archive/b", b"bbbb")]))
+    cd = data.find(b"PK\x01\x02")
+    struct.pack_into("<II", data, cd + 20, 200, 200)  # a's data now runs over b's local header
+    with pytest.raises(BadInput, match="overlap|disagree|beyond"):
+        _entries(bytes(data), tmp_path)
+
+
+def test_zip64_accepted_and_broken_zip64_refused(tmp_path):
+    data = _zip([("archive/data.pkl", b"\x80\x02}q\x00."), ("archive/version", b"3\n")], zip64=True)
+    entries = _entries(data, tmp_path)
+    assert entries["archive/data.pkl"].size == 6
+    broken = bytearray(data)
+    cd = broken.find(b"PK\x01\x02")
+    struct.pack_into("<II", broken, cd + 20, 0xFFFFFFFF, 0xFFFFFFFF)  # needs a ZIP64 field it does not have
+    struct.pack_into("<H", broken, cd + 30, 0)  # drop the extra field length
+    with pytest.raises(BadInput):
+        _entries(bytes(broken), tmp_path)
+
+
+# --- safetensors header abuse
+
+
+F4 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize("header, data, claimed, needle", [
+    ({"a": F4}, b"\0" * 8, 10**6, "claims"),
+    (None, b"", None, "not valid JSON"),
+    ({"a": F4, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None, "overlaps"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 80]}}, b"\0" * 8, None, "outside"),
+    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, None, "needs 12 bytes"),
+    ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "invalid shape"),
+    ({"a": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 8]}}, b"\0" * 8, None, "invalid shape"),
+    ({"a": {"dtype": "Q8", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "unknown dtype"),
+])
+def test_safetensors_header_abuse(tmp_path, header, data, claimed, needle):
+    p = tmp_path / "bad.safetensors"
+    if header is None:
+        p.write_bytes(struct.pack("<Q", 5) + b"{nope" + data)
+    else:
+        p.write_bytes(attacks.safetensors_file(header, data, claimed))
+    r = run("convert", p, tmp_path / "out", "--from", "safetensors")
+    assert r.exit_code == 2 and needle in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_safetensors_duplicate_names(tmp_path):
+    p = tmp_path / "dup.safetensors"
+    text = b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}'
+    p.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 8)
+    r = run("inspect", p)
+    assert r.exit_code == 2 and "names 'a' twice" in r.stderr
+
+
+# --- interrupted, concurrent and failing runs
+
+
+@pytest.fixture(scope="module")
+def big_pt(tmp_path_factory):
+    p = tmp_path_factory.mktemp("big") / "big.pt"
+    g = torch.Generator().manual_seed(0)
+    torch.save({f"w{i}": torch.randn(1024, 2048, generator=g) for i in range(24)}, p)  # 24 x 8 MiB
+    return p
+
+
+def _tmp_bytes(tmp: Path) -> int:
+    try:
+        return sum(f.stat().st_size for f in tmp.iterdir())
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.parametrize("kill_after_mb", [1, 60, 130, 190])
+def test_sigkill_leaves_nothing_that_looks_finished(big_pt, tmp_path, kill_after_mb):
+    out = tmp_path / "out"
+    tmp = tmp_path / ".out.ckptconv-tmp"
+    proc = subprocess.Popen([sys.executable, "-m", "ckptconv.cli", "convert", big_pt, out, "--quiet",
+                             "--max-shard-size", "16MiB"], cwd=ROOT)
+    while proc.poll() is None and _tmp_bytes(tmp) < kill_after_mb * 2**20:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if out.exists():  # it finished before the kill: then it must be complete
+        assert run("verify", out).exit_code == 0
+    else:
+        assert not (out / "manifest.json").exists()
+    # the next run recognises the leftovers, cleans them up and succeeds
+    r = run("convert", big_pt, out, "--quiet", "--max-shard-size", "16MiB", "--overwrite")
+    assert r.exit_code == 0, r.stderr
+    assert run("verify", out).exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_resume_reuses_verified_shards(big_pt, tmp_path):
+    out = tmp_path / "out"
+    tmp = tmp_path / ".out.ckptconv-tmp"
+    proc = subprocess.Popen([sys.executable, "-m", "ckptconv.cli", "convert", big_pt, out, "--quiet",
+                             "--max-shard-size", "16MiB"], cwd=ROOT)
+    while proc.poll() is None and not (tmp / ".ckptconv-journal.json").exists():
+        time.sleep(0.001)
+    while proc.poll() is None and _tmp_bytes(tmp) < 100 * 2**20:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if out.exists():
+        pytest.skip("the conversion finished before it could be killed")
+    journal = json.loads((tmp / ".ckptconv-journal.json").read_text())
+    # corrupt one finished shard: resume must re-verify and redo it, not trust it
+    first = sorted(journal["files"])[0]
+    with open(tmp / first, "r+b") as f:
+        f.seek(1000)
+        f.write(b"\xff")
+    r = run("convert", big_pt, out, "--max-shard-size", "16MiB", "--resume", "--json")
+    assert r.exit_code == 0, r.stderr
+    summary = json.loads(r.stdout)
+    expected = sum(v["size"] for k, v in journal["files"].items() if k != first)
+    assert summary["resumed_bytes"] == expected and expected > 0
+    assert run("verify", out).exit_code == 0
+    fresh = tmp_path / "fresh"
+    assert run("convert", big_pt, fresh, "--quiet", "--max-shard-size", "16MiB").exit_code == 0
+    for f in sorted(fresh.iterdir()):
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_lock_stops_a_second_run_and_stale_locks_are_taken_over(big_pt, tmp_path):
+    out = tmp_path / "out"
+    lock = tmp_path / ".out.ckptconv-lock"
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
+    r = run("convert", big_pt, out)
+    assert r.exit_code == 2 and f"pid {os.getpid()}" in r.stderr and not out.exists()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock.write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
+    (tmp_path / ".out.ckptconv-tmp").mkdir()
+    (tmp_path / ".out.ckptconv-tmp" / "junk").write_text("left by a killed run")
+    r = run("convert", big_pt, out, "--quiet")
+    assert r.exit_code == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_source_changing_during_conversion_is_detected(big_pt, tmp_path, monkeypatch):
+    import contextlib
+    from ckptconv import convert as convert_mod
+    src = tmp_path / "src.pt"
+    src.write_bytes(big_pt.read_bytes())
+    calls = []
+
+    @contextlib.contextmanager
+    def touching_progress(total, desc, quiet=False):
+        def update(n):
+            if not calls:
+                with open(src, "ab") as f:
+                    f.write(b"appended while converting")
+            calls.append(n)
+        yield update
+
+    monkeypatch.setattr(convert_mod, "byte_progress", touching_progress)
+    with pytest.raises(BadInput, match="changed while it was being converted"):
+        convert_mod.convert(src, tmp_path / "out", convert_mod.ConvertOptions())
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.ckptconv-tmp").exists()
+
+
+def test_file_size_limit_gives_exit_2_and_no_output(big_pt, tmp_path):
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 2**20, 20 * 2**20))
+
+    r = subprocess.run([sys.executable, "-m", "ckptconv.cli", "convert", big_pt, tmp_path / "out", "--quiet"],
+                       capture_output=True, text=True, preexec_fn=limit, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    assert "model-00001-of-00001.safetensors" in r.stderr and "File too large" in r.stderr
+    assert r.stderr.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_unreadable_inputs(tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    r = run("convert", tmp_path / "dangling", tmp_path / "out")
+    assert r.exit_code == 2 and "no such file" in r.stderr
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)
+    r = run("convert", fifo, tmp_path / "out", "--from", "torch")
+    assert r.exit_code == 2 and str(fifo) in r.stderr
+    assert not (tmp_path / "out").exists()
