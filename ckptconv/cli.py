@@ -10,8 +10,10 @@ from collections import Counter
 import click
 
 from . import dtypes
+from .cluster import join
 from .convert import ConvertOptions, convert
 from .errors import CkptError, UsageError
+from .plan import plan_run
 from .progress import byte_progress
 from .reshard import reshard
 from .verify import total_bytes, verify
@@ -85,6 +87,26 @@ def read_options(fn):
     return wrapper
 
 
+def cluster_options(fn):
+    """--distributed and friends: join a multi-process job (see docs/distributed.md)."""
+    @click.option("--distributed", is_flag=True, help="Work as one of several processes (jax.distributed; also "
+                  "implied by JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID or a multi-task SLURM job).")
+    @click.option("--coordinator", metavar="HOST:PORT", help="Address of process 0's coordination service.")
+    @click.option("--num-processes", type=click.IntRange(1), help="Processes in the job.")
+    @click.option("--process-id", type=click.IntRange(0), help="This process's index.")
+    @click.option("--cluster-timeout", type=click.IntRange(1), default=60, show_default=True,
+                  help="Seconds to wait for the coordinator and for other processes' results.")
+    @click.option("--heartbeat-timeout", type=click.IntRange(1), default=10, show_default=True,
+                  help="Seconds without a heartbeat after which a process counts as dead.")
+    @functools.wraps(fn)
+    def wrapper(*args, distributed, coordinator, num_processes, process_id, cluster_timeout, heartbeat_timeout, **kw):
+        kw["cluster"] = lambda: join(distributed, coordinator, num_processes, process_id, cluster_timeout,
+                                     heartbeat_timeout)
+        return fn(*args, **kw)
+
+    return wrapper
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ckptconv")
 def main():
@@ -106,16 +128,20 @@ def _convert_command(name, pickle_only, help_text):
     @click.option("--fsync", is_flag=True, help="fsync every file before OUT is published (durable on power loss).")
     @click.option("--resume", is_flag=True, help="Reuse the shards a killed run of the same conversion finished "
                   "(re-verified against its journal).")
+    @cluster_options
     @command
     def run(src, out, fmt, read, max_shard_size, strip_prefix, dtype, overwrite, no_copy_extras, fsync, resume,
-            quiet, as_json):
+            cluster, quiet, as_json):
         opts = ConvertOptions(fmt=fmt, read=read, strip_prefix=strip_prefix, dtype=dtype,
                               max_shard_size=parse_size(max_shard_size), overwrite=overwrite,
                               copy_extras=not no_copy_extras, pickle_only=pickle_only, quiet=quiet,
                               fsync=fsync, resume=resume)
-        summary = convert(src, out, opts)
+        summary = convert(src, out, opts, cluster())
         if as_json:
             click.echo(json.dumps(summary, indent=2))
+        elif "process" in summary:
+            click.echo(f"process {summary['process']} of {summary['processes']}: wrote {len(summary['files'])} shard "
+                       f"files of {summary['out']} in {summary['seconds']:.2f} s")
         else:
             click.echo(f"wrote {summary['out']}: {summary['tensors']} tensors, {format_size(summary['bytes'])} "
                        f"in {len(summary['files'])} files, {summary['seconds']:.2f} s "
@@ -153,9 +179,10 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--fsync", is_flag=True, help="fsync every file before OUT is published.")
 @read_options
+@cluster_options
 @command
 def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim, dry_run, max_shard_size, overwrite,
-                fsync, fmt, read, quiet, as_json):
+                fsync, fmt, read, cluster, quiet, as_json):
     """Slice SRC for a tensor-parallel (and expert-parallel) mesh: OUT/mesh.json and OUT/rank-XXXXX/.
 
     Each rank directory is a complete sharded-safetensors output holding exactly what that rank
@@ -166,7 +193,8 @@ def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim,
         raise UsageError("OUT is required unless --dry-run")
     summary = reshard(src, out, tp, ep, preset, rules_file, {"heads": heads, "kv_heads": kv_heads,
                                                              "head_dim": head_dim},
-                      read, fmt, parse_size(max_shard_size), overwrite, dry_run, quiet, fsync)
+                      read, fmt, parse_size(max_shard_size), overwrite, dry_run, quiet, fsync,
+                      None if dry_run else cluster())
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     elif dry_run:
@@ -201,18 +229,24 @@ def format_plan(summary) -> str:
               "with JAX and check them there.")
 @click.option("--allow-fewer-devices", is_flag=True, help="Map ranks to devices round-robin when there are fewer.")
 @read_options
+@cluster_options
 @command
-def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, quiet, as_json):
+def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, quiet, as_json):
     """Check an output of convert or reshard: digests, structure, the source, and a device load.
 
     Prints every problem found, one per line naming the file and the tensor; exits 0 when clean,
     1 when problems were found, 2 when it could not verify. Example: ckptconv verify out/ --against model/
     """
+    cluster = cluster()
     with byte_progress(total_bytes(path) if Path(path).is_dir() else 0, "verify", quiet) as progress:
-        report = verify(path, against, read, fmt, device, allow_fewer_devices, progress)
+        report = verify(path, against, read, fmt, device, allow_fewer_devices, progress, cluster)
     if as_json:
         click.echo(json.dumps({"ok": not report.problems, "problems": report.problems, "files": report.files,
                                "tensors": report.tensors, "bytes": report.bytes, "device": report.device}, indent=2))
+    elif cluster is not None and not cluster.is_main:
+        click.echo(f"process {cluster.process_id} of {cluster.num_processes}: checked its share; "
+                   f"{'no problems' if not report.problems else f'{len(report.problems)} problem(s)'} in the whole "
+                   "output (process 0 prints the report)")
     else:
         for p in report.problems:
             click.echo(p)
@@ -228,6 +262,47 @@ def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, quiet, as_
                        + "; peak per device: " + ", ".join(f"{k} {format_size(v)}" for k, v in d["peak_device_bytes"].items()))
     if report.problems:
         sys.exit(1)
+
+
+@main.command("plan")
+@click.argument("src", type=click.Path(path_type=str))
+@click.option("--tp", type=click.IntRange(1), help="Plan a reshard for this tensor-parallel size (else a convert).")
+@click.option("--ep", type=click.IntRange(1), default=1, show_default=True, help="Expert-parallel groups.")
+@click.option("--hosts", type=click.IntRange(1), default=1, show_default=True, help="Processes sharing the work.")
+@click.option("--disk-gbps", type=float, default=2.0, show_default=True, help="Disk bandwidth of one host, GB/s.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file.")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Partition preset for --tp.")
+@click.option("--rules", "rules_file", type=click.Path(exists=True, dir_okay=False), help="Partition rules file.")
+@click.option("--heads", type=int, help="Query heads (overrides config.json).")
+@click.option("--kv-heads", type=int, help="Key/value heads.")
+@click.option("--head-dim", type=int, help="Head dimension.")
+@read_options
+@command
+def plan_cmd(src, tp, ep, hosts, disk_gbps, max_shard_size, preset, rules_file, heads, kv_heads, head_dim, fmt, read,
+             quiet, as_json):
+    """Show what a convert (or, with --tp, a reshard) of SRC would do, without reading tensor data:
+    bytes per output file and per process, peak memory per process, and the time implied by
+    --disk-gbps. SRC may be a checkpoint or a shapes-only JSON (e.g. the Grok-1 tensors.json).
+
+    Example: ckptconv plan grok1_tensors.json --tp 8 --hosts 8
+    """
+    ckpt = open_checkpoint(src, fmt, read)
+    result = plan_run(ckpt, hosts=hosts, disk_gbps=disk_gbps, tp=tp, ep=ep, max_shard_size=parse_size(max_shard_size),
+                      preset=preset, rules_file=rules_file,
+                      heads={"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim})
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    job = f"reshard --tp {tp}" + (f" --ep {ep}" if ep > 1 else "") + f" ({result['rules']} rules)" if tp else "convert"
+    click.echo(f"{src}: {result['format']}, {result['tensors']} tensors, {format_size(result['source_bytes'])}; "
+               f"{job} on {hosts} host(s) at {disk_gbps} GB/s each")
+    for u in result["units"]:
+        click.echo(f"  {u['name']:<36} {format_size(u['bytes']):>12}  process {u['process']}")
+    for p in result["processes"]:
+        click.echo(f"process {p['process']}: {len(p['units'])} files, reads {format_size(p['bytes_read'])}, writes "
+                   f"{format_size(p['bytes_written'])}, peak RSS ~{p['peak_rss_bytes'] / 2**20:.0f} MiB, "
+                   f"~{p['seconds']:.0f} s")
+    click.echo(f"estimated time: {result['seconds']:.0f} s ({result['time_model']})")
 
 
 @main.command("inspect")

@@ -1,13 +1,16 @@
 """convert: any supported source -> sharded safetensors (reader -> transforms -> writer), atomically."""
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import dtypes, transforms
+from .cluster import assign, on_cluster, run_guarded
 from .errors import BadInput, UsageError
-from .output import atomic_output
+from .hashing import Pipeline
+from .output import atomic_output, temp_path
 from .progress import byte_progress
 from .readers import ReadOptions, open_checkpoint, readers
-from .writer import write_output
+from .writer import Written, copy_files, finish, plan_shards, write_output, write_shards
 
 
 @dataclass
@@ -25,10 +28,13 @@ class ConvertOptions:
     resume: bool = False
 
 
-def convert(src, out, opts: ConvertOptions) -> dict:
+def convert(src, out, opts: ConvertOptions, cluster=None) -> dict:
     started = time.perf_counter()
     ckpt = open_checkpoint(src, opts.fmt, opts.read)
-    if opts.pickle_only and not readers()[ckpt.source["format"]].PICKLE:
+    reader = readers()[ckpt.source["format"]]
+    if not getattr(reader, "DATA", True):
+        raise UsageError(f"{src}: a {reader.NAME} description holds no tensor data; use `ckptconv plan` with it")
+    if opts.pickle_only and not reader.PICKLE:
         raise UsageError(f"{src}: is a {ckpt.source['format']} checkpoint, not a pickle-based one; "
                          "use `ckptconv convert` for it")
     if not ckpt.tensors:
@@ -42,14 +48,55 @@ def convert(src, out, opts: ConvertOptions) -> dict:
     if opts.strip_prefix:
         source["strip_prefix"] = opts.strip_prefix
     total = sum(t.nbytes for t in tensors)
+    if cluster is not None:
+        return _convert_on_cluster(ckpt, tensors, source, out, opts, cluster, started)
     with atomic_output(out, opts.overwrite, opts.resume) as tmp, byte_progress(total, "convert", opts.quiet) as progress:
         manifest, reused = write_output(tmp, tensors, source, ckpt.extras,
                                         ckpt.model_files if opts.copy_extras else (), opts.max_shard_size, progress,
                                         ckpt.manifest, opts.fsync, resume=opts.resume)
-        for m in ckpt.mapped:
-            if not m.unchanged():
-                raise BadInput(f"{m.path}: changed while it was being converted; nothing was written")
+        _check_unchanged(ckpt)
     seconds = time.perf_counter() - started
     return {"out": str(out), "format": ckpt.source["format"], "tensors": len(tensors), "bytes": total,
             "files": sorted(manifest["files"]), "seconds": round(seconds, 3), "resumed_bytes": reused,
             "gb_per_s": round(total / seconds / 1e9, 3) if seconds else None}
+
+
+def _convert_on_cluster(ckpt, tensors, source, out, opts, cluster, started) -> dict:
+    """This process writes the shards `assign` gives it; process 0 merges the digests and publishes.
+    The plan, and so the output, is the same as a single-process run's, byte for byte."""
+    shards = plan_shards(tensors, opts.max_shard_size)
+    owner = assign([s.size for s in shards], cluster.num_processes)
+    mine = [s for s, o in zip(shards, owner) if o == cluster.process_id]
+
+    def write_mine():
+        pipeline = Pipeline()
+        try:
+            written = write_shards(temp_path(Path(out)), mine, pipeline, fsync=opts.fsync, journal=False)
+        finally:
+            pipeline.close()
+        _check_unchanged(ckpt)
+        return {"files": written.files, "tensors": written.tensors}
+
+    def publish(tmp):
+        results = run_guarded(cluster, "shards", write_mine)
+        written = Written()
+        for shard in shards:  # merge in plan order: the manifest comes out as a single process writes it
+            result = results[owner[shards.index(shard)]]
+            written.files[shard.name] = result["files"][shard.name]
+            written.tensors.update({t.name: result["tensors"][t.name] for t in shard.tensors})
+        copy_files(tmp, ckpt.model_files if opts.copy_extras else (), written)
+        finish(tmp, shards, written, source, ckpt.extras, ckpt.manifest)
+
+    on_cluster(cluster, out, opts.overwrite, publish, lambda: run_guarded(cluster, "shards", write_mine))
+    seconds = time.perf_counter() - started
+    mine_bytes = sum(s.size for s in mine)
+    return {"out": str(out), "format": ckpt.source["format"], "tensors": len(tensors),
+            "bytes": sum(t.nbytes for t in tensors), "files": sorted(s.name for s in mine),
+            "seconds": round(seconds, 3), "resumed_bytes": 0, "process": cluster.process_id,
+            "processes": cluster.num_processes, "gb_per_s": round(mine_bytes / seconds / 1e9, 3) if seconds else None}
+
+
+def _check_unchanged(ckpt):
+    for m in ckpt.mapped:
+        if not m.unchanged():
+            raise BadInput(f"{m.path}: changed while it was being converted; nothing was written")

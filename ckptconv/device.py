@@ -44,21 +44,27 @@ def _rank_tensors(d: Path):
     return {t.name: (t, manifest[t.name]["sha256"]) for t in st_reader.load(d, ReadOptions()).tensors}
 
 
-def device_check(path: Path, platform: str, allow_fewer: bool, report) -> dict:
+def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=None) -> dict:
+    """Place and check every piece on its device. With several processes (jax.distributed), the mesh
+    spans every process's devices; each process places the ranks whose device is local to it, and
+    global arrays are assembled over the global mesh from each process's local pieces."""
     mesh = json.loads((path / "mesh.json").read_text()) if (path / "mesh.json").is_file() else None
     ranks = mesh["ranks"] if mesh else 1
-    jax, devices = import_jax(platform, ranks)
+    jax, devices = import_jax(platform, ranks // (cluster.num_processes if cluster else 1))
     if len(devices) < ranks and not allow_fewer:
         raise UsageError(f"--device {platform}: {ranks} ranks but only {len(devices)} devices "
                          "(--allow-fewer-devices maps ranks to devices round-robin)")
     placement = [devices[r % len(devices)] for r in range(ranks)]
+    local = [d.process_index == jax.process_index() for d in placement]
+    use_global = mesh is not None and len(devices) >= ranks and mesh.get("ep", 1) == 1
+    n_devices = len(devices)
     dirs = [path / f"rank-{r:05d}" for r in range(ranks)] if mesh else [path]
-    pieces = [_rank_tensors(d) for d in dirs]
+    pieces = [_rank_tensors(d) if local[r] else {} for r, d in enumerate(dirs)]
+    devices = [d for d in devices if d.process_index == jax.process_index()]
     live = {d.id: 0 for d in devices}
     peak = dict(live)
     placed, started = 0, time.perf_counter()
-    names = list(mesh["tensors"]) if mesh else list(pieces[0])
-    use_global = mesh is not None and len(devices) >= ranks and mesh.get("ep", 1) == 1
+    names = list(mesh["tensors"]) if mesh else list(_rank_tensors(path))
     if use_global:
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
         jmesh = Mesh(np.array(placement), ("tp",))
@@ -100,9 +106,10 @@ def device_check(path: Path, platform: str, allow_fewer: bool, report) -> dict:
             src.release()
     seconds = time.perf_counter() - started
     stats = {}
-    for d in devices[:max(ranks, 1)]:
+    for d in devices:
         s = d.memory_stats() if hasattr(d, "memory_stats") else None
         stats[str(d)] = (s or {}).get("peak_bytes_in_use", peak.get(d.id, 0))
-    return {"platform": platform, "devices": len(devices), "ranks": ranks, "global_arrays": use_global,
+    return {"platform": platform, "devices": n_devices, "local_devices": len(devices),
+            "ranks": ranks, "global_arrays": use_global,
             "bytes": placed, "seconds": round(seconds, 3), "gb_per_s": round(placed / seconds / 1e9, 3) if seconds else None,
             "peak_device_bytes": stats}

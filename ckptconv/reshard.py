@@ -11,11 +11,13 @@ import math
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+from .cluster import assign, on_cluster, run_guarded
 from .errors import BadInput, UsageError
-from .output import atomic_output
+from .output import atomic_output, temp_path
 from .progress import byte_progress
-from .readers import ReadOptions, open_checkpoint
+from .readers import ReadOptions, open_checkpoint, readers
 from .rules import RuleSet, choose, from_json, read_config
 from .tensor import Concat, iter_blocks, as_bytes
 from .writer import write_json, write_output
@@ -209,7 +211,7 @@ def _streams_in_order(p: TensorPlan) -> bool:
 
 
 def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=None, fmt=None,
-            max_shard_size=5 * 10**9, overwrite=False, dry_run=False, quiet=False, fsync=False):
+            max_shard_size=5 * 10**9, overwrite=False, dry_run=False, quiet=False, fsync=False, cluster=None):
     started = time.perf_counter()
     ckpt = open_checkpoint(src, fmt, read or ReadOptions())
     names = [t.name for t in ckpt.tensors]
@@ -224,29 +226,73 @@ def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=N
     summary = plan_summary(plans, rules, tp, ep)
     if dry_run:
         return summary
+    if not getattr(readers()[ckpt.source["format"]], "DATA", True):
+        raise UsageError(f"{src}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
     sources = {t.name: t for t in ckpt.tensors}
     ranks = tp * ep
-    taps = {p.name: hashlib.sha256() for p in plans if _streams_in_order(p)}
     total = sum(p.piece_bytes(r) for p in plans for r in range(ranks))
-    with atomic_output(out, overwrite) as tmp, byte_progress(total, "reshard", quiet) as progress:
-        digests = {}
-        for rank in range(ranks):
-            rank_dir = tmp / f"rank-{rank:05d}"
-            rank_dir.mkdir()
-            source = {**ckpt.source, "resharded": {"tp": tp, "ep": ep, "rank": rank}}
-            manifest, _ = write_output(rank_dir, rank_pieces(sources, plans, rank), source, ckpt.extras,
-                                    ckpt.model_files, max_shard_size, progress, fsync=fsync, taps=taps)
-            if rank == 0:
-                digests = {n: v["sha256"] for n, v in manifest["tensors"].items()}
-        mesh = mesh_json(plans, rules, tp, ep, ckpt.source, global_digests(plans, sources, taps, digests))
-        write_json(tmp, "mesh.json", mesh)
-        for m in ckpt.mapped:
-            if not m.unchanged():
-                raise BadInput(f"{m.path}: changed while it was being resharded; nothing was written")
+
+    def write_rank(tmp, rank, progress=None, taps=None):
+        rank_dir = Path(tmp) / f"rank-{rank:05d}"
+        rank_dir.mkdir()
+        source = {**ckpt.source, "resharded": {"tp": tp, "ep": ep, "rank": rank}}
+        manifest, _ = write_output(rank_dir, rank_pieces(sources, plans, rank), source, ckpt.extras,
+                                   ckpt.model_files, max_shard_size, progress, fsync=fsync, taps=taps)
+        return {n: v["sha256"] for n, v in manifest["tensors"].items()}
+
+    if cluster is not None:
+        _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write_rank)
+    else:
+        taps = {p.name: hashlib.sha256() for p in plans if _streams_in_order(p)}
+        with atomic_output(out, overwrite) as tmp, byte_progress(total, "reshard", quiet) as progress:
+            rank0 = {}
+            for rank in range(ranks):
+                digests = write_rank(tmp, rank, progress, taps)
+                rank0 = rank0 or digests
+            mesh = mesh_json(plans, rules, tp, ep, ckpt.source, global_digests(plans, sources, taps, rank0))
+            write_json(tmp, "mesh.json", mesh)
+            _check_unchanged(ckpt)
     seconds = time.perf_counter() - started
     summary.update({"out": str(out), "seconds": round(seconds, 3), "bytes_written": total,
                     "gb_per_s": round(total / seconds / 1e9, 3) if seconds else None})
     return summary
+
+
+def _check_unchanged(ckpt):
+    for m in ckpt.mapped:
+        if not m.unchanged():
+            raise BadInput(f"{m.path}: changed while it was being resharded; nothing was written")
+
+
+def _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write_rank):
+    """Rank directories are split among processes by bytes, and so are the global digests of split
+    tensors; process 0 writes mesh.json from everyone's digests and publishes."""
+    ranks = tp * ep
+    owner = assign([sum(p.piece_bytes(r) for p in plans) for r in range(ranks)], cluster.num_processes)
+    split = [p for p in plans if p.axis is not None]
+    digest_owner = assign([math.prod(p.shape) * p.dtype.itemsize for p in split], cluster.num_processes)
+    tmp = temp_path(Path(out))
+
+    def work():
+        rank0 = None
+        for rank in range(ranks):
+            if owner[rank] == cluster.process_id:
+                digests = write_rank(tmp, rank)
+                rank0 = digests if rank == 0 else rank0
+        mine = [p for p, o in zip(split, digest_owner) if o == cluster.process_id]
+        glob = global_digests(mine, sources, {}, {})
+        _check_unchanged(ckpt)
+        return {"rank0": rank0, "global": glob}
+
+    def publish(tmp_dir):
+        results = run_guarded(cluster, "ranks", work)
+        rank0 = next(r["rank0"] for r in results if r["rank0"] is not None)
+        digests = {p.name: rank0[p.name] for p in plans if p.axis is None}
+        for r in results:
+            digests.update(r["global"])
+        write_json(tmp_dir, "mesh.json", mesh_json(plans, rules, tp, ep, ckpt.source, digests))
+
+    on_cluster(cluster, out, overwrite, publish, lambda: run_guarded(cluster, "ranks", work))
 
 
 def global_digests(plans, sources, taps, rank0) -> dict:

@@ -29,6 +29,7 @@ class Report:
     tensors: int = 0
     bytes: int = 0
     device: dict | None = None
+    shared: int = 0   # problems already merged across processes
 
     def add(self, where, what):
         self.problems.append(f"{where}: {what}")
@@ -58,8 +59,10 @@ def _sums(path: Path, report: Report) -> dict:
     return sums
 
 
-def verify_dir(d: Path, report: Report, progress=None) -> dict:
-    """Check one output directory; returns {tensor: manifest entry} for what checked out structurally."""
+def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structural=True) -> dict:
+    """Check one output directory; returns {tensor: manifest entry} for what checked out structurally.
+    `hash_only` limits the (expensive) hashing to some shards; `structural=False` skips everything
+    else (another process of a multi-process run does it)."""
     index = _json(d / INDEX_NAME, report, "the index")
     manifest = _json(d / "manifest.json", report, "manifest.json")
     sums = _sums(d / "SHA256SUMS", report)
@@ -82,15 +85,18 @@ def verify_dir(d: Path, report: Report, progress=None) -> dict:
         except BadInput as e:
             report.add(path, str(e).split(": ", 1)[-1])
             continue
-        for p in header.problems:
+        for p in header.problems if structural else ():
             report.add(path, p)
         for e in header.entries:
             if e.name in located:
                 report.add(path, f"tensor {e.name!r} also appears in {located[e.name][0]}")
             else:
                 located[e.name] = (shard, e)
-        _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress)
-        report.files += 1
+        if hash_only is None or shard in hash_only:
+            _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress)
+            report.files += 1
+    if not structural:
+        return {}
 
     for name, file in weight_map.items():
         if name not in located:
@@ -190,23 +196,32 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
                              f"{entry.begin}..{entry.end} are corrupted)")
 
 
-def verify_mesh(path: Path, report: Report, progress=None):
-    """A reshard output: every rank dir on its own, then the pieces against mesh.json."""
+def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key: True):
+    """A reshard output: every rank dir on its own, then the pieces against mesh.json. `mine(kind, key)`
+    says which rank dirs and tensors this process checks (all, in a single process)."""
     mesh = mesh_reader.read_mesh(path)
     ranks = mesh["ranks"]
-    per_rank = []
     for r in range(ranks):
         d = path / f"rank-{r:05d}"
         if not d.is_dir():
             report.add(d, "rank directory is missing")
-            per_rank.append({})
-            continue
-        per_rank.append(verify_dir(d, report, progress))
-    if report.problems:
-        return mesh  # the pieces cannot be trusted enough to assemble
+        elif mine("rank", r):
+            verify_dir(d, report, progress)
+    return mesh
+
+
+def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind, key: True):
+    """With every rank dir intact: replicas equal, shared intervals equal, reassembled digests right."""
+    ranks = mesh["ranks"]
+    per_rank = []
+    for r in range(ranks):
+        d = path / f"rank-{r:05d}"
+        per_rank.append(json.loads((d / "manifest.json").read_text())["tensors"] if d.is_dir() else {})
     ckpt = mesh_reader.load(path, ReadOptions())
     by_name = {t.name: t for t in ckpt.tensors}
     for name, entry in mesh["tensors"].items():
+        if not mine("tensor", name):
+            continue
         holders = [r for r in range(ranks) if name in per_rank[r]]
         if entry["axis"] is None:
             digests = {per_rank[r][name]["sha256"] for r in holders}
@@ -229,7 +244,6 @@ def verify_mesh(path: Path, report: Report, progress=None):
                                                "or cut on the wrong axis)")
         except BadInput as e:
             report.add(path / "mesh.json", str(e))
-    return mesh
 
 
 def _check_shared_intervals(name, entry, path, ranks, report):
@@ -262,7 +276,7 @@ def _check_shared_intervals(name, entry, path, ranks, report):
                                            f"ranks {[r for r, _ in holders]}")
 
 
-def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report):
+def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report, mine=lambda kind, key: True):
     """Every tensor (global tensor, for a reshard output) equal to the source, bit for bit, streaming."""
     out = open_checkpoint(out_path, None, ReadOptions())
     source = open_checkpoint(src, fmt, read)
@@ -278,6 +292,8 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report)
     target = dtypes.BY_CODE.get(manifest.get("cast", ""))
     for t in out.tensors:
         s = src_tensors.pop(t.name, None)
+        if not mine("tensor", t.name):
+            continue
         if s is None:
             report.add(out_path, f"tensor {t.name!r} is not in the source {src}")
             continue
@@ -288,7 +304,7 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report)
                                  f"{s.dtype.code}{list(s.shape)}")
             continue
         _compare(t, s, out_path, report)
-    for name in src_tensors:
+    for name in src_tensors if mine("structure", None) else ():
         report.add(out_path, f"tensor {name!r} of the source is missing from the output")
 
 
@@ -307,26 +323,87 @@ def _compare(a, b, where, report):
         b.release()
 
 
-def verify(path, against=None, read=None, fmt=None, device=None, allow_fewer=False, progress=None) -> Report:
+def verify(path, against=None, read=None, fmt=None, device=None, allow_fewer=False, progress=None,
+           cluster=None) -> Report:
+    """Every check, in order; each stage runs only if the one before found nothing. On several
+    processes each checks its share (shards, rank dirs, tensors) and process 0 gathers the report."""
     path = Path(path)
     if not path.is_dir():
         raise UsageError(f"{path}: not an output directory")
-    report = Report()
     is_mesh = (path / "mesh.json").is_file()
-    if is_mesh:
-        verify_mesh(path, report, progress)
-    elif (path / INDEX_NAME).is_file() or (path / "manifest.json").is_file():
-        verify_dir(path, report, progress)
-    else:
+    if not is_mesh and not ((path / INDEX_NAME).is_file() or (path / "manifest.json").is_file()):
         raise UsageError(f"{path}: holds neither {INDEX_NAME} nor mesh.json; not a ckptconv output")
+    mine = _share(path, is_mesh, cluster)
+    report = Report()
+    if is_mesh:
+        mesh = verify_mesh(path, report, progress, mine)
+        _merge(cluster, "rank-dirs", report)
+        if not report.problems:
+            verify_mesh_tensors(path, mesh, report, mine)
+    else:
+        shards = None if cluster is None else {f for f in _shard_sizes(path) if mine("shard", f)}
+        verify_dir(path, report, progress, shards, structural=cluster is None or cluster.is_main)
+    _merge(cluster, "structure", report)
     if against is not None and not report.problems:
-        compare_against(path, against, read or ReadOptions(), fmt, report)
+        compare_against(path, against, read or ReadOptions(), fmt, report, mine)
+        _merge(cluster, "against", report)
     if device is not None and not report.problems:
         from .device import device_check
-        report.device = device_check(path, device, allow_fewer, report)
+        report.device = device_check(path, device, allow_fewer, report, cluster)
+        _merge(cluster, "device", report)
+    _merge(cluster, "totals", report)
     return report
+
+
+def _shard_sizes(path: Path) -> dict:
+    index = json.loads((path / INDEX_NAME).read_text()) if (path / INDEX_NAME).is_file() else {}
+    names = sorted(set(index.get("weight_map", {}).values()))
+    return {n: (path / n).stat().st_size if (path / n).is_file() else 0 for n in names}
+
+
+def _share(path: Path, is_mesh: bool, cluster):
+    """Which rank dirs, shards and tensors this process checks: balanced by bytes, as runs split work."""
+    if cluster is None:
+        return lambda kind, key: True
+    from .cluster import assign
+    owners = {}
+    if is_mesh:
+        mesh = mesh_reader.read_mesh(path)
+        ranks = list(range(mesh["ranks"]))
+        sizes = [sum(p.stat().st_size for p in (path / f"rank-{r:05d}").glob("*.safetensors")) for r in ranks]
+        owners.update({("rank", r): o for r, o in zip(ranks, assign(sizes, cluster.num_processes))})
+        names = list(mesh["tensors"])
+        tsizes = [int(np.prod(mesh["tensors"][n]["shape"])) * dtypes.from_code(mesh["tensors"][n]["dtype"]).itemsize
+                  for n in names]
+    else:
+        shards = _shard_sizes(path)
+        owners.update({("shard", n): o for n, o in zip(shards, assign(list(shards.values()), cluster.num_processes))})
+        manifest = json.loads((path / "manifest.json").read_text()) if (path / "manifest.json").is_file() else {}
+        names = list(manifest.get("tensors", {}))
+        tsizes = [int(np.prod(manifest["tensors"][n]["shape"])) for n in names]
+    owners.update({("tensor", n): o for n, o in zip(names, assign(tsizes, cluster.num_processes))})
+    return lambda kind, key: owners.get((kind, key), 0) == cluster.process_id
+
+
+def _merge(cluster, stage, report: Report):
+    """Process 0 collects every process's findings for a stage, and tells everyone the total."""
+    if cluster is None:
+        return
+    from .cluster import gather
+    found = {"problems": report.problems[report.shared:]}
+    if stage == "totals":
+        found.update(files=report.files, tensors=report.tensors, bytes=report.bytes)
+    results = gather(cluster, f"verify/{stage}", found)
+    if cluster.is_main:
+        merged = {"problems": report.problems[:report.shared] + [p for r in results for p in r["problems"]]}
+        if stage == "totals":
+            merged.update({k: sum(r[k] for r in results) for k in ("files", "tensors", "bytes")})
+        cluster.put(f"verify/{stage}/all", merged)
+    total = cluster.get(f"verify/{stage}/all", "process 0")
+    report.problems, report.shared = list(total["problems"]), len(total["problems"])
+    if stage == "totals":
+        report.files, report.tensors, report.bytes = total["files"], total["tensors"], total["bytes"]
 
 
 def total_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*.safetensors"))
-

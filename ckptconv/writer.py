@@ -101,7 +101,7 @@ def reusable(out_dir, shards, progress=None) -> Written:
 
 
 def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False, taps=None,
-                 reuse: Written = None) -> Written:
+                 reuse: Written = None, journal=True) -> Written:
     written = Written()
     plan_id = _plan_id(shards)
     reuse = reuse or Written()
@@ -127,7 +127,8 @@ def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False
             written.tensors[t.name] = {"dtype": t.dtype.code, "shape": list(t.shape), "file": shard.name,
                                        "sha256": digest.result()}
         written.files[shard.name] = {"sha256": file_h.hexdigest(), "size": shard.size}
-        _journal_write(out_dir, plan_id, written)
+        if journal:
+            _journal_write(out_dir, plan_id, written)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(out_dir, JOURNAL))
     return written

@@ -1,7 +1,8 @@
 """Reader plugins and the registry that detects which one a path belongs to.
 
 A reader module defines NAME, PICKLE (whether it parses pickles), DESCRIPTION, `detect(path)` and
-`load(path, options) -> Checkpoint`. Adding a format means adding a module to READERS.
+`load(path, options) -> Checkpoint` (and DATA = False when it describes shapes only). Adding a
+format means adding a module to `_modules()`.
 """
 import os
 from dataclasses import dataclass, field
@@ -28,8 +29,8 @@ def wanted(name: str, only) -> bool:
 
 
 def _modules():
-    from . import dcp, grok, mesh, safetensors, torch_pickle
-    return [mesh, dcp, torch_pickle, safetensors, grok]
+    from . import dcp, grok, mesh, safetensors, shapes, torch_pickle
+    return [mesh, dcp, torch_pickle, safetensors, grok, shapes]
 
 
 def readers() -> dict:

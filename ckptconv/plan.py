@@ -1,0 +1,45 @@
+"""plan: what a run would do, as data, without reading tensor data.
+
+The output files of a conversion (shards) or a reshard (rank directories) are the units of work;
+`cluster.assign` balances them over processes by bytes, exactly as a multi-process run splits them. Peak memory and time are
+estimates from ckptconv's measured behaviour (../docs/benchmarks.md), stated as such.
+"""
+import math
+
+from .cluster import assign
+from .reshard import plan as reshard_plan
+from .rules import choose, read_config
+from .writer import plan_shards
+
+BASE_RSS = 110 * 2**20        # interpreter, numpy, jax-free import: measured peak of a 2 GB convert
+IN_FLIGHT = 5 * 16 * 2**20    # chunks being hashed/copied at once (pipeline depth + one being read)
+
+
+def units(ckpt, tp=None, ep=1, max_shard_size=5 * 10**9, preset=None, rules_file=None, heads=None):
+    """(name, bytes) of every output file (convert) or rank directory (reshard), in output order."""
+    if not tp:
+        return [(s.name, s.size) for s in plan_shards(ckpt.tensors, max_shard_size)], None
+    rules = choose([t.name for t in ckpt.tensors], read_config(ckpt.model_files) or ckpt.source.get("config"),
+                   preset, rules_file, heads or {})
+    plans = reshard_plan(ckpt.tensors, rules, tp, ep)
+    return [(f"rank-{r:05d}", sum(p.piece_bytes(r) for p in plans)) for r in range(tp * ep)], rules
+
+
+def plan_run(ckpt, hosts=1, disk_gbps=2.0, **kw) -> dict:
+    work, rules = units(ckpt, **kw)
+    owner = assign([b for _, b in work], hosts)
+    processes = []
+    for p in range(hosts):
+        mine = [(n, b) for (n, b), o in zip(work, owner) if o == p]
+        written = sum(b for _, b in mine)
+        processes.append({"process": p, "units": [n for n, _ in mine], "bytes_read": written,
+                          "bytes_written": written, "peak_rss_bytes": BASE_RSS + IN_FLIGHT if mine else BASE_RSS,
+                          "seconds": 2 * written / (disk_gbps * 1e9)})
+    return {"source": ckpt.source.get("path"), "format": ckpt.source.get("format"),
+            "tensors": len(ckpt.tensors), "source_bytes": sum(math.prod(t.shape) * t.dtype.itemsize for t in ckpt.tensors),
+            "job": "reshard" if kw.get("tp") else "convert", "tp": kw.get("tp"), "ep": kw.get("ep", 1),
+            "rules": rules.name if rules else None, "hosts": hosts, "disk_gbps": disk_gbps,
+            "units": [{"name": n, "bytes": b, "process": o} for (n, b), o in zip(work, owner)],
+            "processes": processes, "seconds": max(p["seconds"] for p in processes),
+            "time_model": "each process reads and writes its bytes through one disk of --disk-gbps: "
+                          "seconds = 2 x bytes / bandwidth"}

@@ -1,0 +1,117 @@
+"""Several processes on 127.0.0.1 (CPU jax, 4 virtual devices each): the same output as one
+process, byte for byte; verify with the device check across both; failures stop everyone."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, n=2, extra=()):
+    port = free_port()
+    return [subprocess.Popen([sys.executable, "-m", "ckptconv.cli", *map(str, args), "--coordinator",
+                              f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i),
+                              "--cluster-timeout", "30", *extra],
+                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(n)]
+
+
+def wait_all(procs, timeout=120):
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    return [(p.returncode, o, e) for p, (o, e) in zip(procs, outs)]
+
+
+def same_tree(a: Path, b: Path):
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+def test_convert_on_two_processes_is_byte_identical(hf_llama, tmp_path):
+    results = wait_all(launch(["convert", hf_llama["dir"], tmp_path / "two", "--max-shard-size", "60KB", "--quiet"]))
+    assert all(rc == 0 for rc, _, _ in results), results
+    assert "process 1 of 2" in results[1][1]
+    assert run("convert", hf_llama["dir"], tmp_path / "one", "--max-shard-size", "60KB", "--quiet").exit_code == 0
+    same_tree(tmp_path / "two", tmp_path / "one")
+
+
+def test_reshard_and_device_verify_across_two_processes(hf_llama, tmp_path):
+    results = wait_all(launch(["reshard", hf_llama["dir"], tmp_path / "two", "--tp", "8", "--quiet"]))
+    assert all(rc == 0 for rc, _, _ in results), results
+    assert run("reshard", hf_llama["dir"], tmp_path / "one", "--tp", "8", "--quiet").exit_code == 0
+    same_tree(tmp_path / "two", tmp_path / "one")
+    results = wait_all(launch(["verify", tmp_path / "two", "--device", "cpu", "--against", hf_llama["dir"],
+                               "--quiet"]))
+    assert all(rc == 0 for rc, _, _ in results), results
+    assert "8 rank(s) on 8 device(s)" in results[0][1] and "global arrays assembled" in results[0][1]
+    assert "matches the source" in results[0][1]
+
+
+def test_verify_on_two_processes_reports_problems_everywhere(hf_llama, tmp_path):
+    out = tmp_path / "out"
+    assert run("convert", hf_llama["dir"], out, "--max-shard-size", "60KB", "--quiet").exit_code == 0
+    shard = sorted(out.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 1
+    shard.write_bytes(bytes(data))
+    results = wait_all(launch(["verify", out, "--quiet"]))
+    assert [rc for rc, _, _ in results] == [1, 1], results
+    assert "sha256 differs" in results[0][1]
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    p = tmp_path_factory.mktemp("big") / "big.pt"
+    torch.save({f"w{i}": torch.randn(1024, 2048) for i in range(40)}, p)  # 320 MiB
+    return p
+
+
+def test_a_killed_process_stops_the_run(big, tmp_path):
+    out = tmp_path / "out"
+    procs = launch(["convert", big, out, "--max-shard-size", "8MiB", "--quiet"], extra=["--heartbeat-timeout", "2"])
+    tmp = tmp_path / ".out.ckptconv-tmp"
+    deadline = time.monotonic() + 60
+    while not (tmp.exists() and any(tmp.iterdir())) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    procs[1].send_signal(signal.SIGKILL)
+    rc0, _, err0 = wait_all(procs[:1], timeout=90)[0]
+    procs[1].wait()
+    assert rc0 != 0
+    assert "1" in err0 and ("unhealthy" in err0 or "process 1" in err0), err0[-2000:]
+    assert not out.exists()
+    # the leftovers are recognised and cleaned by the next run
+    assert run("convert", big, out, "--max-shard-size", "64MiB", "--quiet").exit_code == 0
+
+
+def test_coordinator_that_never_comes(tmp_path, hf_llama):
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "ckptconv.cli", "convert", hf_llama["dir"], tmp_path / "out",
+                        "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id", "1",
+                        "--cluster-timeout", "2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "did not answer within 2 s" in r.stderr and r.stderr.count("\n") == 1
+    assert time.monotonic() - start < 20
+
+
+def test_process_0_failing_to_start_stops_the_others(hf_llama, tmp_path):
+    (tmp_path / "out").mkdir()
+    results = wait_all(launch(["convert", hf_llama["dir"], tmp_path / "out"]))
+    assert [rc for rc, _, _ in results] == [2, 2], results
+    assert "already exists" in results[0][2]
+    assert "process 0 could not start the run" in results[1][2]
