@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("BENCH_DIR", ROOT / "bench-data"))
-REPEAT = int(os.environ.get("BENCH_REPEAT", "3"))
+REPEAT = int(os.environ.get("BENCH_REPEAT", "5"))
 PY = sys.executable
 
 BOUND = r'''
@@ -161,25 +161,34 @@ def grok_dir(path, layers: int):
     os.rename(tmp, path)
 
 
-def measure(cmd, out=None):
-    """Run `cmd` REPEAT times (fresh `out` each time); return median seconds and max peak RSS in MB."""
-    times, rss = [], []
-    for _ in range(REPEAT):
-        if out is not None:
-            shutil.rmtree(out, ignore_errors=True)
-            if cmd[0] != "cp" and "ckptconv.cli" not in cmd:
-                out.mkdir(parents=True)
-        os.sync()  # start each run with no dirty pages from the last one (not timed)
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-        _, status, usage = os.wait4(proc.pid, 0)
-        times.append(time.perf_counter() - start)
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise SystemExit(f"benchmark command failed: {' '.join(map(str, cmd))}")
-        rss.append(usage.ru_maxrss / 1024)
+def _once(cmd, out):
     if out is not None:
         shutil.rmtree(out, ignore_errors=True)
-    return statistics.median(times), max(rss)
+        if cmd[0] != "cp" and "ckptconv.cli" not in cmd:
+            out.mkdir(parents=True)
+    os.sync()  # start each run with no dirty pages from the last one (not timed)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"benchmark command failed: {' '.join(map(str, cmd))}")
+    if out is not None:
+        shutil.rmtree(out, ignore_errors=True)
+    return seconds, usage.ru_maxrss / 1024
+
+
+def measure_all(rows):
+    """rows: (name, cmd, out dir or None). Runs them interleaved REPEAT times (so drift in the machine's
+    state hits every row alike); returns (name, median seconds, max peak RSS MB)."""
+    times = {name: [] for name, _, _ in rows}
+    rss = {name: 0.0 for name, _, _ in rows}
+    for _ in range(REPEAT):
+        for name, cmd, out in rows:
+            t, r = _once(cmd, out)
+            times[name].append(t)
+            rss[name] = max(rss[name], r)
+    return [(name, statistics.median(times[name]), rss[name]) for name, _, _ in rows]
 
 
 def warm(path: Path):
@@ -202,13 +211,12 @@ def bench_convert(layers):
     scratch.mkdir(exist_ok=True)
     warm(src)
     n = src.stat().st_size
-    rows = [
-        ("cp", *measure(["cp", src, scratch / "copy"], None)),
-        ("bound", *measure([PY, "-c", BOUND, src, scratch / "bound"], None)),
-        ("ckptconv convert", *measure([PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"],
-                                      scratch / "out")),
-        ("torch.load(mmap) + save_file", *measure([PY, "-c", NAIVE_TORCH, src, scratch / "naive"], scratch / "naive")),
-    ]
+    rows = measure_all([
+        ("cp", ["cp", src, scratch / "copy"], None),
+        ("bound", [PY, "-c", BOUND, src, scratch / "bound"], None),
+        ("ckptconv convert", [PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"], scratch / "out"),
+        ("torch.load(mmap) + save_file", [PY, "-c", NAIVE_TORCH, src, scratch / "naive"], scratch / "naive"),
+    ])
     for f in ("copy", "bound"):
         (scratch / f).unlink(missing_ok=True)
     table(f"convert .pt -> safetensors, {layers} layers", n, rows)
@@ -222,14 +230,13 @@ def bench_grok(layers):
     for f in files:
         warm(f)
     n = sum(f.stat().st_size for f in files)
-    rows = [
-        ("cp", *measure(["cp", "-r", src, scratch / "copy"], scratch / "copy")),
-        ("bound", *measure([PY, "-c", BOUND, *files, scratch / "bound"], None)),
-        ("ckptconv pickle-to-safetensors", *measure(
-            [PY, "-m", "ckptconv.cli", "pickle-to-safetensors", src, scratch / "out", "--quiet"], scratch / "out")),
-        ("pickle.load each file + save_file", *measure([PY, "-c", NAIVE_GROK, src, scratch / "naive"],
-                                                        scratch / "naive")),
-    ]
+    rows = measure_all([
+        ("cp", ["cp", "-r", src, scratch / "copy"], scratch / "copy"),
+        ("bound", [PY, "-c", BOUND, *files, scratch / "bound"], None),
+        ("ckptconv pickle-to-safetensors",
+         [PY, "-m", "ckptconv.cli", "pickle-to-safetensors", src, scratch / "out", "--quiet"], scratch / "out"),
+        ("pickle.load each file + save_file", [PY, "-c", NAIVE_GROK, src, scratch / "naive"], scratch / "naive"),
+    ])
     (scratch / "bound").unlink(missing_ok=True)
     table(f"Grok-style pickle directory -> safetensors (lossless), {layers} layers, {len(files)} files", n, rows)
 
@@ -242,14 +249,14 @@ def bench_dcp(layers):
     for f in files:
         warm(f)
     n = sum(f.stat().st_size for f in files)
-    rows = [
-        ("cp", *measure(["cp", "-r", src, scratch / "copy"], scratch / "copy")),
-        ("bound", *measure([PY, "-c", BOUND, *files, scratch / "bound"], None)),
-        ("ckptconv convert (DCP)", *measure([PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"],
-                                            scratch / "out")),
-        ("dcp_to_torch_save + torch.load + save_file", *measure([PY, "-c", NAIVE_DCP, src, scratch / "naive"],
-                                                                 scratch / "naive")),
-    ]
+    rows = measure_all([
+        ("cp", ["cp", "-r", src, scratch / "copy"], scratch / "copy"),
+        ("bound", [PY, "-c", BOUND, *files, scratch / "bound"], None),
+        ("ckptconv convert (DCP)", [PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"],
+         scratch / "out"),
+        ("dcp_to_torch_save + torch.load + save_file", [PY, "-c", NAIVE_DCP, src, scratch / "naive"],
+         scratch / "naive"),
+    ])
     (scratch / "bound").unlink(missing_ok=True)
     table(f"DCP (1 process, {len(files)} .distcp) -> safetensors, {layers} layers", n, rows)
 
@@ -260,15 +267,15 @@ def bench_reshard(layers):
     scratch.mkdir(exist_ok=True)
     warm(src)
     n = src.stat().st_size
-    rows = [
-        ("cp", *measure(["cp", src, scratch / "copy"], None)),
-        ("bound", *measure([PY, "-c", BOUND, src, scratch / "bound"], None)),
-        ("ckptconv reshard --tp 8", *measure([PY, "-m", "ckptconv.cli", "reshard", src, scratch / "tp8", "--tp", "8",
-                                              "--heads", "16", "--kv-heads", "16", "--head-dim", "128", "--quiet"],
-                                             scratch / "tp8")),
+    rows = measure_all([
+        ("cp", ["cp", src, scratch / "copy"], None),
+        ("bound", [PY, "-c", BOUND, src, scratch / "bound"], None),
+        ("ckptconv reshard --tp 8", [PY, "-m", "ckptconv.cli", "reshard", src, scratch / "tp8", "--tp", "8",
+                                     "--heads", "16", "--kv-heads", "16", "--head-dim", "128", "--quiet"],
+         scratch / "tp8"),
         ("naive TP=8: torch.load(mmap), chunk, save_file x 8 (no hashes)",
-         *measure([PY, "-c", NAIVE_TP, src, scratch / "naive"], scratch / "naive")),
-    ]
+         [PY, "-c", NAIVE_TP, src, scratch / "naive"], scratch / "naive"),
+    ])
     for f in ("copy", "bound"):
         (scratch / f).unlink(missing_ok=True)
     table(f"reshard .pt -> tp 8, {layers} layers", n, rows)
@@ -286,8 +293,9 @@ def bench_verify(layers):
     for f in files:
         warm(f)
     n = sum(f.stat().st_size for f in files)
-    hash_secs, hash_rss = measure([PY, "-c", HASH_ONE_THREAD, *files])
-    verify_secs, verify_rss = measure([PY, "-m", "ckptconv.cli", "verify", out, "--quiet"])
+    (_, hash_secs, hash_rss), (_, verify_secs, verify_rss) = measure_all([
+        ("hash", [PY, "-c", HASH_ONE_THREAD, *files], None),
+        ("verify", [PY, "-m", "ckptconv.cli", "verify", out, "--quiet"], None)])
     print(f"\nverify (structural, every file hashed), {n / 1e9:.3f} GB, median of {REPEAT}")
     print("| command | wall s | GB/s | peak RSS MB | x one hashlib pass |\n|---|---:|---:|---:|---:|")
     print(f"| hashlib sha256, one thread, 16 MiB reads | {hash_secs:.2f} | {n / hash_secs / 1e9:.2f} | {hash_rss:.0f} | 1.00 |")
