@@ -9,7 +9,6 @@ from collections import Counter
 
 import click
 
-from . import dtypes
 from .cluster import join
 from .convert import ConvertOptions, convert
 from .errors import CkptError, UsageError

@@ -11,6 +11,16 @@ import zipfile
 from pathlib import Path
 
 
+class Reduce:
+    """An object whose pickle calls `func(*args)` on load: what an attacker writes."""
+
+    def __init__(self, func, args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
 def _s(text: str) -> bytes:
     """A protocol-0 STRING argument line."""
     return b"S" + repr(text).encode() + b"\n"

@@ -1,11 +1,9 @@
 """Shared fixtures: checkpoints made by the real producers (torch.save, transformers, huggingface_hub)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 

@@ -1,5 +1,4 @@
 """Fixture producers. Only tests import torch; the product never does."""
-import os
 from pathlib import Path
 
 import numpy as np

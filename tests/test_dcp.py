@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.attacks import Reduce
 from tests.conftest import ROOT, assert_same, load_output, run
 
 
@@ -91,14 +92,6 @@ def test_only_skips_unread_items(dcp_dirs, tmp_path):
     assert set(load_output(tmp_path / "model")) == {"model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias"}
     r = run("convert", src, tmp_path / "all")
     assert r.exit_code == 2 and "optim.state.0.exp_avg" in r.stderr and not (tmp_path / "all").exists()
-
-
-class Reduce:
-    def __init__(self, func, args):
-        self.func, self.args = func, args
-
-    def __reduce__(self):
-        return self.func, self.args
 
 
 def test_malicious_metadata_refused(dcp_dirs, tmp_path):

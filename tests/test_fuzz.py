@@ -3,7 +3,6 @@ header parser only ever raise the project's own error (never another exception, 
 The long coverage-guided run is `make fuzz` (atheris, fuzz/fuzz_parsers.py)."""
 import io
 import pickle
-import zipfile
 
 import numpy as np
 import pytest

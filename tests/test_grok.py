@@ -1,7 +1,6 @@
 """Grok-1-style pickle shard directories: names, zero-copy payloads, dequantization, Mixtral export, hosts."""
 import json
 import os
-import pickle
 from pathlib import Path
 
 import ml_dtypes
@@ -11,6 +10,7 @@ from safetensors.numpy import load_file
 
 from ckptconv.readers import ReadOptions, grok, open_checkpoint
 from tests import grok_fixtures as gf
+from tests.attacks import Reduce
 from tests.conftest import run
 
 DATA = Path(__file__).parent / "data"
@@ -55,15 +55,19 @@ def convert(src, out, *extra):
     return out
 
 
-def test_lossless_bit_exact(grok_dir, params, tmp_path):
-    out = convert(grok_dir, tmp_path / "out")  # the parent of ckpt-0/ is accepted
-    got = read_all(out)
+def assert_lossless(got, params):
+    """Every leaf bit for bit: arrays under their name, quantized weights as NAME.weight + NAME.scales."""
     for path, value in params.items():
         name = path.replace("/", ".")
         if isinstance(value, gf.QuantizedWeight8bit):
             assert same(got[name + ".weight"], value.weight) and same(got[name + ".scales"], value.scales), name
         else:
             assert same(got[name], value), name
+
+
+def test_lossless_bit_exact(grok_dir, params, tmp_path):
+    out = convert(grok_dir, tmp_path / "out")  # the parent of ckpt-0/ is accepted
+    assert_lossless(read_all(out), params)
     manifest = json.loads((out / "manifest.json").read_text())
     q = manifest["quantization"]["transformer.decoder_layer_3.moe.linear_1.w"]
     assert q["groups"] == 8 and q["weight"].endswith(".weight") and q["scales"].endswith(".scales")
@@ -154,13 +158,7 @@ def test_variants(tmp_path, variant):
     params = gf.make_params(1, seed=1)
     hosts = variant.get("hosts", 1)
     gf.write_dir(tmp_path / "src", params, variant["protocol"], variant.get("numpy2", False), hosts, grok.model_axis)
-    got = read_all(convert(tmp_path / "src" / "ckpt-0", tmp_path / "out"))
-    for path, value in params.items():
-        name = path.replace("/", ".")
-        if isinstance(value, gf.QuantizedWeight8bit):
-            assert same(got[name + ".weight"], value.weight) and same(got[name + ".scales"], value.scales), name
-        else:
-            assert same(got[name], value), name
+    assert_lossless(read_all(convert(tmp_path / "src" / "ckpt-0", tmp_path / "out")), params)
 
 
 def test_missing_host_file_named(tmp_path):
@@ -181,14 +179,6 @@ def test_names_file_and_positional_names(tmp_path):
     names.write_text(json.dumps({str(i): f"layer.{i}.w" for i in range(5)}))
     got = read_all(convert(src, tmp_path / "named", "--names", names))
     assert got["layer.3.w"].tolist() == [3, 3, 3]
-
-
-class Reduce:
-    def __init__(self, func, args):
-        self.func, self.args = func, args
-
-    def __reduce__(self):
-        return self.func, self.args
 
 
 def _evil_dirs(tmp_path, canary):

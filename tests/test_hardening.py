@@ -11,14 +11,12 @@ import time
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from ckptconv import ziparchive
 from ckptconv.errors import BadInput
 from ckptconv.mapped import MappedFile
-from ckptconv.readers import ReadOptions, open_checkpoint
 from tests import attacks
 from tests.conftest import ROOT, run
 

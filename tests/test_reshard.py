@@ -3,7 +3,6 @@ pass in numpy, round trips through tp 8 -> 4 -> 1, quantized scales, expert para
 import json
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -246,3 +245,41 @@ def test_dry_run_explains_plan(hf_llama, tmp_path):
     r = run("reshard", hf_llama["dir"], "--tp", 4, "--dry-run", "--json")
     plan = json.loads(r.stdout)
     assert plan["ranks"] == 4 and plan["split"] == 16 and len(plan["replicated"]) == 5
+
+
+@pytest.fixture(scope="module")
+def neox_dir(tmp_path_factory):
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                             intermediate_size=128, vocab_size=96, bos_token_id=0, eos_token_id=0))
+    d = tmp_path_factory.mktemp("neox")
+    model.save_pretrained(d)
+    return d, {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def test_gpt_neox_fused_qkv_keeps_whole_heads(neox_dir, tmp_path):
+    src, state = neox_dir
+    out = reshard(src, tmp_path / "out", "--tp", 2)
+    mesh = json.loads((out / "mesh.json").read_text())
+    assert mesh["rules"]["name"] == "gpt-neox"
+    name = "gpt_neox.layers.0.attention.query_key_value.weight"
+    full = state[name]  # [heads x (q, k, v) x head_dim, hidden]: a rank's heads are contiguous rows
+    per_head = full.reshape(4, 3 * 16, 64)
+    for r in range(2):
+        assert np.array_equal(rank_tensors(out, r)[name], per_head[2 * r:2 * r + 2].reshape(-1, 64))
+    assert mesh["tensors"]["gpt_neox.layers.0.attention.dense.weight"]["axis"] == 1
+
+
+@pytest.mark.parametrize("preset", ["llama", "gpt2", "gpt-neox", "grok-1"])
+def test_dry_run_for_every_preset(preset, hf_llama, gpt2_dir, neox_dir, tmp_path):
+    if preset == "grok-1":
+        src = gf.write_dir(tmp_path / "grok", gf.make_params(1, seed=4))
+        extra = ["--heads", 4, "--kv-heads", 2, "--head-dim", 32]
+    else:
+        src, extra = {"llama": hf_llama["dir"], "gpt2": gpt2_dir[0], "gpt-neox": neox_dir[0]}[preset], []
+    r = run("reshard", src, "--tp", 2, "--dry-run", *extra)
+    assert r.exit_code == 0, r.stderr
+    assert f"plan: {preset} rules" in r.stdout and "totals:" in r.stdout
+    assert not any(tmp_path.glob("*/mesh.json"))

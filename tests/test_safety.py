@@ -9,17 +9,8 @@ import torch
 
 from ckptconv import unpickler
 from ckptconv.errors import BadInput, UnsafePickle
+from tests.attacks import Reduce
 from tests.conftest import run
-
-
-class Reduce:
-    """An object whose pickle calls `func(*args)` on load: what an attacker writes."""
-
-    def __init__(self, func, args):
-        self.func, self.args = func, args
-
-    def __reduce__(self):
-        return self.func, self.args
 
 
 def _attacks(canary):

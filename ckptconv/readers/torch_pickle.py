@@ -12,7 +12,7 @@ from .. import unpickler, ziparchive
 from ..errors import BadInput
 from ..mapped import MappedFile
 from ..tensor import Checkpoint
-from ..torch_globals import Storage, flatten, storage_dtype, torch_globals, Unsupported
+from ..torch_globals import Storage, flatten, storage_dtype, torch_globals
 from . import ReadOptions, model_files, wanted
 
 NAME = "torch"
