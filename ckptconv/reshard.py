@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .cluster import assign, on_cluster, run_guarded
 from .errors import BadInput, UsageError
 from .output import atomic_output, temp_path
@@ -20,7 +22,8 @@ from .progress import byte_progress
 from .readers import ReadOptions, open_checkpoint, readers
 from .rules import RuleSet, choose, from_json, read_config
 from .tensor import Concat, iter_blocks, as_bytes
-from .writer import write_json, write_output
+from .hashing import CHUNK, Pipeline
+from .writer import OutputStream, copy_files, finish, plan_shards, write_json, write_tensor
 
 MESH_FORMAT = "ckptconv.mesh/1"
 
@@ -232,23 +235,21 @@ def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=N
     ranks = tp * ep
     total = sum(p.piece_bytes(r) for p in plans for r in range(ranks))
 
-    def write_rank(tmp, rank, progress=None, taps=None):
-        rank_dir = Path(tmp) / f"rank-{rank:05d}"
-        rank_dir.mkdir()
-        source = {**ckpt.source, "resharded": {"tp": tp, "ep": ep, "rank": rank}}
-        manifest, _ = write_output(rank_dir, rank_pieces(sources, plans, rank), source, ckpt.extras,
-                                   ckpt.model_files, max_shard_size, progress, fsync=fsync, taps=taps)
-        return {n: v["sha256"] for n, v in manifest["tensors"].items()}
+    def write(tmp, my_ranks, progress=None, taps=None):
+        """Write the rank directories `my_ranks`; returns rank 0's piece digests if it is among them."""
+        streams = write_ranks(tmp, my_ranks, plans, sources, max_shard_size, progress, fsync, taps)
+        for rank, stream in streams.items():
+            source = {**ckpt.source, "resharded": {"tp": tp, "ep": ep, "rank": rank}}
+            copy_files(stream.out_dir, ckpt.model_files, stream.written)
+            finish(stream.out_dir, stream.shards, stream.written, source, ckpt.extras)
+        return {n: v["sha256"] for n, v in streams[0].written.tensors.items()} if 0 in streams else None
 
     if cluster is not None:
-        _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write_rank)
+        _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write)
     else:
-        taps = {p.name: hashlib.sha256() for p in plans if _streams_in_order(p)}
+        taps = {p.name: hashlib.sha256() for p in plans if _streams_in_order(p) or _scatters(p)}
         with atomic_output(out, overwrite) as tmp, byte_progress(total, "reshard", quiet) as progress:
-            rank0 = {}
-            for rank in range(ranks):
-                digests = write_rank(tmp, rank, progress, taps)
-                rank0 = rank0 or digests
+            rank0 = write(tmp, list(range(ranks)), progress, taps)
             mesh = mesh_json(plans, rules, tp, ep, ckpt.source, global_digests(plans, sources, taps, rank0))
             write_json(tmp, "mesh.json", mesh)
             _check_unchanged(ckpt)
@@ -258,13 +259,73 @@ def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=N
     return summary
 
 
+def _scatters(p: TensorPlan) -> bool:
+    """Split on a later axis, with rows small enough to read whole: read each block of rows once and
+    hand every rank its columns (instead of every rank gathering its columns from the whole tensor)."""
+    if p.axis is None or _streams_in_order(p) or p.axis == 0:
+        return False
+    return math.prod(p.shape[1:]) * p.dtype.itemsize <= CHUNK
+
+
+def write_ranks(tmp, ranks, plans, sources, max_shard_size, progress=None, fsync=False, taps=None) -> dict:
+    """Every rank directory's shards written side by side, tensor by tensor: a tensor split on a later
+    axis is read once for all ranks; the others are sliced per rank. Returns {rank: finished OutputStream}."""
+    taps = taps or {}
+    pieces = {r: {t.name: t for t in rank_pieces(sources, plans, r)} for r in ranks}
+    pipeline = Pipeline()
+    streams = {}
+    try:
+        for r in ranks:
+            rank_dir = Path(tmp) / f"rank-{r:05d}"
+            rank_dir.mkdir()
+            streams[r] = OutputStream(rank_dir, plan_shards(list(pieces[r].values()), max_shard_size), pipeline, fsync)
+        for p in plans:
+            holders = [r for r in ranks if p.name in pieces[r]]
+            if _scatters(p):
+                _scatter(p, sources[p.name], holders, pieces, streams, pipeline, progress, taps.get(p.name))
+                continue
+            for r in holders:
+                f, file_h = streams[r].file_for(p.name)
+                piece = pieces[r][p.name]
+                streams[r].record(piece, write_tensor(f, file_h, piece, pipeline, progress, taps.get(p.name)))
+        for stream in streams.values():
+            stream.finish()
+        return streams
+    finally:
+        pipeline.close()
+
+
+def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
+    rows = max(1, CHUNK // (math.prod(p.shape[1:]) * p.dtype.itemsize))
+    digests = {r: hashlib.sha256() for r in holders}
+    lead = (slice(None),) * p.axis
+    try:
+        for a in range(0, p.shape[0], rows):
+            block = np.ascontiguousarray(src.region((slice(a, min(a + rows, p.shape[0])),)))
+            pending = pipeline.tap_hasher.update(global_h, as_bytes(block)) if global_h is not None else None
+            for r in holders:
+                parts = [block[lead + (slice(lo, hi),)] for lo, hi in p.ranges[r]]
+                piece = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=p.axis))
+                f, file_h = streams[r].file_for(p.name)
+                pipeline.push(f, file_h, digests[r], as_bytes(piece))
+                if progress:
+                    progress(piece.nbytes)
+            if pending is not None:
+                pending.result()
+            src.release()
+    except (ValueError, IndexError) as e:
+        raise BadInput(f"tensor {p.name!r}: cannot read its data: {e}") from None
+    for r in holders:
+        streams[r].record(pieces[r][p.name], pipeline.tensor_hasher.digest(digests[r]))
+
+
 def _check_unchanged(ckpt):
     for m in ckpt.mapped:
         if not m.unchanged():
             raise BadInput(f"{m.path}: changed while it was being resharded; nothing was written")
 
 
-def _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write_rank):
+def _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write):
     """Rank directories are split among processes by bytes, and so are the global digests of split
     tensors; process 0 writes mesh.json from everyone's digests and publishes."""
     ranks = tp * ep
@@ -274,11 +335,7 @@ def _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sou
     tmp = temp_path(Path(out))
 
     def work():
-        rank0 = None
-        for rank in range(ranks):
-            if owner[rank] == cluster.process_id:
-                digests = write_rank(tmp, rank)
-                rank0 = digests if rank == 0 else rank0
+        rank0 = write(tmp, [r for r in range(ranks) if owner[r] == cluster.process_id])
         mine = [p for p, o in zip(split, digest_owner) if o == cluster.process_id]
         glob = global_digests(mine, sources, {}, {})
         _check_unchanged(ckpt)

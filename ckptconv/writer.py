@@ -100,41 +100,92 @@ def reusable(out_dir, shards, progress=None) -> Written:
     return done
 
 
+class OutputStream:
+    """One output directory's shards, written tensor by tensor in plan order. Several can be open at
+    once (reshard writes every rank's files side by side); they share one hashing pipeline."""
+
+    def __init__(self, out_dir, shards, pipeline: Pipeline, fsync=False, on_close=None):
+        self.out_dir, self.shards, self.pipeline, self.fsync = out_dir, shards, pipeline, fsync
+        self.on_close = on_close
+        self.where = {t.name: i for i, s in enumerate(shards) for t in s.tensors}
+        self.written = Written()
+        self._current, self._file, self._file_h, self._digests = None, None, None, []
+
+    def file_for(self, name):
+        """(file, file hash) of the shard that holds tensor `name`, opening it (and closing the one
+        before) when the plan moves on to it."""
+        index = self.where[name]
+        if index != self._current:
+            self._close()
+            shard = self.shards[index]
+            path = os.path.join(self.out_dir, shard.name)
+            try:
+                self._file = open(path, "wb", buffering=0)
+            except OSError as e:
+                raise OutputError(f"{path}: cannot write: {e.strerror or e}") from None
+            self._current, self._file_h = index, hashlib.sha256()
+            self._push_header(shard)
+        return self._file, self._file_h
+
+    def _push_header(self, shard):
+        try:
+            self.pipeline.push(self._file, self._file_h, None, shard.header)
+        except OSError as e:
+            raise OutputError(f"{self._file.name}: write failed: {e.strerror or e}") from None
+
+    def record(self, t, digest):
+        """A tensor of the current shard is fully pushed; `digest` is its future SHA-256."""
+        self._digests.append((t, digest))
+
+    def _close(self):
+        if self._file is None:
+            return
+        shard, f = self.shards[self._current], self._file
+        try:
+            self.pipeline.drain()
+            if self.fsync:
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise OutputError(f"{f.name}: write failed: {e.strerror or e}") from None
+        finally:
+            f.close()
+            self._file = None
+        for t, digest in self._digests:
+            self.written.tensors[t.name] = {"dtype": t.dtype.code, "shape": list(t.shape), "file": shard.name,
+                                            "sha256": digest.result()}
+        self.written.files[shard.name] = {"sha256": self._file_h.hexdigest(), "size": shard.size}
+        self._digests = []
+        if self.on_close is not None:
+            self.on_close(self.written)
+
+    def finish(self) -> Written:
+        self._close()
+        return self.written
+
+
 def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False, taps=None,
                  reuse: Written = None, journal=True) -> Written:
-    written = Written()
     plan_id = _plan_id(shards)
     reuse = reuse or Written()
+    taps = taps or {}
+    stream = OutputStream(out_dir, shards, pipeline, fsync,
+                          (lambda written: _journal_write(out_dir, plan_id, written)) if journal else None)
     for shard in shards:
-        path = os.path.join(out_dir, shard.name)
         if shard.name in reuse.files:
-            written.files[shard.name] = reuse.files[shard.name]
-            written.tensors.update({t.name: reuse.tensors[t.name] for t in shard.tensors})
+            stream.written.files[shard.name] = reuse.files[shard.name]
+            stream.written.tensors.update({t.name: reuse.tensors[t.name] for t in shard.tensors})
             continue
-        file_h = hashlib.sha256()
-        try:
-            with open(path, "wb", buffering=0) as f:
-                pipeline.push(f, file_h, None, shard.header)
-                taps = taps or {}
-                digests = [(t, _write_tensor(f, file_h, t, pipeline, progress, taps.get(t.name)))
-                           for t in shard.tensors]
-                pipeline.drain()
-                if fsync:
-                    os.fsync(f.fileno())
-        except OSError as e:
-            raise OutputError(f"{path}: write failed: {e.strerror or e}") from None
-        for t, digest in digests:
-            written.tensors[t.name] = {"dtype": t.dtype.code, "shape": list(t.shape), "file": shard.name,
-                                       "sha256": digest.result()}
-        written.files[shard.name] = {"sha256": file_h.hexdigest(), "size": shard.size}
-        if journal:
-            _journal_write(out_dir, plan_id, written)
+        for t in shard.tensors:
+            f, file_h = stream.file_for(t.name)
+            stream.record(t, write_tensor(f, file_h, t, pipeline, progress, taps.get(t.name)))
+    written = stream.finish()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(out_dir, JOURNAL))
     return written
 
 
-def _write_tensor(f, file_h, t, pipeline, progress, tap):
+def write_tensor(f, file_h, t, pipeline, progress, tap):
+    """Push all of `t` into `f`; returns the future of its SHA-256."""
     tensor_h = hashlib.sha256()
     span = t.file_span()
     try:
@@ -161,6 +212,8 @@ def _write_tensor(f, file_h, t, pipeline, progress, tap):
                     progress(len(data))
     except (ValueError, IndexError) as e:
         raise BadInput(f"tensor {t.name!r}: cannot read its data: {e}") from None
+    except OSError as e:
+        raise OutputError(f"{f.name}: write failed: {e.strerror or e}") from None
     finally:
         t.release()
     return pipeline.tensor_hasher.digest(tensor_h)
