@@ -1,7 +1,7 @@
 """`make bench`: ckptconv against the bound and the naive way, on the same bytes, in one run.
 
-Method (../shared/BENCHMARKS.md): each command is a separate process on a warm page cache; we report
-the median wall time of BENCH_REPEAT runs, GB/s, peak RSS (ru_maxrss of that process, via wait4) and
+Method (../shared/BENCHMARKS.md): each command is a separate process on a warm page cache, rows
+interleaved and rotated between rounds; we report the median wall time of BENCH_REPEAT runs, GB/s, peak RSS (ru_maxrss of that process, via wait4) and
 ratios to the bound (read + write with SHA-256 in a second thread) and to cp. Not a test: no thresholds.
 """
 import os
@@ -179,12 +179,13 @@ def _once(cmd, out):
 
 
 def measure_all(rows):
-    """rows: (name, cmd, out dir or None). Runs them interleaved REPEAT times (so drift in the machine's
-    state hits every row alike); returns (name, median seconds, max peak RSS MB)."""
+    """rows: (name, cmd, out dir or None). Runs them interleaved REPEAT times, starting each round at
+    the next row (so drift in the machine's state, and the disk's clean-up after the previous row's
+    writes, hit every row alike); returns (name, median seconds, max peak RSS MB)."""
     times = {name: [] for name, _, _ in rows}
     rss = {name: 0.0 for name, _, _ in rows}
-    for _ in range(REPEAT):
-        for name, cmd, out in rows:
+    for rep in range(REPEAT):
+        for name, cmd, out in rows[rep % len(rows):] + rows[:rep % len(rows)]:
             t, r = _once(cmd, out)
             times[name].append(t)
             rss[name] = max(rss[name], r)
