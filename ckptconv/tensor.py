@@ -153,11 +153,11 @@ class Concat(TensorSource):
         pieces, at = [], 0
         for p in self.parts:
             lo, hi = max(want.start, at), min(want.stop, at + p.shape[self.axis])
-            if lo < hi or (want.start == want.stop == at and not pieces):
+            if lo < hi:
                 sub = index[:self.axis] + (slice(lo - at, hi - at),) + index[self.axis + 1:]
                 pieces.append(p.region(sub))
             at += p.shape[self.axis]
-        if not pieces:
+        if not pieces:  # an empty region
             return np.empty(tuple(s.stop - s.start for s in index), self.dtype.numpy)
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=self.axis)
 

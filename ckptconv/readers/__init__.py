@@ -24,8 +24,8 @@ class ReadOptions:
 
 
 def wanted(name: str, only) -> bool:
-    return not only or any(name == p or name.startswith(p if p.endswith(".") else p + ".") or name.startswith(p)
-                           for p in only)
+    """--only PREFIX (repeatable): keep names that start with any prefix; no prefix keeps all."""
+    return not only or any(name.startswith(p) for p in only)
 
 
 def _modules():
