@@ -174,14 +174,16 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @click.option("--kv-heads", type=int, help="Key/value heads (overrides config.json).")
 @click.option("--head-dim", type=int, help="Head dimension (overrides config.json).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (rule, axis, bytes per rank) and write nothing.")
+@click.option("--pad-vocab", is_flag=True, help="Zero-pad vocab rows (embeddings, lm_head) up to a multiple of "
+              "--tp instead of refusing; recorded as padded_shape in mesh.json.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file in each rank dir.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--fsync", is_flag=True, help="fsync every file before OUT is published.")
 @read_options
 @cluster_options
 @command
-def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim, dry_run, max_shard_size, overwrite,
-                fsync, fmt, read, cluster, quiet, as_json):
+def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim, dry_run, pad_vocab, max_shard_size,
+                overwrite, fsync, fmt, read, cluster, quiet, as_json):
     """Slice SRC for a tensor-parallel (and expert-parallel) mesh: OUT/mesh.json and OUT/rank-XXXXX/.
 
     Each rank directory is a complete sharded-safetensors output holding exactly what that rank
@@ -193,7 +195,7 @@ def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim,
     summary = reshard(src, out, tp, ep, preset, rules_file, {"heads": heads, "kv_heads": kv_heads,
                                                              "head_dim": head_dim},
                       read, fmt, parse_size(max_shard_size), overwrite, dry_run, quiet, fsync,
-                      None if dry_run else cluster())
+                      None if dry_run else cluster(), pad_vocab)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     elif dry_run:

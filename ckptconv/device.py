@@ -95,9 +95,9 @@ def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=N
                 if axis is not None:
                     spec[axis] = "tp"
                 sharding = NamedSharding(jmesh, PartitionSpec(*spec))
-                g = jax.make_array_from_single_device_arrays(tuple(entry["shape"]), sharding,
-                                                             [a for _, a, _, _ in arrays])
-                if tuple(g.shape) != tuple(entry["shape"]) or not g.sharding.is_equivalent_to(sharding, g.ndim):
+                shape = tuple(entry.get("padded_shape", entry["shape"]))
+                g = jax.make_array_from_single_device_arrays(shape, sharding, [a for _, a, _, _ in arrays])
+                if tuple(g.shape) != shape or not g.sharding.is_equivalent_to(sharding, g.ndim):
                     report.add(path, f"tensor {name!r}: global array {g.shape} / {g.sharding} is not as recorded")
                 del g
         for r, arr, src, _ in arrays:

@@ -21,7 +21,7 @@ from .output import atomic_output, temp_path
 from .progress import byte_progress
 from .readers import ReadOptions, open_checkpoint, readers
 from .rules import RuleSet, choose, from_json, read_config
-from .tensor import Concat, iter_blocks, as_bytes
+from .tensor import Computed, Concat, iter_blocks, as_bytes
 from .hashing import CHUNK, Pipeline
 from .writer import OutputStream, copy_files, finish, plan_shards, write_json, write_tensor
 
@@ -37,6 +37,7 @@ class TensorPlan:
     axis: int | None
     ranges: list           # per rank: list of (start, stop) along axis; [] = absent; None axis = whole
     even: bool             # ranges are the r-th of N equal blocks (not recorded in mesh.json)
+    padded: int | None = None  # --pad-vocab: the axis is zero-padded to this size before splitting
 
     def piece_shape(self, rank):
         if self.axis is None:
@@ -118,14 +119,14 @@ def split(name, shape, rule, layout, tp):
     return axis, _even(name, n, tp, axis)
 
 
-def plan(tensors, rules: RuleSet, tp: int, ep: int = 1) -> list:
+def plan(tensors, rules: RuleSet, tp: int, ep: int = 1, pad_vocab: bool = False) -> list:
     """The whole layout as data: one TensorPlan per tensor, ranks = ep groups x tp (rank = g * tp + t).
     Quantization scales (`X.scales` beside `X.weight`) follow their weight's plan."""
     if tp < 1 or ep < 1:
         raise UsageError("--tp and --ep must be at least 1")
     names = {t.name for t in tensors}
     experts_named = sorted({int(m.group(1)) for t in tensors if (m := re.search(r"\.experts\.(\d+)\.", t.name))})
-    by_name = {t.name: _tensor_plan(t, rules, tp, ep, experts_named)
+    by_name = {t.name: _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab)
                for t in tensors if _weight_of(t.name, names) is None}
     for t in tensors:
         weight = _weight_of(t.name, names)
@@ -139,9 +140,14 @@ def _weight_of(name, names):
     return base if base in names else None
 
 
-def _tensor_plan(t, rules, tp, ep, experts_named):
+def _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab=False):
     rule = rules.match(t.name)
     ranks = tp * ep
+    if pad_vocab and rule is not None and rule.kind == "vocab" and t.shape and t.shape[0] % tp:
+        padded = -(-t.shape[0] // tp) * tp  # the one documented exception: zero rows up to a multiple of tp
+        k = padded // tp
+        ranges = [[(r % tp * k, (r % tp + 1) * k)] for r in range(ranks)]
+        return TensorPlan(t.name, t.shape, t.dtype, f"vocab (padded to {padded})", 0, ranges, ep == 1, padded)
     if rule is None or (rule.kind == "replicate"):
         why = "replicate" if rule else "replicate (no rule matched)"
         return TensorPlan(t.name, t.shape, t.dtype, why, None, [None] * ranks, False)
@@ -197,7 +203,7 @@ def rank_pieces(sources: dict, plans, rank) -> list:
     """Rank `rank`'s pieces as lazy sources: slices of the global tensors, joined in range order."""
     out = []
     for p in plans:
-        src = sources[p.name]
+        src = sources[p.name] if p.padded is None else zero_padded(sources[p.name], p.axis, p.padded)
         if p.axis is None:
             out.append(src)
             continue
@@ -210,11 +216,29 @@ def rank_pieces(sources: dict, plans, rank) -> list:
 
 def _streams_in_order(p: TensorPlan) -> bool:
     """Pieces written rank by rank give the global bytes in order (so the global digest is a tap)."""
-    return p.axis is not None and p.even and all(n == 1 for n in p.shape[:p.axis])
+    return p.axis is not None and p.even and p.padded is None and all(n == 1 for n in p.shape[:p.axis])
+
+
+def zero_padded(src, axis, size) -> Computed:
+    """`src` with zero rows appended along `axis` up to `size` (--pad-vocab)."""
+    n = src.shape[axis]
+    shape = src.shape[:axis] + (size,) + src.shape[axis + 1:]
+
+    def compute(index):
+        out = np.zeros(tuple(s.stop - s.start for s in index), src.dtype.numpy)
+        start, stop = index[axis].start, min(index[axis].stop, n)
+        if start < stop:  # the part of the region that lies inside the real tensor
+            dest, real = [slice(None)] * len(index), list(index)
+            dest[axis], real[axis] = slice(0, stop - start), slice(start, stop)
+            out[tuple(dest)] = src.region(tuple(real))
+        return out
+
+    return Computed(src.name, src.dtype, shape, compute, (src,))
 
 
 def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=None, fmt=None,
-            max_shard_size=5 * 10**9, overwrite=False, dry_run=False, quiet=False, fsync=False, cluster=None):
+            max_shard_size=5 * 10**9, overwrite=False, dry_run=False, quiet=False, fsync=False, cluster=None,
+            pad_vocab=False):
     started = time.perf_counter()
     ckpt = open_checkpoint(src, fmt, read or ReadOptions())
     names = [t.name for t in ckpt.tensors]
@@ -222,7 +246,7 @@ def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=N
         rules = from_json(ckpt.source["rules"])  # a resharded source: reuse the rules it recorded
     else:
         rules = choose(names, read_config(ckpt.model_files), preset, rules_file, heads or {})
-    plans = plan(ckpt.tensors, rules, tp, ep)
+    plans = plan(ckpt.tensors, rules, tp, ep, pad_vocab)
     if not any(p.axis is not None for p in plans):
         raise UsageError(f"{src}: the {rules.name} rules split no tensor of this checkpoint; an output in which "
                          "nothing is split would be a mistake (check --preset/--rules)")
@@ -378,6 +402,8 @@ def mesh_json(plans, rules, tp, ep, source, digests) -> dict:
                  "sha256": digests[p.name]}
         if p.axis is not None and not p.even:
             entry["ranges"] = [[list(iv) for iv in r] for r in p.ranges]
+        if p.padded is not None:
+            entry["padded_shape"] = list(p.shape[:p.axis] + (p.padded,) + p.shape[p.axis + 1:])
         tensors[p.name] = entry
     return {"format": MESH_FORMAT, "tp": tp, "ep": ep, "ranks": tp * ep,
             "rank_order": "rank = expert_group * tp + tp_rank", "rules": rules.to_json(),

@@ -283,3 +283,28 @@ def test_dry_run_for_every_preset(preset, hf_llama, gpt2_dir, neox_dir, tmp_path
     assert r.exit_code == 0, r.stderr
     assert f"plan: {preset} rules" in r.stdout and "totals:" in r.stdout
     assert not any(tmp_path.glob("*/mesh.json"))
+
+
+def test_pad_vocab(tmp_path):
+    """A vocabulary that does not divide by tp is refused, or zero-padded with --pad-vocab."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=130, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    r = run("reshard", src, tmp_path / "refused", "--tp", 4)
+    assert r.exit_code == 2 and "130" in r.stderr and "tp=4" in r.stderr
+    out = reshard(src, tmp_path / "tp4", "--tp", 4, "--pad-vocab")
+    mesh = json.loads((out / "mesh.json").read_text())["tensors"]["model.embed_tokens.weight"]
+    assert mesh["shape"] == [130, 64] and mesh["padded_shape"] == [132, 64] and "ranges" not in mesh
+    pieces = [rank_tensors(out, r)["model.embed_tokens.weight"] for r in range(4)]
+    assert all(p.shape == (33, 64) for p in pieces)
+    assert np.array_equal(np.concatenate(pieces)[:130], state["model.embed_tokens.weight"])
+    assert not pieces[3][-2:].any()
+    assert run("verify", out, "--against", src).exit_code == 0
+    back = reshard(out, tmp_path / "tp1", "--tp", 1)
+    assert np.array_equal(rank_tensors(back, 0)["lm_head.weight"], state["lm_head.weight"])

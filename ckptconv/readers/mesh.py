@@ -36,7 +36,7 @@ def intervals(entry: dict, ranks: int, rank: int, name: str):
     """The [start, stop) intervals along the split axis that rank `rank` holds (DESIGN.md)."""
     if "ranges" in entry:
         return [tuple(iv) for iv in entry["ranges"][rank]]
-    n = entry["shape"][entry["axis"]]
+    n = entry.get("padded_shape", entry["shape"])[entry["axis"]]
     if n % ranks:
         raise BadInput(f"mesh.json: tensor {name!r} is recorded as an even split of {n} over {ranks} ranks")
     k = n // ranks
@@ -64,8 +64,10 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
 
 
 def assemble(name, entry, pieces, ranks):
-    """A lazy global tensor from the rank pieces, checked against mesh.json's shape and dtype."""
-    shape, axis, dt = tuple(entry["shape"]), entry["axis"], dtypes.from_code(entry["dtype"])
+    """A lazy global tensor from the rank pieces, checked against mesh.json's shape and dtype
+    (assembled at `padded_shape`, then cut back to `shape`, for a --pad-vocab split)."""
+    axis, dt = entry["axis"], dtypes.from_code(entry["dtype"])
+    shape = tuple(entry.get("padded_shape", entry["shape"]))
     holders = [r for r in range(ranks) if name in pieces[r]]
     if not holders:
         raise BadInput(f"tensor {name!r} is in mesh.json but in no rank directory")
@@ -97,4 +99,6 @@ def assemble(name, entry, pieces, ranks):
         pos = b
     if pos != shape[axis]:
         raise BadInput(f"tensor {name!r}: no rank holds indices {pos}..{shape[axis]} of axis {axis}")
-    return parts[0].renamed(name) if len(parts) == 1 else Concat(name, parts, axis)
+    whole = parts[0].renamed(name) if len(parts) == 1 else Concat(name, parts, axis)
+    n = entry["shape"][axis]
+    return whole if n == shape[axis] else whole.sliced(axis, 0, n).renamed(name)
