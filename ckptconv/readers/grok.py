@@ -222,20 +222,19 @@ def _join(name, index, parts, host_axis):
     def src(m, arr, suffix=""):
         return numpy_source(name.replace("/", ".") + suffix, arr, m)
 
-    first = parts[0][1]
-    quantized = isinstance(first, Quantized)
+    quantized = isinstance(parts[0][1], Quantized)
     if any(isinstance(obj, Quantized) != quantized for _, obj in parts):
         raise BadInput(f"index {index} ({name}): hosts disagree on whether the tensor is quantized")
+    m, obj = parts[0]
+    host0 = _Leaf(src(m, obj.weight), src(m, obj.scales)) if quantized else _Leaf(src(m, obj))
     if len(parts) == 1:
-        m, obj = parts[0]
-        return _Leaf(src(m, obj.weight), src(m, obj.scales)) if quantized else _Leaf(src(m, obj))
+        return host0
     axis = host_axis(name)
     if axis is None:  # replicated by the partition rules: every host holds the whole tensor
         shapes = {tuple(o.array.shape) if not quantized else tuple(o.weight.array.shape) for _, o in parts}
         if len(shapes) != 1:
             raise BadInput(f"index {index} ({name}): replicated tensor has different shapes on different hosts")
-        m, obj = parts[0]
-        return _Leaf(src(m, obj.weight), src(m, obj.scales)) if quantized else _Leaf(src(m, obj))
+        return host0
     try:
         if not quantized:
             return _Leaf(Concat(name.replace("/", "."), [src(m, o) for m, o in parts], axis))
