@@ -144,8 +144,7 @@ def dcp_dir(path, layers: int):
     """The 1B-shaped Llama state dict saved by torch's DCP from one process."""
     import torch
     import torch.distributed.checkpoint as dcp
-    sd = torch.load(generate("llama_1b", DATA / f"llama-{layers}L.pt", str(DATA / f"llama-{layers}L.pt"), layers),
-                    mmap=True, weights_only=True)
+    sd = torch.load(llama_src(layers), mmap=True, weights_only=True)
     tmp = Path(str(path) + ".tmp")
     dcp.save(dict(sd), checkpoint_id=tmp)
     os.rename(tmp, path)
@@ -161,9 +160,16 @@ def grok_dir(path, layers: int):
     os.rename(tmp, path)
 
 
+def remove(path: Path):
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _once(cmd, out):
     if out is not None:
-        shutil.rmtree(out, ignore_errors=True)
+        remove(out)
         if cmd[0] != "cp" and "ckptconv.cli" not in cmd:
             out.mkdir(parents=True)
     os.sync()  # start each run with no dirty pages from the last one (not timed)
@@ -174,7 +180,7 @@ def _once(cmd, out):
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"benchmark command failed: {' '.join(map(str, cmd))}")
     if out is not None:
-        shutil.rmtree(out, ignore_errors=True)
+        remove(out)
     return seconds, usage.ru_maxrss / 1024
 
 
@@ -206,84 +212,66 @@ def table(title, nbytes, rows):
     sys.stdout.flush()
 
 
-def bench_convert(layers):
-    src = generate("llama_1b", DATA / f"llama-{layers}L.pt", str(DATA / f"llama-{layers}L.pt"), layers)
-    scratch = DATA / "scratch"
-    scratch.mkdir(exist_ok=True)
-    warm(src)
-    n = src.stat().st_size
+def scratch_dir() -> Path:
+    d = DATA / "scratch"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def compare(title, src: Path, files, ours: tuple, naive: tuple):
+    """The standard table: cp, the bound (over `files`), ckptconv (`ours` = name, CLI args) and the
+    naive way (`naive` = name, script), all on the same bytes, warm cache, interleaved."""
+    scratch = scratch_dir()
+    for f in files:
+        warm(f)
+    recursive = ["-r"] if src.is_dir() else []
     rows = measure_all([
-        ("cp", ["cp", src, scratch / "copy"], None),
-        ("bound", [PY, "-c", BOUND, src, scratch / "bound"], None),
-        ("ckptconv convert", [PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"], scratch / "out"),
-        ("torch.load(mmap) + save_file", [PY, "-c", NAIVE_TORCH, src, scratch / "naive"], scratch / "naive"),
+        ("cp", ["cp", *recursive, src, scratch / "copy"], scratch / "copy"),
+        ("bound", [PY, "-c", BOUND, *files, scratch / "bound"], None),
+        (ours[0], [PY, "-m", "ckptconv.cli", *ours[1][:2], scratch / "out", *ours[1][2:], "--quiet"],
+         scratch / "out"),
+        (naive[0], [PY, "-c", naive[1], src, scratch / "naive"], scratch / "naive"),
     ])
-    for f in ("copy", "bound"):
-        (scratch / f).unlink(missing_ok=True)
-    table(f"convert .pt -> safetensors, {layers} layers", n, rows)
+    (scratch / "bound").unlink(missing_ok=True)
+    table(title, sum(f.stat().st_size for f in files), rows)
+
+
+def llama_src(layers) -> Path:
+    return generate("llama_1b", DATA / f"llama-{layers}L.pt", str(DATA / f"llama-{layers}L.pt"), layers)
+
+
+def bench_convert(layers):
+    src = llama_src(layers)
+    compare(f"convert .pt -> safetensors, {layers} layers", src, [src], ("ckptconv convert", ["convert", src]),
+            ("torch.load(mmap) + save_file", NAIVE_TORCH))
 
 
 def bench_grok(layers):
     src = generate("grok_dir", DATA / f"grok-{layers}L", str(DATA / f"grok-{layers}L"), layers) / "ckpt-0"
-    scratch = DATA / "scratch"
-    scratch.mkdir(exist_ok=True)
     files = sorted(src.iterdir())
-    for f in files:
-        warm(f)
-    n = sum(f.stat().st_size for f in files)
-    rows = measure_all([
-        ("cp", ["cp", "-r", src, scratch / "copy"], scratch / "copy"),
-        ("bound", [PY, "-c", BOUND, *files, scratch / "bound"], None),
-        ("ckptconv pickle-to-safetensors",
-         [PY, "-m", "ckptconv.cli", "pickle-to-safetensors", src, scratch / "out", "--quiet"], scratch / "out"),
-        ("pickle.load each file + save_file", [PY, "-c", NAIVE_GROK, src, scratch / "naive"], scratch / "naive"),
-    ])
-    (scratch / "bound").unlink(missing_ok=True)
-    table(f"Grok-style pickle directory -> safetensors (lossless), {layers} layers, {len(files)} files", n, rows)
+    compare(f"Grok-style pickle directory -> safetensors (lossless), {layers} layers, {len(files)} files", src, files,
+            ("ckptconv pickle-to-safetensors", ["pickle-to-safetensors", src]),
+            ("pickle.load each file + save_file", NAIVE_GROK))
 
 
 def bench_dcp(layers):
     src = generate("dcp_dir", DATA / f"dcp-{layers}L", str(DATA / f"dcp-{layers}L"), layers)
-    scratch = DATA / "scratch"
-    scratch.mkdir(exist_ok=True)
     files = sorted(src.glob("*.distcp"))
-    for f in files:
-        warm(f)
-    n = sum(f.stat().st_size for f in files)
-    rows = measure_all([
-        ("cp", ["cp", "-r", src, scratch / "copy"], scratch / "copy"),
-        ("bound", [PY, "-c", BOUND, *files, scratch / "bound"], None),
-        ("ckptconv convert (DCP)", [PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"],
-         scratch / "out"),
-        ("dcp_to_torch_save + torch.load + save_file", [PY, "-c", NAIVE_DCP, src, scratch / "naive"],
-         scratch / "naive"),
-    ])
-    (scratch / "bound").unlink(missing_ok=True)
-    table(f"DCP (1 process, {len(files)} .distcp) -> safetensors, {layers} layers", n, rows)
+    compare(f"DCP (1 process, {len(files)} .distcp) -> safetensors, {layers} layers", src, files,
+            ("ckptconv convert (DCP)", ["convert", src]),
+            ("dcp_to_torch_save + torch.load + save_file", NAIVE_DCP))
 
 
 def bench_reshard(layers):
-    src = generate("llama_1b", DATA / f"llama-{layers}L.pt", str(DATA / f"llama-{layers}L.pt"), layers)
-    scratch = DATA / "scratch"
-    scratch.mkdir(exist_ok=True)
-    warm(src)
-    n = src.stat().st_size
-    rows = measure_all([
-        ("cp", ["cp", src, scratch / "copy"], None),
-        ("bound", [PY, "-c", BOUND, src, scratch / "bound"], None),
-        ("ckptconv reshard --tp 8", [PY, "-m", "ckptconv.cli", "reshard", src, scratch / "tp8", "--tp", "8",
-                                     "--heads", "16", "--kv-heads", "16", "--head-dim", "128", "--quiet"],
-         scratch / "tp8"),
-        ("naive TP=8: torch.load(mmap), chunk, save_file x 8 (no hashes)",
-         [PY, "-c", NAIVE_TP, src, scratch / "naive"], scratch / "naive"),
-    ])
-    for f in ("copy", "bound"):
-        (scratch / f).unlink(missing_ok=True)
-    table(f"reshard .pt -> tp 8, {layers} layers", n, rows)
+    src = llama_src(layers)
+    compare(f"reshard .pt -> tp 8, {layers} layers", src, [src],
+            ("ckptconv reshard --tp 8", ["reshard", src, "--tp", "8", "--heads", "16", "--kv-heads", "16",
+                                         "--head-dim", "128"]),
+            ("naive TP=8: torch.load(mmap), chunk, save_file x 8 (no hashes)", NAIVE_TP))
 
 
 def bench_verify(layers):
-    src = generate("llama_1b", DATA / f"llama-{layers}L.pt", str(DATA / f"llama-{layers}L.pt"), layers)
+    src = llama_src(layers)
     out, tp8 = DATA / f"verify-{layers}L", DATA / f"verify-{layers}L-tp8"
     for target, args in ((out, ["convert", src, out]),
                          (tp8, ["reshard", src, tp8, "--tp", "8", "--heads", "16", "--kv-heads", "16",
@@ -315,9 +303,8 @@ def bench_verify(layers):
 def bench_distributed(layers):
     """2 processes (jax.distributed on 127.0.0.1) against 1, for convert and reshard --tp 8."""
     import socket
-    src = generate("llama_1b", DATA / f"llama-{layers}L.pt", str(DATA / f"llama-{layers}L.pt"), layers)
-    scratch = DATA / "scratch"
-    scratch.mkdir(exist_ok=True)
+    src = llama_src(layers)
+    scratch = scratch_dir()
     warm(src)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     jobs = {"convert": ["convert", src, scratch / "out", "--max-shard-size", "500MB"],
