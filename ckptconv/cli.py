@@ -299,11 +299,12 @@ def plan_cmd(src, tp, ep, hosts, disk_gbps, max_shard_size, preset, rules_file, 
                f"{job} on {hosts} host(s) at {disk_gbps} GB/s each")
     for u in result["units"]:
         click.echo(f"  {u['name']:<36} {format_size(u['bytes']):>12}  process {u['process']}")
+    unit = "rank dirs" if tp else "files"
     for p in result["processes"]:
-        click.echo(f"process {p['process']}: {len(p['units'])} files, reads {format_size(p['bytes_read'])}, writes "
+        click.echo(f"process {p['process']}: {len(p['units'])} {unit}, reads {format_size(p['bytes_read'])}, writes "
                    f"{format_size(p['bytes_written'])}, peak RSS ~{p['peak_rss_bytes'] / 2**20:.0f} MiB, "
-                   f"~{p['seconds']:.0f} s")
-    click.echo(f"estimated time: {result['seconds']:.0f} s ({result['time_model']})")
+                   f"~{p['seconds']:.3g} s")
+    click.echo(f"estimated time: {result['seconds']:.3g} s ({result['time_model']})")
 
 
 @main.command("inspect")
