@@ -1,0 +1,47 @@
+"""`ckptconv plan`: what a run would do, from a checkpoint or a shapes-only description, without data."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ckptconv.cluster import assign
+from tests.conftest import run
+
+GROK = Path(__file__).parent / "data" / "grok1_tensors.json"
+
+
+@pytest.mark.parametrize("hosts", [1, 2, 8])
+def test_grok1_real_shapes_at_tp8(hosts):
+    r = run("plan", GROK, "--tp", 8, "--hosts", hosts, "--disk-gbps", 2, "--json")
+    assert r.exit_code == 0, r.stderr
+    plan = json.loads(r.stdout)
+    table = json.loads(GROK.read_text())["tensors"]
+    tensor_bytes = sum(math.prod(t[k]["shape"]) * (1 if t[k]["dtype"] == "int8" else 2) for t in table if t["quantized"]
+                       for k in ("weight", "scales")) + sum(math.prod(t["shape"]) * 4 for t in table if not t["quantized"])
+    assert plan["source_bytes"] == tensor_bytes and plan["rules"] == "grok-1"
+    assert round(tensor_bytes / 1e9, 2) == 318.24  # the release's 318 GB, without pickle framing
+    assert [u["name"] for u in plan["units"]] == [f"rank-{i:05d}" for i in range(8)]
+    per_process = [p["bytes_written"] for p in plan["processes"]]
+    assert len(per_process) == hosts and max(per_process) - min(per_process) <= max(u["bytes"] for u in plan["units"])
+    assert sum(per_process) == sum(u["bytes"] for u in plan["units"])
+    assert plan["seconds"] == pytest.approx(2 * max(per_process) / 2e9)
+
+
+def test_plan_of_a_checkpoint_matches_what_convert_writes(hf_llama, tmp_path):
+    r = run("plan", hf_llama["dir"], "--max-shard-size", "60KB", "--hosts", 2, "--json")
+    plan = json.loads(r.stdout)
+    out = tmp_path / "out"
+    assert run("convert", hf_llama["dir"], out, "--max-shard-size", "60KB", "--quiet").exit_code == 0
+    assert {u["name"]: u["bytes"] for u in plan["units"]} == \
+        {p.name: p.stat().st_size for p in out.glob("model-*.safetensors")}
+
+
+def test_assign_balances_largest_first():
+    assert assign([5, 1, 4, 2, 3], 2) == [0, 0, 1, 0, 1]  # 5 -> p0, 4 -> p1, 3 -> p1, 2 -> p0, 1 -> p0 (tie)
+    assert assign([], 3) == [] and assign([7], 4) == [0]
+
+
+def test_shapes_only_description_cannot_be_converted(tmp_path):
+    r = run("convert", GROK, tmp_path / "out")
+    assert r.exit_code == 2 and "holds no tensor data" in r.stderr and not (tmp_path / "out").exists()
