@@ -54,7 +54,7 @@ def convert(src, out, opts: ConvertOptions, cluster=None) -> dict:
         manifest, reused = write_output(tmp, tensors, source, ckpt.extras,
                                         ckpt.model_files if opts.copy_extras else (), opts.max_shard_size, progress,
                                         ckpt.manifest, opts.fsync, resume=opts.resume)
-        _check_unchanged(ckpt)
+        ckpt.check_unchanged()
     seconds = time.perf_counter() - started
     return {"out": str(out), "format": ckpt.source["format"], "tensors": len(tensors), "bytes": total,
             "files": sorted(manifest["files"]), "seconds": round(seconds, 3), "resumed_bytes": reused,
@@ -74,14 +74,14 @@ def _convert_on_cluster(ckpt, tensors, source, out, opts, cluster, started) -> d
             written = write_shards(temp_path(Path(out)), mine, pipeline, fsync=opts.fsync, journal=False)
         finally:
             pipeline.close()
-        _check_unchanged(ckpt)
+        ckpt.check_unchanged()
         return {"files": written.files, "tensors": written.tensors}
 
     def publish(tmp):
         results = run_guarded(cluster, "shards", write_mine)
         written = Written()
-        for shard in shards:  # merge in plan order: the manifest comes out as a single process writes it
-            result = results[owner[shards.index(shard)]]
+        for shard, o in zip(shards, owner):  # merge in plan order: the manifest is what one process writes
+            result = results[o]
             written.files[shard.name] = result["files"][shard.name]
             written.tensors.update({t.name: result["tensors"][t.name] for t in shard.tensors})
         copy_files(tmp, ckpt.model_files if opts.copy_extras else (), written)
@@ -95,8 +95,3 @@ def _convert_on_cluster(ckpt, tensors, source, out, opts, cluster, started) -> d
             "seconds": round(seconds, 3), "resumed_bytes": 0, "process": cluster.process_id,
             "processes": cluster.num_processes, "gb_per_s": round(mine_bytes / seconds / 1e9, 3) if seconds else None}
 
-
-def _check_unchanged(ckpt):
-    for m in ckpt.mapped:
-        if not m.unchanged():
-            raise BadInput(f"{m.path}: changed while it was being converted; nothing was written")

@@ -276,7 +276,7 @@ def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=N
             rank0 = write(tmp, list(range(ranks)), progress, taps)
             mesh = mesh_json(plans, rules, tp, ep, ckpt.source, global_digests(plans, sources, taps, rank0))
             write_json(tmp, "mesh.json", mesh)
-            _check_unchanged(ckpt)
+            ckpt.check_unchanged()
     seconds = time.perf_counter() - started
     summary.update({"out": str(out), "seconds": round(seconds, 3), "bytes_written": total,
                     "gb_per_s": round(total / seconds / 1e9, 3) if seconds else None})
@@ -343,11 +343,6 @@ def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
         streams[r].record(pieces[r][p.name], pipeline.tensor_hasher.digest(digests[r]))
 
 
-def _check_unchanged(ckpt):
-    for m in ckpt.mapped:
-        if not m.unchanged():
-            raise BadInput(f"{m.path}: changed while it was being resharded; nothing was written")
-
 
 def _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write):
     """Rank directories are split among processes by bytes, and so are the global digests of split
@@ -362,7 +357,7 @@ def _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sou
         rank0 = write(tmp, [r for r in range(ranks) if owner[r] == cluster.process_id])
         mine = [p for p, o in zip(split, digest_owner) if o == cluster.process_id]
         glob = global_digests(mine, sources, {}, {})
-        _check_unchanged(ckpt)
+        ckpt.check_unchanged()
         return {"rank0": rank0, "global": glob}
 
     def publish(tmp_dir):

@@ -242,3 +242,9 @@ class Checkpoint:
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    def check_unchanged(self):
+        """Refuse to publish if an input file changed size or mtime while we read it."""
+        for m in self.mapped:
+            if not m.unchanged():
+                raise BadInput(f"{m.path}: changed while it was being read; nothing was written")

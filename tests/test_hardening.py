@@ -259,7 +259,7 @@ def test_source_changing_during_conversion_is_detected(big_pt, tmp_path, monkeyp
         yield update
 
     monkeypatch.setattr(convert_mod, "byte_progress", touching_progress)
-    with pytest.raises(BadInput, match="changed while it was being converted"):
+    with pytest.raises(BadInput, match="changed while it was being read"):
         convert_mod.convert(src, tmp_path / "out", convert_mod.ConvertOptions())
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.ckptconv-tmp").exists()
 

@@ -189,7 +189,7 @@ class DCPReader:
         """SAFETENSORS variant: the rank's tensors are one safetensors blob; find this chunk in it."""
         if offset + 8 > m.size:
             raise BadInput(f"{m.path}: chunk of {chunk.fqn!r} at offset {offset} is neither a torch zip nor safetensors")
-        blob = MemoryView(m, offset)
+        blob = MemoryFile(m.view[offset:], m.path)  # the blob seen as a file of its own
         header = parse_header(blob.view, blob.size, m.path)
         info = json.loads(header.metadata.get("DCP_SHARDING_INFO", "{}") or "{}")
         entry = next((e for e in header.entries if e.name == chunk.fqn), None)
@@ -198,20 +198,6 @@ class DCPReader:
             raise BadInput(f"{m.path}: chunk of {chunk.fqn!r} at {chunk.offsets} is not in the safetensors blob "
                            f"at offset {offset}")
         return next(t for t in file_tensors(blob) if t.name == chunk.fqn)
-
-
-class MemoryView(MappedFile):
-    """The tail of a mapped file from `base`, seen as a file of its own (a safetensors blob)."""
-
-    copyable = False
-
-    def __init__(self, mapped, base):
-        self.path, self.base = mapped.path, base
-        self.size, self._map, self.stamp = mapped.size - base, None, None
-        self.view = mapped.view[base:]
-
-    def release(self, offset, length):
-        pass
 
 
 class ChunkedTensor(TensorSource):
