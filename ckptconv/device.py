@@ -64,7 +64,7 @@ def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=N
     live = {d.id: 0 for d in devices}
     peak = dict(live)
     placed, started = 0, time.perf_counter()
-    names = list(mesh["tensors"]) if mesh else list(_rank_tensors(path))
+    names = list(mesh["tensors"]) if mesh else list(pieces[0] or _rank_tensors(path))
     if use_global:
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
         jmesh = Mesh(np.array(placement), ("tp",))

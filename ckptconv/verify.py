@@ -15,7 +15,7 @@ import numpy as np
 from .errors import BadInput, UsageError
 from .hashing import CHUNK, OrderedHasher, sha256_file
 from .mapped import MappedFile
-from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint, safetensors as st_reader
+from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint
 from .safetensors_format import parse_header
 from .tensor import as_bytes, cast, iter_blocks
 from . import dtypes
@@ -145,33 +145,35 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
     file_hasher, tensor_hasher = OrderedHasher(), OrderedHasher()
     file_h, futures, digests = hashlib.sha256(), [], []
     try:
-        pos = 0
+        pos = released = 0
         ranges = [(None, 0, header.data_start)] + [(e, e.begin, e.end) for e in header.entries if e.end <= m.size]
         for entry, begin, end in ranges:
             if begin > pos:
-                futures.append(file_hasher.update(file_h, m.view[pos:begin]))
+                futures.append((file_hasher.update(file_h, m.view[pos:begin]), begin))
             begin = max(begin, pos)
             tensor_h = hashlib.sha256() if entry is not None else None
             while begin < end:
                 n = min(CHUNK, end - begin)
                 view = m.view[begin:begin + n]
-                futures.append(file_hasher.update(file_h, view))
+                futures.append((file_hasher.update(file_h, view), begin + n))
                 if tensor_h is not None:
-                    futures.append(tensor_hasher.update(tensor_h, view))
+                    futures.append((tensor_hasher.update(tensor_h, view), begin + n))
                 begin += n
-                if len(futures) > 16:
-                    for f in futures[:-8]:
+                if len(futures) > 16:  # wait for the oldest chunks, then drop the pages both hashes are done with
+                    for f, _ in futures[:-8]:
                         f.result()
+                    done_to = futures[-9][1]
                     futures = futures[-8:]
-                    m.release(0, begin)
+                    m.release(released, done_to - released)
+                    released = done_to
                 if progress:
                     progress(n)
             if tensor_h is not None:
                 digests.append((entry, tensor_hasher.digest(tensor_h)))
             pos = max(pos, end)
         if pos < m.size:
-            futures.append(file_hasher.update(file_h, m.view[pos:]))
-        for f in futures:
+            futures.append((file_hasher.update(file_h, m.view[pos:]), m.size))
+        for f, _ in futures:
             f.result()
         file_digest = file_hasher.digest(file_h).result()
     finally:
@@ -213,12 +215,8 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
 def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind, key: True):
     """With every rank dir intact: replicas equal, shared intervals equal, reassembled digests right."""
     ranks = mesh["ranks"]
-    per_rank = []
-    for r in range(ranks):
-        d = path / f"rank-{r:05d}"
-        per_rank.append(json.loads((d / "manifest.json").read_text())["tensors"] if d.is_dir() else {})
-    ckpt = mesh_reader.load(path, ReadOptions())
-    by_name = {t.name: t for t in ckpt.tensors}
+    per_rank = [json.loads((path / f"rank-{r:05d}" / "manifest.json").read_text())["tensors"] for r in range(ranks)]
+    pieces, _ = mesh_reader.rank_pieces(path, ranks)  # headers parsed once, for every check below
     for name, entry in mesh["tensors"].items():
         if not mine("tensor", name):
             continue
@@ -231,10 +229,10 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
             if len(digests) > 1:
                 report.add(path / "mesh.json", f"replicated tensor {name!r} differs between ranks")
         else:
-            _check_shared_intervals(name, entry, path, ranks, report)
+            _check_shared_intervals(name, entry, pieces, path, report)
         try:
             h = hashlib.sha256()
-            src = by_name[name]
+            src = mesh_reader.assemble(name, entry, pieces, ranks)
             for block in iter_blocks(src, CHUNK):
                 h.update(as_bytes(block))
                 src.release()
@@ -246,13 +244,12 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
             report.add(path / "mesh.json", str(e))
 
 
-def _check_shared_intervals(name, entry, path, ranks, report):
+def _check_shared_intervals(name, entry, pieces, path, report):
     """Where several ranks hold the same interval (a shared kv head), their bytes must be equal."""
     if "ranges" not in entry:
         return
-    axis = entry["axis"]
+    axis, ranks = entry["axis"], len(pieces)
     seen = {}
-    ckpt_pieces = {}
     for r in range(ranks):
         at = 0
         for a, b in mesh_reader.intervals(entry, ranks, r, name):
@@ -263,10 +260,7 @@ def _check_shared_intervals(name, entry, path, ranks, report):
             continue
         digests = set()
         for r, at in holders:
-            if r not in ckpt_pieces:
-                rank_dir = path / f"rank-{r:05d}"
-                ckpt_pieces[r] = {t.name: t for t in st_reader.load(rank_dir, ReadOptions(only=[name])).tensors}
-            piece = ckpt_pieces[r][name].sliced(axis, at, at + b - a)
+            piece = pieces[r][name].sliced(axis, at, at + b - a)
             h = hashlib.sha256()
             for block in iter_blocks(piece, CHUNK):
                 h.update(as_bytes(block))

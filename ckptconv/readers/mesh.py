@@ -43,14 +43,20 @@ def intervals(entry: dict, ranks: int, rank: int, name: str):
     return [(rank * k, (rank + 1) * k)]
 
 
+def rank_pieces(path: Path, ranks: int, only=()):
+    """Every rank directory's tensors ({name: source} per rank), and the files they map."""
+    pieces, mapped = [], []
+    for r in range(ranks):
+        ckpt = st.load(path / f"rank-{r:05d}", ReadOptions(only=list(only)))
+        pieces.append({t.name: t for t in ckpt.tensors})
+        mapped += ckpt.mapped
+    return pieces, mapped
+
+
 def load(path: Path, options: ReadOptions) -> Checkpoint:
     mesh = read_mesh(path)
     ranks = mesh["ranks"]
-    pieces, mapped = [], []
-    for r in range(ranks):
-        ckpt = st.load(path / f"rank-{r:05d}", ReadOptions(only=options.only))
-        pieces.append({t.name: t for t in ckpt.tensors})
-        mapped += ckpt.mapped
+    pieces, mapped = rank_pieces(path, ranks, options.only)
     # mesh.json is sorted by name; the rank files keep the source's order, so use that
     order = {}
     for r in range(ranks):
