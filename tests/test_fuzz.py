@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuzz.fuzz_parsers import parse_any
-from tests import attacks
+import ml_dtypes
+
+from tests import attacks, grok_fixtures
 
 SETTINGS = settings(max_examples=300, deadline=2000, suppress_health_check=list(HealthCheck), derandomize=True)
 
@@ -31,7 +33,9 @@ SEEDS = {
     "pickle": pickle.dumps({"a": [1, 2.5, "x", b"y", (None, True)], "b": {1, 2}}, protocol=4),
     "torch-zip": _torch_bytes(),
     "safetensors": _safetensors_bytes(),
-    "grok": attacks.torch_legacy(pickle.dumps(np.arange(5, dtype=np.float32), protocol=2)),
+    "torch-legacy": attacks.torch_legacy(pickle.dumps({"x": 1.5, "y": [1, 2]}, protocol=2)),
+    "grok": grok_fixtures.dumps(grok_fixtures.QuantizedWeight8bit(np.ones((4, 4), np.int8),
+                                                                  np.ones((1, 4), ml_dtypes.bfloat16))),
 }
 
 
@@ -67,10 +71,24 @@ def test_random_bytes_only_raise_clean_errors(blob):
 
 
 def test_claimed_sizes_are_not_allocated():
-    """A pickle that claims an 8 EiB payload is refused before any allocation."""
-    parse_any(b"\x80\x04\x8e" + (2**63).to_bytes(8, "little") + b".")
-    parse_any(b"\x80\x02\x8b" + (2**31 - 1).to_bytes(4, "little") + b".")
+    """Inputs that claim huge sizes are refused without allocating what they claim."""
+    import tracemalloc
+    from ckptconv import unpickler, ziparchive
+    from ckptconv.errors import BadInput
+    from ckptconv.mapped import MemoryFile
     zdata = bytearray(SEEDS["torch-zip"])
     cd = zdata.rfind(b"PK\x05\x06")
     zdata[cd + 10:cd + 12] = b"\xff\xfe"  # entry count far beyond what the directory holds
-    parse_any(bytes(zdata))
+    claims = [
+        lambda: unpickler.load(b"\x80\x04\x8e" + (2**63).to_bytes(8, "little") + b".", {}, "<8 EiB bytes>"),
+        lambda: unpickler.load(b"\x80\x02\x8b" + (2**31 - 1).to_bytes(4, "little") + b".", {}, "<2 GiB long>"),
+        lambda: unpickler.load(b"\x80\x04\x8d" + (2**40).to_bytes(8, "little") + b".", {}, "<1 TiB string>"),
+        lambda: ziparchive.read_entries(MemoryFile(bytes(zdata), "<65534 entries>")),
+    ]
+    for claim in claims:
+        tracemalloc.start()
+        with pytest.raises(BadInput):
+            claim()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 1 << 20, peak
