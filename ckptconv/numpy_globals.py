@@ -10,6 +10,7 @@ import numpy as np
 
 from . import dtypes
 from .errors import BadInput
+from .tensor import ArraySource
 from .unpickler import Function, Marker, Payload, StandIn, as_buffer
 
 _DTYPE_SPEC = re.compile(r"[<>|=]?(?:[fiu][1248]|b1|f2|\?)")
@@ -124,3 +125,14 @@ def numpy_globals(numpy1=True, numpy2=True) -> dict:
     for name, dt in _ML_DTYPES.items():
         out[("ml_dtypes", name)] = Marker(f"ml_dtypes.{name}", dt)
     return out
+
+
+def numpy_source(name, arr: NumpyArray, mapped=None) -> ArraySource:
+    """An ArraySource for a pickled ndarray; zero-copy with a file span when its payload is mapped."""
+    a = arr.array
+    dt = dtypes.from_numpy(a.dtype)
+    if arr.payload is not None and mapped is not None:
+        span = (mapped, arr.payload.offset, len(arr.payload))
+        contiguous = a.flags.c_contiguous and a.dtype.byteorder != ">"
+        return ArraySource(name, dt, a.shape, lambda: a, span, contiguous)
+    return ArraySource(name, dt, a.shape, lambda: a)

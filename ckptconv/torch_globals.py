@@ -11,7 +11,7 @@ import numpy as np
 
 from . import dtypes
 from .errors import BadInput
-from .numpy_globals import NumpyArray, numpy_globals
+from .numpy_globals import NumpyArray, numpy_globals, numpy_source
 from .tensor import ArraySource
 from .unpickler import BENIGN, Function, Marker, StandIn
 
@@ -238,14 +238,3 @@ def _add(tensors, path, name, source):
     if name in tensors:
         raise BadInput(f"{path}: two tensors flatten to the name {name!r}")
     tensors[name] = source
-
-
-def numpy_source(name, arr: NumpyArray, mapped=None) -> ArraySource:
-    """An ArraySource for a pickled ndarray; zero-copy with a file span when its payload is mapped."""
-    a = arr.array
-    dt = dtypes.from_numpy(a.dtype)
-    if arr.payload is not None and mapped is not None:
-        span = (mapped, arr.payload.offset, len(arr.payload))
-        contiguous = a.flags.c_contiguous and a.dtype.byteorder != ">"
-        return ArraySource(name, dt, a.shape, lambda: a, span, contiguous)
-    return ArraySource(name, dt, a.shape, lambda: a)

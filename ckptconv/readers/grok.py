@@ -18,9 +18,8 @@ import numpy as np
 from .. import dtypes, unpickler
 from ..errors import BadInput, UsageError
 from ..mapped import MappedFile
-from ..numpy_globals import NumpyArray, numpy_globals
+from ..numpy_globals import NumpyArray, numpy_globals, numpy_source
 from ..tensor import Checkpoint, Computed, Concat, cast
-from ..torch_globals import numpy_source
 from ..unpickler import StandIn
 from . import ReadOptions, model_files, wanted
 
