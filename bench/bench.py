@@ -187,7 +187,7 @@ def _once(cmd, out):
 def measure_all(rows):
     """rows: (name, cmd, out dir or None). Runs them interleaved REPEAT times, starting each round at
     the next row (so drift in the machine's state, and the disk's clean-up after the previous row's
-    writes, hit every row alike); returns (name, median seconds, max peak RSS MB)."""
+    writes, hit every row alike); returns (name, seconds per round, max peak RSS MB)."""
     times = {name: [] for name, _, _ in rows}
     rss = {name: 0.0 for name, _, _ in rows}
     for rep in range(REPEAT):
@@ -195,7 +195,14 @@ def measure_all(rows):
             t, r = _once(cmd, out)
             times[name].append(t)
             rss[name] = max(rss[name], r)
-    return [(name, statistics.median(times[name]), rss[name]) for name, _, _ in rows]
+    return [(name, times[name], rss[name]) for name, _, _ in rows]
+
+
+def paired(times, base):
+    """Median and range of the per-round ratios (each round's runs ran back to back, so a ratio
+    within a round sees the same machine state; the spread across rounds is the machine's)."""
+    ratios = sorted(t / b for t, b in zip(times, base))
+    return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 def warm(path: Path):
@@ -203,12 +210,14 @@ def warm(path: Path):
 
 
 def table(title, nbytes, rows):
-    bound = dict((r[0], r) for r in rows)["bound"][1]
-    cp = dict((r[0], r) for r in rows)["cp"][1]
-    print(f"\n{title} ({nbytes / 1e9:.3f} GB, median of {REPEAT})")
-    print("| command | wall s | GB/s | peak RSS MB | x bound | x cp |\n|---|---:|---:|---:|---:|---:|")
-    for name, secs, rss in rows:
-        print(f"| {name} | {secs:.2f} | {nbytes / secs / 1e9:.2f} | {rss:.0f} | {secs / bound:.2f} | {secs / cp:.2f} |")
+    by_name = {name: times for name, times, _ in rows}
+    bound, cp = by_name["bound"], by_name["cp"]
+    print(f"\n{title} ({nbytes / 1e9:.3f} GB, {REPEAT} rounds; ratios: median of the rounds' ratios (range))")
+    print("| command | median wall s | GB/s | peak RSS MB | x bound | x cp |\n|---|---:|---:|---:|---:|---:|")
+    for name, times, rss in rows:
+        secs = statistics.median(times)
+        print(f"| {name} | {secs:.2f} | {nbytes / secs / 1e9:.2f} | {rss:.0f} | {paired(times, bound)} | "
+              f"{paired(times, cp)} |")
     sys.stdout.flush()
 
 
@@ -282,14 +291,15 @@ def bench_verify(layers):
     for f in files:
         warm(f)
     n = sum(f.stat().st_size for f in files)
-    (_, hash_secs, hash_rss), (_, verify_secs, verify_rss) = measure_all([
+    (_, hash_times, hash_rss), (_, verify_times, verify_rss) = measure_all([
         ("hash", [PY, "-c", HASH_ONE_THREAD, *files], None),
         ("verify", [PY, "-m", "ckptconv.cli", "verify", out, "--quiet"], None)])
-    print(f"\nverify (structural, every file hashed), {n / 1e9:.3f} GB, median of {REPEAT}")
-    print("| command | wall s | GB/s | peak RSS MB | x one hashlib pass |\n|---|---:|---:|---:|---:|")
+    hash_secs, verify_secs = statistics.median(hash_times), statistics.median(verify_times)
+    print(f"\nverify (structural, every file hashed), {n / 1e9:.3f} GB, {REPEAT} rounds")
+    print("| command | median wall s | GB/s | peak RSS MB | x one hashlib pass |\n|---|---:|---:|---:|---:|")
     print(f"| hashlib sha256, one thread, 16 MiB reads | {hash_secs:.2f} | {n / hash_secs / 1e9:.2f} | {hash_rss:.0f} | 1.00 |")
     print(f"| ckptconv verify | {verify_secs:.2f} | {n / verify_secs / 1e9:.2f} | {verify_rss:.0f} | "
-          f"{verify_secs / hash_secs:.2f} |")
+          f"{paired(verify_times, hash_times)} |")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([PY, "-m", "ckptconv.cli", "verify", tp8, "--device", "cpu", "--json", "--quiet"],
                        capture_output=True, text=True, env=env)
@@ -340,6 +350,9 @@ SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": 
 
 
 def main():
+    # Measure the tool as installed: pip compiles bytecode at install time, while an editable
+    # checkout under PYTHONDONTWRITEBYTECODE would recompile every module on every run (~0.17 s).
+    subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "ckptconv")], check=True, stdout=subprocess.DEVNULL)
     for name in sys.argv[1:] or list(SCENARIOS):
         SCENARIOS[name]()
 

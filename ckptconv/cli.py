@@ -106,6 +106,15 @@ def cluster_options(fn):
     return wrapper
 
 
+def write_options(fn):
+    """How shard files are written (convert, reshard)."""
+    fn = click.option("--buffered-io", is_flag=True,
+                      help="Write shards through the page cache instead of O_DIRECT (to read OUT back from memory "
+                      "right away, or where direct writes are slow, as on some network filesystems).")(fn)
+    return click.option("--fsync", is_flag=True,
+                        help="fsync every file before OUT is published (durable on power loss).")(fn)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ckptconv")
 def main():
@@ -124,17 +133,17 @@ def _convert_command(name, pickle_only, help_text):
                   help="Cast floating tensors (round to nearest even); integers are kept.")
     @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
     @click.option("--no-copy-extras", is_flag=True, help="Do not carry config/tokenizer files into OUT.")
-    @click.option("--fsync", is_flag=True, help="fsync every file before OUT is published (durable on power loss).")
+    @write_options
     @click.option("--resume", is_flag=True, help="Reuse the shards a killed run of the same conversion finished "
                   "(re-verified against its journal).")
     @cluster_options
     @command
-    def run(src, out, fmt, read, max_shard_size, strip_prefix, dtype, overwrite, no_copy_extras, fsync, resume,
-            cluster, quiet, as_json):
+    def run(src, out, fmt, read, max_shard_size, strip_prefix, dtype, overwrite, no_copy_extras, fsync, buffered_io,
+            resume, cluster, quiet, as_json):
         opts = ConvertOptions(fmt=fmt, read=read, strip_prefix=strip_prefix, dtype=dtype,
                               max_shard_size=parse_size(max_shard_size), overwrite=overwrite,
                               copy_extras=not no_copy_extras, pickle_only=pickle_only, quiet=quiet,
-                              fsync=fsync, resume=resume)
+                              fsync=fsync, direct=not buffered_io, resume=resume)
         summary = convert(src, out, opts, cluster())
         if as_json:
             click.echo(json.dumps(summary, indent=2))
@@ -178,12 +187,12 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
               "--tp instead of refusing; recorded as padded_shape in mesh.json.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file in each rank dir.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--fsync", is_flag=True, help="fsync every file before OUT is published.")
+@write_options
 @read_options
 @cluster_options
 @command
 def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim, dry_run, pad_vocab, max_shard_size,
-                overwrite, fsync, fmt, read, cluster, quiet, as_json):
+                overwrite, fsync, buffered_io, fmt, read, cluster, quiet, as_json):
     """Slice SRC for a tensor-parallel (and expert-parallel) mesh: OUT/mesh.json and OUT/rank-XXXXX/.
 
     Each rank directory is a complete sharded-safetensors output holding exactly what that rank
@@ -195,7 +204,7 @@ def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim,
     summary = reshard(src, out, tp, ep, preset, rules_file, {"heads": heads, "kv_heads": kv_heads,
                                                              "head_dim": head_dim},
                       read, fmt, parse_size(max_shard_size), overwrite, dry_run, quiet, fsync,
-                      None if dry_run else cluster(), pad_vocab)
+                      None if dry_run else cluster(), pad_vocab, not buffered_io)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     elif dry_run:

@@ -25,6 +25,7 @@ class ConvertOptions:
     pickle_only: bool = False
     quiet: bool = False
     fsync: bool = False
+    direct: bool = True     # shards bypass the page cache (outfile.py)
     resume: bool = False
 
 
@@ -53,7 +54,7 @@ def convert(src, out, opts: ConvertOptions, cluster=None) -> dict:
     with atomic_output(out, opts.overwrite, opts.resume) as tmp, byte_progress(total, "convert", opts.quiet) as progress:
         manifest, reused = write_output(tmp, tensors, source, ckpt.extras,
                                         ckpt.model_files if opts.copy_extras else (), opts.max_shard_size, progress,
-                                        ckpt.manifest, opts.fsync, resume=opts.resume)
+                                        ckpt.manifest, opts.fsync, resume=opts.resume, direct=opts.direct)
         ckpt.check_unchanged()
     seconds = time.perf_counter() - started
     return {"out": str(out), "format": ckpt.source["format"], "tensors": len(tensors), "bytes": total,
@@ -71,7 +72,8 @@ def _convert_on_cluster(ckpt, tensors, source, out, opts, cluster, started) -> d
     def write_mine():
         pipeline = Pipeline()
         try:
-            written = write_shards(temp_path(Path(out)), mine, pipeline, fsync=opts.fsync, journal=False)
+            written = write_shards(temp_path(Path(out)), mine, pipeline, fsync=opts.fsync, journal=False,
+                                   direct=opts.direct)
         finally:
             pipeline.close()
         ckpt.check_unchanged()

@@ -1,9 +1,10 @@
 """SHA-256 everywhere it is needed, off the main thread (hashlib releases the GIL on large updates)."""
-import errno
 import hashlib
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+
+from .outfile import DirectIO
 
 CHUNK = 16 * 1024 * 1024
 
@@ -25,45 +26,25 @@ class OrderedHasher:
 
 
 class Pipeline:
-    """Write chunks to a file while two hashers digest them (the file's hash and one tensor's)."""
+    """Write chunks to their files while threads hash them (the file's hash, one tensor's, and a tap);
+    `io` is the staging pool and I/O threads of the files written with O_DIRECT."""
 
     def __init__(self, depth=4):
         self.file_hasher, self.tensor_hasher, self.tap_hasher = OrderedHasher(), OrderedHasher(), OrderedHasher()
+        self.io = DirectIO()
         self.depth = depth
-        self.kernel_copy = True
         self._inflight = deque()
 
-    def _copy(self, copy_from, fileobj, data):
-        fd, offset = copy_from
-        done = 0
-        try:
-            while done < len(data):
-                n = os.copy_file_range(fd, fileobj.fileno(), len(data) - done, offset + done)
-                if n == 0:
-                    raise OSError(errno.EIO, "source ended during copy")
-                done += n
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
-                raise
-            self.kernel_copy = False  # this filesystem pair cannot: write from our buffer instead
-            write_all(fileobj, memoryview(data)[done:])
-
-    def push(self, fileobj, file_h, tensor_h, data, done=None, copy_from=None, tap=None):
-        """Hash `data` twice in the background and write it here; `done()` runs when it is free again.
-
-        With `copy_from=(fd, offset)` naming where `data` came from, the kernel copies those bytes
-        file to file (copy_file_range), which costs a third of a write from our buffer. `tap` is one
-        more hash fed with the same bytes (a resharded tensor's global digest).
-        """
+    def push(self, fileobj, file_h, tensor_h, data, done=None, tap=None):
+        """Hash `data` in the background (the file's hash, the tensor's, and `tap`, one more fed with
+        the same bytes: a resharded tensor's global digest) and hand it to `fileobj`; `done()` runs
+        once the hashes are done with it."""
         futures = [self.file_hasher.update(file_h, data)]
         if tensor_h is not None:
             futures.append(self.tensor_hasher.update(tensor_h, data))
         if tap is not None:
             futures.append(self.tap_hasher.update(tap, data))
-        if copy_from is not None and self.kernel_copy:
-            self._copy(copy_from, fileobj, data)
-        else:
-            write_all(fileobj, data)
+        fileobj.write(data)
         self._inflight.append((futures, done))
         while len(self._inflight) >= self.depth:
             self.retire_one()
@@ -80,9 +61,12 @@ class Pipeline:
             done()
 
     def close(self):
-        self.drain()
-        for hasher in (self.file_hasher, self.tensor_hasher, self.tap_hasher):
-            hasher.close()
+        try:
+            self.drain()
+        finally:
+            self.io.close()
+            for hasher in (self.file_hasher, self.tensor_hasher, self.tap_hasher):
+                hasher.close()
 
 
 def write_all(fileobj, data):

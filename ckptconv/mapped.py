@@ -3,7 +3,6 @@
 `ru_maxrss` counts every mapped page a process touched, so after a tensor is written its pages are
 advised away (`release`); the kernel keeps them in the page cache, only our resident set shrinks.
 """
-import contextlib
 import mmap
 import os
 import stat
@@ -15,9 +14,7 @@ _PAGE = mmap.PAGESIZE
 
 class MappedFile:
     """A whole file mapped read-only. No descriptor is kept open (a Grok-1 directory has hundreds of
-    files per host); `opened()` gives one for the kernel to copy from."""
-
-    copyable = True
+    files per host)."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
@@ -35,15 +32,6 @@ class MappedFile:
         finally:
             os.close(fd)
         self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
-
-    @contextlib.contextmanager
-    def opened(self):
-        """A read-only descriptor of the file, for copy_file_range; closed afterwards."""
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            yield fd
-        finally:
-            os.close(fd)
 
     def check(self, offset: int, length: int, what: str):
         """Refuse a region that does not lie inside the file (a truncated or lying file)."""
@@ -67,9 +55,7 @@ class MappedFile:
 
 class MemoryFile(MappedFile):
     """Bytes that did not come from a mappable file (a decompressed DCP chunk), behind MappedFile's
-    interface: tensors over it are views of this buffer; there is no file for the kernel to copy from."""
-
-    copyable = False
+    interface: tensors over it are views of this buffer."""
 
     def __init__(self, data: bytes, path: str):
         self.path, self.size, self.stamp = path, len(data), None

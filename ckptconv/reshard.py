@@ -238,7 +238,7 @@ def zero_padded(src, axis, size) -> Computed:
 
 def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=None, fmt=None,
             max_shard_size=5 * 10**9, overwrite=False, dry_run=False, quiet=False, fsync=False, cluster=None,
-            pad_vocab=False):
+            pad_vocab=False, direct=True):
     started = time.perf_counter()
     ckpt = open_checkpoint(src, fmt, read or ReadOptions())
     names = [t.name for t in ckpt.tensors]
@@ -261,7 +261,7 @@ def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=N
 
     def write(tmp, my_ranks, progress=None, taps=None):
         """Write the rank directories `my_ranks`; returns rank 0's piece digests if it is among them."""
-        streams = write_ranks(tmp, my_ranks, plans, sources, max_shard_size, progress, fsync, taps)
+        streams = write_ranks(tmp, my_ranks, plans, sources, max_shard_size, progress, fsync, taps, direct)
         for rank, stream in streams.items():
             source = {**ckpt.source, "resharded": {"tp": tp, "ep": ep, "rank": rank}}
             copy_files(stream.out_dir, ckpt.model_files, stream.written)
@@ -291,7 +291,8 @@ def _scatters(p: TensorPlan) -> bool:
     return math.prod(p.shape[1:]) * p.dtype.itemsize <= CHUNK
 
 
-def write_ranks(tmp, ranks, plans, sources, max_shard_size, progress=None, fsync=False, taps=None) -> dict:
+def write_ranks(tmp, ranks, plans, sources, max_shard_size, progress=None, fsync=False, taps=None,
+                direct=True) -> dict:
     """Every rank directory's shards written side by side, tensor by tensor: a tensor split on a later
     axis is read once for all ranks; the others are sliced per rank. Returns {rank: finished OutputStream}."""
     taps = taps or {}
@@ -302,7 +303,8 @@ def write_ranks(tmp, ranks, plans, sources, max_shard_size, progress=None, fsync
         for r in ranks:
             rank_dir = Path(tmp) / f"rank-{r:05d}"
             rank_dir.mkdir()
-            streams[r] = OutputStream(rank_dir, plan_shards(list(pieces[r].values()), max_shard_size), pipeline, fsync)
+            streams[r] = OutputStream(rank_dir, plan_shards(list(pieces[r].values()), max_shard_size), pipeline, fsync,
+                                      direct=direct)
         for p in plans:
             holders = [r for r in ranks if p.name in pieces[r]]
             if _scatters(p):

@@ -3,8 +3,9 @@
 Output contract (DESIGN.md): `model-0000k-of-0000n.safetensors` filled in order up to the shard size,
 `model.safetensors.index.json`, `manifest.json` with file and per-tensor logical SHA-256, and a
 coreutils `SHA256SUMS`. Every chunk is written once and hashed twice (file, tensor) on two threads.
-Sources that are one contiguous file range are hashed straight from the mapping and copied by the
-kernel (copy_file_range); others are gathered block by block. Mapped pages are released as we go.
+Sources that are one contiguous file range are hashed and written straight from the mapping; others
+are gathered block by block. Mapped pages are released as we go; shards bypass the page cache
+(outfile.py).
 """
 import contextlib
 import hashlib
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .errors import BadInput, OutputError
 from .hashing import CHUNK, Pipeline, sha256_file, write_all
+from .outfile import OutFile
 from .safetensors_format import build_header
 from .tensor import as_bytes, iter_blocks
 
@@ -104,8 +106,8 @@ class OutputStream:
     """One output directory's shards, written tensor by tensor in plan order. Several can be open at
     once (reshard writes every rank's files side by side); they share one hashing pipeline."""
 
-    def __init__(self, out_dir, shards, pipeline: Pipeline, fsync=False, on_close=None):
-        self.out_dir, self.shards, self.pipeline, self.fsync = out_dir, shards, pipeline, fsync
+    def __init__(self, out_dir, shards, pipeline: Pipeline, fsync=False, on_close=None, direct=True):
+        self.out_dir, self.shards, self.pipeline, self.fsync, self.direct = out_dir, shards, pipeline, fsync, direct
         self.on_close = on_close
         self.where = {t.name: i for i, s in enumerate(shards) for t in s.tensors}
         self.written = Written()
@@ -119,19 +121,10 @@ class OutputStream:
             self._close()
             shard = self.shards[index]
             path = os.path.join(self.out_dir, shard.name)
-            try:
-                self._file = open(path, "wb", buffering=0)
-            except OSError as e:
-                raise OutputError(f"{path}: cannot write: {e.strerror or e}") from None
+            self._file = OutFile(path, self.pipeline.io if self.direct else None)
             self._current, self._file_h = index, hashlib.sha256()
-            self._push_header(shard)
-        return self._file, self._file_h
-
-    def _push_header(self, shard):
-        try:
             self.pipeline.push(self._file, self._file_h, None, shard.header)
-        except OSError as e:
-            raise OutputError(f"{self._file.name}: write failed: {e.strerror or e}") from None
+        return self._file, self._file_h
 
     def record(self, t, digest):
         """A tensor of the current shard is fully pushed; `digest` is its future SHA-256."""
@@ -143,10 +136,7 @@ class OutputStream:
         shard, f = self.shards[self._current], self._file
         try:
             self.pipeline.drain()
-            if self.fsync:
-                os.fsync(f.fileno())
-        except OSError as e:
-            raise OutputError(f"{f.name}: write failed: {e.strerror or e}") from None
+            f.close(self.fsync)
         finally:
             f.close()
             self._file = None
@@ -164,12 +154,12 @@ class OutputStream:
 
 
 def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False, taps=None,
-                 reuse: Written = None, journal=True) -> Written:
+                 reuse: Written = None, journal=True, direct=True) -> Written:
     plan_id = _plan_id(shards)
     reuse = reuse or Written()
     taps = taps or {}
     stream = OutputStream(out_dir, shards, pipeline, fsync,
-                          (lambda written: _journal_write(out_dir, plan_id, written)) if journal else None)
+                          (lambda written: _journal_write(out_dir, plan_id, written)) if journal else None, direct)
     for shard in shards:
         if shard.name in reuse.files:
             stream.written.files[shard.name] = reuse.files[shard.name]
@@ -190,20 +180,18 @@ def write_tensor(f, file_h, t, pipeline, progress, tap):
     span = t.file_span()
     try:
         if span is not None:
-            # Hash straight from the mapping (no copy), let the kernel copy file to file, and
-            # advise each chunk's pages away once both hashes are done with it.
+            # Hash and write straight from the mapping (no gather), and advise each chunk's pages
+            # away once the hashes are done with it.
             mapped, offset = span
             mapped.check(offset, t.nbytes, f"tensor {t.name!r}")
-            with mapped.opened() if mapped.copyable else contextlib.nullcontext() as fd:
-                end = offset + t.nbytes
-                while offset < end:
-                    n = min(CHUNK, end - offset)
-                    pipeline.push(f, file_h, tensor_h, mapped.view[offset:offset + n],
-                                  lambda o=offset, k=n: mapped.release(o, k),
-                                  (fd, offset) if fd is not None else None, tap)
-                    offset += n
-                    if progress:
-                        progress(n)
+            end = offset + t.nbytes
+            while offset < end:
+                n = min(CHUNK, end - offset)
+                pipeline.push(f, file_h, tensor_h, mapped.view[offset:offset + n],
+                              lambda o=offset, k=n: mapped.release(o, k), tap)
+                offset += n
+                if progress:
+                    progress(n)
         else:
             for block in iter_blocks(t, CHUNK):
                 data = as_bytes(block)
@@ -212,8 +200,6 @@ def write_tensor(f, file_h, t, pipeline, progress, tap):
                     progress(len(data))
     except (ValueError, IndexError) as e:
         raise BadInput(f"tensor {t.name!r}: cannot read its data: {e}") from None
-    except OSError as e:
-        raise OutputError(f"{f.name}: write failed: {e.strerror or e}") from None
     finally:
         t.release()
     return pipeline.tensor_hasher.digest(tensor_h)
@@ -259,7 +245,7 @@ def finish(out_dir, shards, written: Written, source: dict, extras: dict, extra_
 
 
 def write_output(out_dir, tensors, source, extras, model_files=(), max_shard_size=5 * 10**9,
-                 progress=None, extra_manifest=None, fsync=False, taps=None, resume=False):
+                 progress=None, extra_manifest=None, fsync=False, taps=None, resume=False, direct=True):
     """Write a complete output directory (shards, index, manifest, SHA256SUMS) into `out_dir`;
     returns (manifest, bytes reused from a killed run).
 
@@ -272,7 +258,7 @@ def write_output(out_dir, tensors, source, extras, model_files=(), max_shard_siz
         raise OutputError(f"{out_dir}: not enough free disk space for {needed} bytes")
     pipeline = Pipeline()
     try:
-        written = write_shards(out_dir, shards, pipeline, progress, fsync, taps, reuse)
+        written = write_shards(out_dir, shards, pipeline, progress, fsync, taps, reuse, direct=direct)
     finally:
         pipeline.close()
 

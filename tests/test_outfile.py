@@ -1,0 +1,160 @@
+"""Shard files written with O_DIRECT through the staging pool: the bytes, the fallbacks, the errors."""
+import errno
+import itertools
+import os
+import random
+
+import pytest
+
+from ckptconv import outfile
+from ckptconv.errors import OutputError
+from ckptconv.outfile import ALIGN, DirectIO, OutFile
+
+
+def _pieces(seed, count, largest):
+    rng = random.Random(seed)
+    sizes = [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, 3 * ALIGN] + [rng.randrange(largest) for _ in range(count)]
+    rng.shuffle(sizes)
+    return [rng.randbytes(n) for n in sizes]
+
+
+@pytest.fixture
+def io():
+    pool = DirectIO(buffers=2, size=4 * ALIGN, threads=2)  # tiny, so pieces cross buffers and wait for them
+    yield pool
+    pool.close()
+
+
+def test_direct_writes_every_byte_in_order(tmp_path, io):
+    path = tmp_path / "shard"
+    f = OutFile(path, io)
+    if f.io is None:
+        pytest.skip("this filesystem has no O_DIRECT")
+    pieces = _pieces(0, 60, 9 * ALIGN)
+    for p in pieces:
+        f.write(p)
+    f.close()
+    assert path.read_bytes() == b"".join(pieces)
+
+
+def test_many_files_interleaved_share_a_small_pool(tmp_path, io):
+    """Writes to twenty files in turn through two buffers: no deadlock, each file exact (reshard
+    writes every rank's file side by side, and memory must not grow with their number)."""
+    files = [OutFile(tmp_path / f"f{i}", io) for i in range(20)]
+    expected = [[] for _ in files]
+    for round_, piece in enumerate(_pieces(1, 200, 6 * ALIGN)):
+        i = round_ % len(files)
+        files[i].write(piece)
+        expected[i].append(piece)
+    for f in files:
+        f.close(fsync=True)
+    for i in range(len(files)):
+        assert (tmp_path / f"f{i}").read_bytes() == b"".join(expected[i])
+
+
+def test_plain_writes_without_a_pool(tmp_path):
+    path = tmp_path / "shard"
+    f = OutFile(path, None)
+    assert f.io is None
+    pieces = _pieces(2, 20, 3 * ALIGN)
+    for p in pieces:
+        f.write(p)
+    f.close()
+    assert path.read_bytes() == b"".join(pieces)
+
+
+def test_filesystem_refusing_direct_io_at_open_gets_plain_writes(tmp_path, io, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    f = OutFile(tmp_path / "shard", io)
+    assert f.io is None
+    f.write(b"x" * (5 * ALIGN + 3))
+    f.close()
+    assert (tmp_path / "shard").read_bytes() == b"x" * (5 * ALIGN + 3)
+
+
+def test_direct_write_refused_or_short_finishes_through_the_page_cache(tmp_path, io, monkeypatch):
+    """EINVAL from a direct write (an alignment the device will not take) and a short, unaligned
+    write both leave the rest to a plain descriptor at the right offset."""
+    path = tmp_path / "shard"
+    f = OutFile(path, io)
+    if f.io is None:
+        pytest.skip("this filesystem has no O_DIRECT")
+    real_pwrite, direct_fd, calls = os.pwrite, f.fd, itertools.count()
+    side = os.open(path, os.O_WRONLY)
+
+    def flaky(fd, data, offset):
+        n = next(calls)
+        if fd == direct_fd and n % 3 == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        if fd == direct_fd and n % 3 == 2:
+            return real_pwrite(side, memoryview(data)[:100], offset)  # the kernel took 100 bytes
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", flaky)
+    pieces = _pieces(3, 40, 9 * ALIGN)
+    for p in pieces:
+        f.write(p)
+    f.close()
+    os.close(side)
+    assert path.read_bytes() == b"".join(pieces)
+    assert next(calls) > 3
+
+
+def test_a_failed_write_is_one_error_naming_the_file(tmp_path, io, monkeypatch):
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    path = tmp_path / "shard"
+    f = OutFile(path, io)
+    if f.io is None:
+        pytest.skip("this filesystem has no O_DIRECT")
+    with pytest.raises(OutputError, match=f"{path}: write failed: No space left on device"):
+        for _ in range(100):  # the failure surfaces at a later write or at close
+            f.write(b"y" * (4 * ALIGN))
+        f.close()
+    f.close()  # after a failure, close only lets go of the descriptors
+    assert f.fd is None
+
+
+def test_pool_memory_does_not_grow_with_files(tmp_path, monkeypatch):
+    """The staging memory is the pool's: opening more files allocates nothing more."""
+    made = []
+    real_mmap = outfile.mmap.mmap
+    monkeypatch.setattr(outfile.mmap, "mmap", lambda *a, **k: made.append(a) or real_mmap(*a, **k))
+    pool = DirectIO(buffers=3, size=2 * ALIGN, threads=1)
+    files = [OutFile(tmp_path / f"f{i}", pool) for i in range(16)]
+    for f in files:
+        f.write(b"z" * (5 * ALIGN + 1))
+    for f in files:
+        f.close()
+    pool.close()
+    assert len(made) == 3
+
+
+def test_buffered_io_gives_the_same_bytes(torch_fixtures, hf_llama, tmp_path):
+    """Direct and page-cache writes are one output: convert and reshard, file for file, and the
+    shards pass `sha256sum -c`."""
+    import subprocess
+    from tests.conftest import run
+    for job, src, args in (("convert", torch_fixtures["train"], ["--max-shard-size", "300"]),
+                           ("reshard", hf_llama["dir"], ["--tp", "4", "--max-shard-size", "100KB"])):
+        outs = []
+        for mode in ([], ["--buffered-io"]):
+            out = tmp_path / f"{job}{len(outs)}"
+            r = run(job, src, out, "--quiet", *args, *mode)
+            assert r.exit_code == 0, r.stderr
+            outs.append(out)
+        a, b = (sorted(p.relative_to(o) for p in o.rglob("*") if p.is_file()) for o in outs)
+        assert a == b and sum(p.suffix == ".safetensors" for p in a) >= 2
+        for p in a:
+            assert (outs[0] / p).read_bytes() == (outs[1] / p).read_bytes(), p
+        for sums in outs[0].rglob("SHA256SUMS"):
+            subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=sums.parent, check=True)
