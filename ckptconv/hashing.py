@@ -4,7 +4,7 @@ import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from .outfile import DirectIO
+from .outfile import StagingPool
 
 CHUNK = 16 * 1024 * 1024
 
@@ -26,25 +26,47 @@ class OrderedHasher:
 
 
 class Pipeline:
-    """Write chunks to their files while threads hash them (the file's hash, one tensor's, and a tap);
-    `io` is the staging pool and I/O threads of the files written with O_DIRECT."""
+    """Bytes go to their files (outfile.OutFile, through the shared staging pool) while threads hash
+    them: the file's hash, the tensor's, and `tap`, one more fed with the same bytes (a resharded
+    tensor's global digest). At most `depth` chunks are in flight."""
 
     def __init__(self, depth=4):
         self.file_hasher, self.tensor_hasher, self.tap_hasher = OrderedHasher(), OrderedHasher(), OrderedHasher()
-        self.io = DirectIO()
+        self.staging = StagingPool()
         self.depth = depth
         self._inflight = deque()
 
     def push(self, fileobj, file_h, tensor_h, data, done=None, tap=None):
-        """Hash `data` in the background (the file's hash, the tensor's, and `tap`, one more fed with
-        the same bytes: a resharded tensor's global digest) and hand it to `fileobj`; `done()` runs
-        once the hashes are done with it."""
+        """Hash `data` in the background and copy it into `fileobj`; `done()` runs once the hashes
+        are done with it."""
+        futures = self._hash(file_h, tensor_h, data, tap)
+        fileobj.write(data)
+        self._track(futures, done)
+
+    def push_range(self, fileobj, file_h, tensor_h, fill_at, offset, n, tap=None, progress=None):
+        """Source bytes [offset, offset + n), read by `fill_at(view, offset)` straight into the file's
+        staging buffers and hashed there: one copy, by the kernel, and nothing of the source mapped."""
+        end = offset + n
+        while offset < end:
+            view, lease = fileobj.stage(lambda v, at=offset: fill_at(v, at), end - offset)
+            futures = self._hash(file_h, tensor_h, view, tap)
+            for f in futures:
+                lease.hold_until(f)
+            lease.let_go()
+            self._track(futures, None)
+            offset += len(view)
+            if progress:
+                progress(len(view))
+
+    def _hash(self, file_h, tensor_h, data, tap):
         futures = [self.file_hasher.update(file_h, data)]
         if tensor_h is not None:
             futures.append(self.tensor_hasher.update(tensor_h, data))
         if tap is not None:
             futures.append(self.tap_hasher.update(tap, data))
-        fileobj.write(data)
+        return futures
+
+    def _track(self, futures, done):
         self._inflight.append((futures, done))
         while len(self._inflight) >= self.depth:
             self.retire_one()
@@ -64,7 +86,7 @@ class Pipeline:
         try:
             self.drain()
         finally:
-            self.io.close()
+            self.staging.close()
             for hasher in (self.file_hasher, self.tensor_hasher, self.tap_hasher):
                 hasher.close()
 

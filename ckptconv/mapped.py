@@ -3,6 +3,7 @@
 `ru_maxrss` counts every mapped page a process touched, so after a tensor is written its pages are
 advised away (`release`); the kernel keeps them in the page cache, only our resident set shrinks.
 """
+import contextlib
 import mmap
 import os
 import stat
@@ -33,6 +34,32 @@ class MappedFile:
             os.close(fd)
         self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
 
+    @contextlib.contextmanager
+    def reader(self):
+        """`fill_at(view, offset)`, filling `view` with the file's bytes from `offset` by pread: the
+        kernel copies from the page cache, nothing is mapped (so nothing to release)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise BadInput(f"{self.path}: cannot open: {e.strerror}") from None
+
+        def fill_at(view, offset):
+            got = 0
+            while got < len(view):
+                try:
+                    n = os.preadv(fd, [view[got:]], offset + got)
+                except OSError as e:
+                    raise BadInput(f"{self.path}: cannot read at byte {offset + got}: {e.strerror}") from None
+                if n == 0:
+                    raise BadInput(f"{self.path}: ends at byte {offset + got}, before the data it promised "
+                                   "(truncated while being read)")
+                got += n
+
+        try:
+            yield fill_at
+        finally:
+            os.close(fd)
+
     def check(self, offset: int, length: int, what: str):
         """Refuse a region that does not lie inside the file (a truncated or lying file)."""
         if offset < 0 or length < 0 or offset + length > self.size:
@@ -61,6 +88,13 @@ class MemoryFile(MappedFile):
         self.path, self.size, self.stamp = path, len(data), None
         self._map = None
         self.view = memoryview(data)
+
+    @contextlib.contextmanager
+    def reader(self):
+        def fill_at(view, offset):
+            view[:] = self.view[offset:offset + len(view)]
+
+        yield fill_at
 
     def release(self, offset: int, length: int):
         pass

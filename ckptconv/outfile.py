@@ -1,15 +1,18 @@
-"""Shard files written past the page cache (O_DIRECT), several writes in flight.
+"""Shard files written through aligned staging buffers, past the page cache (O_DIRECT).
 
 A checkpoint's shards are written once and not read back soon. Buffered writes copy every byte into
 freshly allocated page-cache pages, which on the machines we measured costs more CPU than the
 hashing does (2.1 GB with dd: buffered 3.4-6.8 s, nearly all of it system time; O_DIRECT 1.5-1.8 s
-with 0.6 s of system time), and that CPU is what the hash threads need. O_DIRECT wants block-aligned
-file offsets, lengths and memory, so bytes are copied into aligned staging buffers from a small
-shared pool and written at their offsets by I/O threads (the device is faster with more than one
-write in flight); a piece's unaligned last bytes wait for the next piece, and the file's tail goes
-through the page cache when it is closed. A filesystem that refuses O_DIRECT, at open or at a write,
-gets plain buffered writes. Memory is the pool's, however many files are open (reshard --tp 64
-writes 64 side by side).
+with 0.6 s of system time), and that CPU is what the hash threads need.
+
+Every byte of a shard passes through a staging buffer from a small pool shared by all open files
+(memory does not grow with their number: reshard --tp 64 writes 64 side by side). A contiguous
+source range is read straight into it (`stage`: pread, one kernel copy, nothing mapped) and hashed
+there; other bytes are copied in (`write`). The aligned part of each buffer is written at its
+offset by an I/O thread (the device is faster with several writes in flight); the unaligned rest
+waits for the next bytes, and the file's tail goes through the page cache at close. A buffer
+returns to the pool when its write and every hash reading it are done. A filesystem that refuses
+O_DIRECT, at open or at a write, gets plain writes from the same buffers.
 """
 import errno
 import mmap
@@ -25,8 +28,8 @@ from .errors import OutputError
 ALIGN = 4096            # covers 512- and 4096-byte logical blocks
 
 
-class DirectIO:
-    """The staging pool and I/O threads shared by every OutFile of one run."""
+class StagingPool:
+    """The staging buffers and I/O threads shared by every OutFile of one run."""
 
     def __init__(self, buffers=6, size=8 << 20, threads=3):
         self.size = size
@@ -35,91 +38,125 @@ class DirectIO:
             self._free.put(np.frombuffer(mmap.mmap(-1, size), np.uint8))  # anonymous maps are page-aligned
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="write")
 
-    def take(self) -> np.ndarray:
-        return self._free.get()
+    def lease(self) -> "Lease":
+        """A free buffer (waiting for one if all are in use), held once by the caller."""
+        return Lease(self, self._free.get())
 
-    def submit(self, fn, buffer, *args):
-        """Run fn(buffer, *args) on an I/O thread; the buffer returns to the pool afterwards."""
-        def run():
-            try:
-                fn(buffer, *args)
-            finally:
-                self._free.put(buffer)
-        return self._threads.submit(run)
+    def give(self, buffer):
+        self._free.put(buffer)
+
+    def submit(self, fn, *args):
+        return self._threads.submit(fn, *args)
 
     def close(self):
         self._threads.shutdown(wait=True)
 
 
-class OutFile:
-    """A write-only file; `write` takes any bytes-like object. Every failure is an OutputError
-    naming the file. With `io` None (or no O_DIRECT here) writes are plain and synchronous."""
+class Lease:
+    """A staging buffer and how many are still using it; the last to let go returns it to the pool."""
 
-    def __init__(self, path, io: DirectIO = None):
-        self.name = os.fspath(path)
+    def __init__(self, pool, buffer):
+        self.pool, self.buffer, self._users, self._lock = pool, buffer, 1, threading.Lock()
+
+    def hold(self):
+        with self._lock:
+            self._users += 1
+
+    def let_go(self, *_):
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self.pool.give(self.buffer)
+
+    def hold_until(self, future):
+        """Keep the buffer until `future` (a hash or a write reading it) is done."""
+        self.hold()
+        future.add_done_callback(self.let_go)
+
+
+class OutFile:
+    """A write-only file fed through the staging pool. Every failure is an OutputError naming the file."""
+
+    def __init__(self, path, pool: StagingPool, direct=True):
+        self.name, self.pool = os.fspath(path), pool
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         self.fd = None
         try:
-            if io is not None and hasattr(os, "O_DIRECT"):
+            if direct and hasattr(os, "O_DIRECT"):
                 try:
                     self.fd = os.open(self.name, flags | os.O_DIRECT, 0o666)
                 except OSError as e:
                     if e.errno != errno.EINVAL:  # EINVAL: this filesystem has no direct I/O
                         raise
-            self.io = io if self.fd is not None else None
+            self.direct = self.fd is not None
             if self.fd is None:
                 self.fd = os.open(self.name, flags, 0o666)
         except OSError as e:
             raise OutputError(f"{self.name}: cannot write: {e.strerror or e}") from None
-        self._plain_fd = None if self.io else self.fd  # for tails and refused direct writes
+        self._plain_fd = None if self.direct else self.fd  # for tails and refused direct writes
         self._plain_lock = threading.Lock()
         self._pos = 0           # file offset of the first byte not yet handed to a write
         self._carry = b""       # unaligned bytes waiting for more (fewer than ALIGN)
         self._pending = []
         self._failed = False    # after a failed write, close writes nothing more
 
-    def fileno(self):
-        return self.fd
-
     def write(self, data):
+        """Copy `data` in and write it (the caller hashes `data` itself)."""
+        data = memoryview(data).cast("B")
+        done = 0
+        while done < len(data):
+            def copy(view, start=done):
+                np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(data[start:start + len(view)], np.uint8))
+            staged, lease = self.stage(copy, len(data) - done)
+            lease.let_go()
+            done += len(staged)
+
+    def stage(self, fill, n):
+        """Put up to `n` next bytes of the file into a staging buffer — `fill(view)` fills `view` with
+        them — and write them; returns (a view of those bytes, its Lease held once for the caller,
+        who lets go when done reading the view). Fewer than `n` bytes when a buffer is full."""
         try:
-            self._write(memoryview(data).cast("B"))
+            self._check_pending()
+            lease = self.pool.lease()
+            buf, carry = lease.buffer, len(self._carry)
+            k = min(n, self.pool.size - carry)
+            buf[:carry] = np.frombuffer(self._carry, np.uint8)
+            view = memoryview(buf)[carry:carry + k]
+            try:
+                fill(view)
+            except BaseException:
+                lease.let_go()
+                raise
+            total = carry + k
+            aligned = total - total % ALIGN if self.direct else total
+            self._carry = bytes(buf[aligned:total])
+            if aligned:
+                lease.hold()
+                write = self.pool.submit(self._pwrite, lease, aligned, self._pos)
+                self._pending.append(write)
+                self._pos += aligned
+            return view, lease
         except OSError as e:
             self._failed = True
             raise OutputError(f"{self.name}: write failed: {e.strerror or e}") from None
 
-    def _write(self, data):
-        if self.io is None:
-            _write_all(self.fd, data)
-            return
-        self._check_pending()
-        carry, self._carry = self._carry, b""
-        while len(carry) + len(data) >= ALIGN:
-            buf = self.io.take()
-            n = min(len(data), self.io.size - len(carry))
-            total = len(carry) + n
-            aligned = total - total % ALIGN  # at least ALIGN, so more than the carry
-            buf[:len(carry)] = np.frombuffer(carry, np.uint8)
-            np.copyto(buf[len(carry):aligned], np.frombuffer(data[:aligned - len(carry)], np.uint8))
-            self._pending.append(self.io.submit(self._pwrite, buf, aligned, self._pos))
-            self._pos += aligned
-            data = data[aligned - len(carry):]
-            carry = b""
-        self._carry = bytes(carry) + bytes(data)
-
-    def _pwrite(self, buf, length, offset):
-        view = memoryview(buf)[:length]
-        done = 0
+    def _pwrite(self, lease, length, offset):
         try:
-            while done < length:
-                done += os.pwrite(self.fd, view[done:], offset + done)
-                if done % ALIGN:
-                    break  # a short write left an unaligned rest: finish it through the page cache
-        except OSError as e:
-            if e.errno != errno.EINVAL:  # EINVAL: these bytes cannot go direct; write them plainly
-                raise
-        if done < length:
-            _pwrite_all(self._plain(), view[done:], offset + done)
+            view = memoryview(lease.buffer)[:length]
+            done = 0
+            try:
+                while done < length:
+                    done += os.pwrite(self.fd, view[done:], offset + done)
+                    if self.direct and done % ALIGN:
+                        break  # a short write left an unaligned rest: finish it through the page cache
+            except OSError as e:
+                if not (self.direct and e.errno == errno.EINVAL):  # EINVAL: the device will not take these
+                    raise
+            if done < length:
+                _pwrite_all(self._plain(), view[done:], offset + done)
+        finally:
+            lease.let_go()
 
     def _plain(self) -> int:
         with self._plain_lock:
@@ -157,11 +194,6 @@ class OutFile:
             for fd in {self.fd, self._plain_fd} - {None}:
                 os.close(fd)
             self.fd = self._plain_fd = None
-
-
-def _write_all(fd, view):
-    while len(view):
-        view = view[os.write(fd, view):]
 
 
 def _pwrite_all(fd, view, offset):

@@ -121,7 +121,7 @@ class OutputStream:
             self._close()
             shard = self.shards[index]
             path = os.path.join(self.out_dir, shard.name)
-            self._file = OutFile(path, self.pipeline.io if self.direct else None)
+            self._file = OutFile(path, self.pipeline.staging, self.direct)
             self._current, self._file_h = index, hashlib.sha256()
             self.pipeline.push(self._file, self._file_h, None, shard.header)
         return self._file, self._file_h
@@ -180,18 +180,11 @@ def write_tensor(f, file_h, t, pipeline, progress, tap):
     span = t.file_span()
     try:
         if span is not None:
-            # Hash and write straight from the mapping (no gather), and advise each chunk's pages
-            # away once the hashes are done with it.
+            # One contiguous range of a file: read straight into the output's staging buffers.
             mapped, offset = span
             mapped.check(offset, t.nbytes, f"tensor {t.name!r}")
-            end = offset + t.nbytes
-            while offset < end:
-                n = min(CHUNK, end - offset)
-                pipeline.push(f, file_h, tensor_h, mapped.view[offset:offset + n],
-                              lambda o=offset, k=n: mapped.release(o, k), tap)
-                offset += n
-                if progress:
-                    progress(n)
+            with mapped.reader() as fill_at:
+                pipeline.push_range(f, file_h, tensor_h, fill_at, offset, t.nbytes, tap, progress)
         else:
             for block in iter_blocks(t, CHUNK):
                 data = as_bytes(block)

@@ -8,7 +8,7 @@ import pytest
 
 from ckptconv import outfile
 from ckptconv.errors import OutputError
-from ckptconv.outfile import ALIGN, DirectIO, OutFile
+from ckptconv.outfile import ALIGN, OutFile, StagingPool
 
 
 def _pieces(seed, count, largest):
@@ -19,16 +19,16 @@ def _pieces(seed, count, largest):
 
 
 @pytest.fixture
-def io():
-    pool = DirectIO(buffers=2, size=4 * ALIGN, threads=2)  # tiny, so pieces cross buffers and wait for them
+def pool():
+    pool = StagingPool(buffers=2, size=4 * ALIGN, threads=2)  # tiny, so pieces cross buffers and wait for them
     yield pool
     pool.close()
 
 
-def test_direct_writes_every_byte_in_order(tmp_path, io):
+def test_direct_writes_every_byte_in_order(tmp_path, pool):
     path = tmp_path / "shard"
-    f = OutFile(path, io)
-    if f.io is None:
+    f = OutFile(path, pool)
+    if not f.direct:
         pytest.skip("this filesystem has no O_DIRECT")
     pieces = _pieces(0, 60, 9 * ALIGN)
     for p in pieces:
@@ -37,10 +37,10 @@ def test_direct_writes_every_byte_in_order(tmp_path, io):
     assert path.read_bytes() == b"".join(pieces)
 
 
-def test_many_files_interleaved_share_a_small_pool(tmp_path, io):
+def test_many_files_interleaved_share_a_small_pool(tmp_path, pool):
     """Writes to twenty files in turn through two buffers: no deadlock, each file exact (reshard
     writes every rank's file side by side, and memory must not grow with their number)."""
-    files = [OutFile(tmp_path / f"f{i}", io) for i in range(20)]
+    files = [OutFile(tmp_path / f"f{i}", pool) for i in range(20)]
     expected = [[] for _ in files]
     for round_, piece in enumerate(_pieces(1, 200, 6 * ALIGN)):
         i = round_ % len(files)
@@ -52,10 +52,10 @@ def test_many_files_interleaved_share_a_small_pool(tmp_path, io):
         assert (tmp_path / f"f{i}").read_bytes() == b"".join(expected[i])
 
 
-def test_plain_writes_without_a_pool(tmp_path):
+def test_plain_writes(tmp_path, pool):
     path = tmp_path / "shard"
-    f = OutFile(path, None)
-    assert f.io is None
+    f = OutFile(path, pool, direct=False)
+    assert not f.direct
     pieces = _pieces(2, 20, 3 * ALIGN)
     for p in pieces:
         f.write(p)
@@ -63,7 +63,7 @@ def test_plain_writes_without_a_pool(tmp_path):
     assert path.read_bytes() == b"".join(pieces)
 
 
-def test_filesystem_refusing_direct_io_at_open_gets_plain_writes(tmp_path, io, monkeypatch):
+def test_filesystem_refusing_direct_io_at_open_gets_plain_writes(tmp_path, pool, monkeypatch):
     real_open = os.open
 
     def no_direct(path, flags, *args):
@@ -72,19 +72,19 @@ def test_filesystem_refusing_direct_io_at_open_gets_plain_writes(tmp_path, io, m
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", no_direct)
-    f = OutFile(tmp_path / "shard", io)
-    assert f.io is None
+    f = OutFile(tmp_path / "shard", pool)
+    assert not f.direct
     f.write(b"x" * (5 * ALIGN + 3))
     f.close()
     assert (tmp_path / "shard").read_bytes() == b"x" * (5 * ALIGN + 3)
 
 
-def test_direct_write_refused_or_short_finishes_through_the_page_cache(tmp_path, io, monkeypatch):
+def test_direct_write_refused_or_short_finishes_through_the_page_cache(tmp_path, pool, monkeypatch):
     """EINVAL from a direct write (an alignment the device will not take) and a short, unaligned
     write both leave the rest to a plain descriptor at the right offset."""
     path = tmp_path / "shard"
-    f = OutFile(path, io)
-    if f.io is None:
+    f = OutFile(path, pool)
+    if not f.direct:
         pytest.skip("this filesystem has no O_DIRECT")
     real_pwrite, direct_fd, calls = os.pwrite, f.fd, itertools.count()
     side = os.open(path, os.O_WRONLY)
@@ -107,14 +107,14 @@ def test_direct_write_refused_or_short_finishes_through_the_page_cache(tmp_path,
     assert next(calls) > 3
 
 
-def test_a_failed_write_is_one_error_naming_the_file(tmp_path, io, monkeypatch):
+def test_a_failed_write_is_one_error_naming_the_file(tmp_path, pool, monkeypatch):
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwrite", full)
     path = tmp_path / "shard"
-    f = OutFile(path, io)
-    if f.io is None:
+    f = OutFile(path, pool)
+    if not f.direct:
         pytest.skip("this filesystem has no O_DIRECT")
     with pytest.raises(OutputError, match=f"{path}: write failed: No space left on device"):
         for _ in range(100):  # the failure surfaces at a later write or at close
@@ -129,7 +129,7 @@ def test_pool_memory_does_not_grow_with_files(tmp_path, monkeypatch):
     made = []
     real_mmap = outfile.mmap.mmap
     monkeypatch.setattr(outfile.mmap, "mmap", lambda *a, **k: made.append(a) or real_mmap(*a, **k))
-    pool = DirectIO(buffers=3, size=2 * ALIGN, threads=1)
+    pool = StagingPool(buffers=3, size=2 * ALIGN, threads=1)
     files = [OutFile(tmp_path / f"f{i}", pool) for i in range(16)]
     for f in files:
         f.write(b"z" * (5 * ALIGN + 1))
@@ -158,3 +158,37 @@ def test_buffered_io_gives_the_same_bytes(torch_fixtures, hf_llama, tmp_path):
             assert (outs[0] / p).read_bytes() == (outs[1] / p).read_bytes(), p
         for sums in outs[0].rglob("SHA256SUMS"):
             subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=sums.parent, check=True)
+
+
+def test_ranges_are_hashed_in_reused_staging_buffers(tmp_path):
+    """Source ranges read straight into a two-buffer pool and hashed there, three files in turn: a
+    buffer handed out again before its hashes and its write were done would show as a wrong digest
+    or wrong bytes."""
+    import hashlib
+    from ckptconv.hashing import Pipeline
+    from ckptconv.mapped import MappedFile
+    data = random.Random(5).randbytes(300_000)
+    (tmp_path / "src").write_bytes(data)
+    pipeline = Pipeline()
+    pipeline.staging.close()
+    pipeline.staging = StagingPool(buffers=2, size=4 * ALIGN, threads=2)
+    files = [OutFile(tmp_path / f"out{i}", pipeline.staging) for i in range(3)]
+    file_h, expected = [hashlib.sha256() for _ in files], [b"" for _ in files]
+    tap, tensors, rng = hashlib.sha256(), [], random.Random(6)
+    with MappedFile(tmp_path / "src").reader() as fill_at:
+        for k in range(60):
+            start = rng.randrange(len(data))
+            end = start + rng.randrange(min(5 * ALIGN, len(data) - start) + 1)
+            tensor_h = hashlib.sha256()
+            pipeline.push_range(files[k % 3], file_h[k % 3], tensor_h, fill_at, start, end - start, tap)
+            expected[k % 3] += data[start:end]
+            tensors.append((pipeline.tensor_hasher.digest(tensor_h), data[start:end]))
+    pipeline.drain()
+    for f in files:
+        f.close()
+    pipeline.close()
+    for i in range(3):
+        assert (tmp_path / f"out{i}").read_bytes() == expected[i]
+        assert file_h[i].hexdigest() == hashlib.sha256(expected[i]).hexdigest()
+    assert all(digest.result() == hashlib.sha256(b).hexdigest() for digest, b in tensors)
+    assert tap.hexdigest() == hashlib.sha256(b"".join(b for _, b in tensors)).hexdigest()
