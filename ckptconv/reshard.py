@@ -331,11 +331,11 @@ def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
             pending = pipeline.tap_hasher.update(global_h, as_bytes(block)) if global_h is not None else None
             for r in holders:
                 parts = [block[lead + (slice(lo, hi),)] for lo, hi in p.ranges[r]]
-                piece = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=p.axis))
                 f, file_h = streams[r].file_for(p.name)
-                pipeline.push(f, file_h, digests[r], as_bytes(piece))
-                if progress:
-                    progress(piece.nbytes)
+                shape = parts[0].shape[:p.axis] + (sum(x.shape[p.axis] for x in parts),) + parts[0].shape[p.axis + 1:]
+                nbytes = math.prod(shape) * p.dtype.itemsize
+                pipeline.push_range(f, file_h, digests[r], _gather(parts, p.axis, shape, p.dtype.numpy), 0, nbytes,
+                                    progress=progress)
             if pending is not None:
                 pending.result()
             src.release()
@@ -344,6 +344,27 @@ def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
     for r in holders:
         streams[r].record(pieces[r][p.name], pipeline.tensor_hasher.digest(digests[r]))
 
+
+
+def _gather(parts, axis, shape, dtype):
+    """`fill_at` for one rank's columns of a block: gathered straight into the staging buffer when it
+    holds the whole piece, else gathered once and copied a byte range at a time."""
+    whole = None
+
+    def fill_at(view, offset):
+        nonlocal whole
+        if offset == 0 and len(view) == math.prod(shape) * np.dtype(dtype).itemsize:
+            out = np.frombuffer(view, dtype).reshape(shape)
+            if len(parts) == 1:
+                np.copyto(out, parts[0])
+            else:
+                np.concatenate(parts, axis=axis, out=out)
+            return
+        if whole is None:
+            whole = as_bytes(np.ascontiguousarray(np.concatenate(parts, axis=axis)))
+        view[:] = whole[offset:offset + len(view)]
+
+    return fill_at
 
 
 def _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write):

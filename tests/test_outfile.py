@@ -139,23 +139,28 @@ def test_pool_memory_does_not_grow_with_files(tmp_path, monkeypatch):
     assert len(made) == 3
 
 
-def test_buffered_io_gives_the_same_bytes(torch_fixtures, hf_llama, tmp_path):
-    """Direct and page-cache writes are one output: convert and reshard, file for file, and the
-    shards pass `sha256sum -c`."""
+def test_write_modes_give_the_same_bytes(torch_fixtures, hf_llama, tmp_path, monkeypatch):
+    """Direct and page-cache writes, and staging buffers far smaller than the tensors (every piece
+    read or gathered a byte range at a time), are one output: convert and reshard, file for file,
+    and the shards pass `sha256sum -c`."""
     import subprocess
     from tests.conftest import run
+    small = (2, 2 * ALIGN, 2)
     for job, src, args in (("convert", torch_fixtures["train"], ["--max-shard-size", "300"]),
-                           ("reshard", hf_llama["dir"], ["--tp", "4", "--max-shard-size", "100KB"])):
+                           ("reshard", hf_llama["dir"], ["--tp", "2", "--max-shard-size", "100KB"])):
         outs = []
-        for mode in ([], ["--buffered-io"]):
+        for mode, pool in (([], None), (["--buffered-io"], None), ([], small)):
+            if pool:
+                monkeypatch.setattr(StagingPool.__init__, "__defaults__", pool)
             out = tmp_path / f"{job}{len(outs)}"
             r = run(job, src, out, "--quiet", *args, *mode)
+            monkeypatch.undo()
             assert r.exit_code == 0, r.stderr
             outs.append(out)
-        a, b = (sorted(p.relative_to(o) for p in o.rglob("*") if p.is_file()) for o in outs)
-        assert a == b and sum(p.suffix == ".safetensors" for p in a) >= 2
-        for p in a:
-            assert (outs[0] / p).read_bytes() == (outs[1] / p).read_bytes(), p
+        files = [sorted(p.relative_to(o) for p in o.rglob("*") if p.is_file()) for o in outs]
+        assert files[0] == files[1] == files[2] and sum(p.suffix == ".safetensors" for p in files[0]) >= 2
+        for p in files[0]:
+            assert (outs[0] / p).read_bytes() == (outs[1] / p).read_bytes() == (outs[2] / p).read_bytes(), p
         for sums in outs[0].rglob("SHA256SUMS"):
             subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=sums.parent, check=True)
 
