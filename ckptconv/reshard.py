@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import sha256
 from .cluster import assign, on_cluster, run_guarded
 from .errors import BadInput, UsageError
 from .output import atomic_output, temp_path
@@ -271,7 +272,7 @@ def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=N
     if cluster is not None:
         _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write)
     else:
-        taps = {p.name: hashlib.sha256() for p in plans if _streams_in_order(p) or _scatters(p)}
+        taps = {p.name: sha256.new() for p in plans if _streams_in_order(p) or _scatters(p)}
         with atomic_output(out, overwrite) as tmp, byte_progress(total, "reshard", quiet) as progress:
             rank0 = write(tmp, list(range(ranks)), progress, taps)
             mesh = mesh_json(plans, rules, tp, ep, ckpt.source, global_digests(plans, sources, taps, rank0))
@@ -323,7 +324,7 @@ def write_ranks(tmp, ranks, plans, sources, max_shard_size, progress=None, fsync
 
 def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
     rows = max(1, CHUNK // (math.prod(p.shape[1:]) * p.dtype.itemsize))
-    digests = {r: hashlib.sha256() for r in holders}
+    digests = {r: sha256.new() for r in holders}
     lead = (slice(None),) * p.axis
     try:
         for a in range(0, p.shape[0], rows):

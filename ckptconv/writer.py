@@ -14,6 +14,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
+from . import sha256
 from .errors import BadInput, OutputError
 from .hashing import CHUNK, Pipeline, sha256_file, write_all
 from .outfile import OutFile
@@ -122,7 +123,7 @@ class OutputStream:
             shard = self.shards[index]
             path = os.path.join(self.out_dir, shard.name)
             self._file = OutFile(path, self.pipeline.staging, self.direct)
-            self._current, self._file_h = index, hashlib.sha256()
+            self._current, self._file_h = index, sha256.new()
             self.pipeline.push(self._file, self._file_h, None, shard.header)
         return self._file, self._file_h
 
@@ -176,7 +177,7 @@ def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False
 
 def write_tensor(f, file_h, t, pipeline, progress, tap):
     """Push all of `t` into `f`; returns the future of its SHA-256."""
-    tensor_h = hashlib.sha256()
+    tensor_h = sha256.new()
     span = t.file_span()
     try:
         if span is not None:
