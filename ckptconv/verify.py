@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import sha256
 from .errors import BadInput, UsageError
 from .hashing import CHUNK, OrderedHasher, sha256_file
 from .mapped import MappedFile
@@ -140,10 +141,13 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
 
 
 def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
-    """Digest the file and each tensor in one streaming pass, on two threads."""
+    """Digest the file and each tensor in one streaming pass: with the compiled streams both digests
+    in one interleaved pass on one thread while this one maps the next chunk's pages in, else on
+    two threads."""
     path = Path(m.path)
-    file_hasher, tensor_hasher = OrderedHasher(), OrderedHasher()
-    file_h, futures, digests = hashlib.sha256(), [], []
+    file_hasher = OrderedHasher()
+    tensor_hasher = file_hasher if sha256.FAST else OrderedHasher()
+    file_h, futures, digests = sha256.new(), [], []
     try:
         pos = released = 0
         ranges = [(None, 0, header.data_start)] + [(e, e.begin, e.end) for e in header.entries if e.end <= m.size]
@@ -151,13 +155,17 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
             if begin > pos:
                 futures.append((file_hasher.update(file_h, m.view[pos:begin]), begin))
             begin = max(begin, pos)
-            tensor_h = hashlib.sha256() if entry is not None else None
+            tensor_h = sha256.new() if entry is not None else None
             while begin < end:
                 n = min(CHUNK, end - begin)
                 view = m.view[begin:begin + n]
-                futures.append((file_hasher.update(file_h, view), begin + n))
-                if tensor_h is not None:
-                    futures.append((tensor_hasher.update(tensor_h, view), begin + n))
+                m.populate(begin, n)
+                if sha256.FAST and tensor_h is not None:
+                    futures.append((file_hasher.update_all([file_h, tensor_h], view), begin + n))
+                else:
+                    futures.append((file_hasher.update(file_h, view), begin + n))
+                    if tensor_h is not None:
+                        futures.append((tensor_hasher.update(tensor_h, view), begin + n))
                 begin += n
                 if len(futures) > 16:  # wait for the oldest chunks, then drop the pages both hashes are done with
                     for f, _ in futures[:-8]:
