@@ -148,6 +148,7 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
     file_hasher = OrderedHasher()
     tensor_hasher = file_hasher if sha256.FAST else OrderedHasher()
     file_h, futures, digests = sha256.new(), [], []
+    window = 4 if sha256.FAST else 8  # futures kept in flight: 4 to 8 chunks either way
     try:
         pos = released = 0
         ranges = [(None, 0, header.data_start)] + [(e, e.begin, e.end) for e in header.entries if e.end <= m.size]
@@ -167,11 +168,11 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
                     if tensor_h is not None:
                         futures.append((tensor_hasher.update(tensor_h, view), begin + n))
                 begin += n
-                if len(futures) > 16:  # wait for the oldest chunks, then drop the pages both hashes are done with
-                    for f, _ in futures[:-8]:
+                if len(futures) > 2 * window:  # wait for the oldest chunks, drop the pages the hashes are done with
+                    for f, _ in futures[:-window]:
                         f.result()
-                    done_to = futures[-9][1]
-                    futures = futures[-8:]
+                    done_to = futures[-window - 1][1]
+                    futures = futures[-window:]
                     m.release(released, done_to - released)
                     released = done_to
                 if progress:
