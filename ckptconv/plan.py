@@ -12,7 +12,7 @@ from .rules import choose, read_config
 from .writer import plan_shards
 
 BASE_RSS = 110 * 2**20        # interpreter, numpy, jax-free import: measured peak of a 2 GB convert
-IN_FLIGHT = 5 * 16 * 2**20    # chunks being hashed/copied at once (pipeline depth + one being read)
+IN_FLIGHT = 6 * 8 * 2**20 + 2 * 16 * 2**20  # the staging pool (outfile.py) + gathered chunks being hashed
 
 
 def units(ckpt, tp=None, ep=1, max_shard_size=5 * 10**9, preset=None, rules_file=None, heads=None):
