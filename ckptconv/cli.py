@@ -1,4 +1,5 @@
 """The `ckptconv` command line (click). Errors are one line on stderr; exit 0 ok, 1 problems, 2 bad input."""
+import contextlib
 import functools
 import json
 import os
@@ -124,6 +125,17 @@ def write_options(fn):
 @click.version_option(package_name="ckptconv")
 def main():
     """Convert large-model checkpoints to sharded safetensors, safely and streaming."""
+    _allow_many_open_files()
+
+
+def _allow_many_open_files():
+    """Raise the soft limit on open files to the hard one: each mapped input file holds a descriptor
+    (Python's mmap before 3.13), and a Grok-1 directory of several hosts has thousands of files."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _convert_command(name, pickle_only, help_text):

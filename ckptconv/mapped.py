@@ -4,19 +4,27 @@
 advised away (`release`); the kernel keeps them in the page cache, only our resident set shrinks.
 """
 import contextlib
+import errno
 import mmap
 import os
+import sys
 import stat
 
 from .errors import BadInput
 
 _PAGE = mmap.PAGESIZE
+_NO_FD = {"trackfd": False} if sys.version_info >= (3, 13) else {}  # 3.13+: the map keeps no descriptor
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value; not named by Python 3.11
 
 
+def _hint(e: OSError) -> str:
+    return " (every mapped input holds a descriptor: raise `ulimit -n`)" if e.errno == errno.EMFILE else ""
+
+
 class MappedFile:
-    """A whole file mapped read-only. No descriptor is kept open (a Grok-1 directory has hundreds of
-    files per host)."""
+    """A whole file mapped read-only. We keep no descriptor open, but before Python 3.13 the mmap
+    object holds a duplicate of one while the file is mapped: a Grok-1 directory of several hosts
+    maps thousands of files, so the CLI raises the soft limit on open files to the hard one."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
@@ -25,12 +33,14 @@ class MappedFile:
                 raise BadInput(f"{self.path}: not a regular file")
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
-            raise BadInput(f"{self.path}: cannot open: {e.strerror}") from None
+            raise BadInput(f"{self.path}: cannot open: {e.strerror}{_hint(e)}") from None
         try:
             st = os.fstat(fd)
             self.size = st.st_size
             self.stamp = (st.st_size, st.st_mtime_ns)
-            self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if self.size else None
+            self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ, **_NO_FD) if self.size else None
+        except OSError as e:
+            raise BadInput(f"{self.path}: cannot map: {e.strerror}{_hint(e)}") from None
         finally:
             os.close(fd)
         self.view = memoryview(self._map) if self._map is not None else memoryview(b"")

@@ -173,6 +173,11 @@ class OutFile:
                 still.append(f)
         self._pending = still
 
+    def abandon(self):
+        """Close without writing more (the run failed; its output is removed)."""
+        self._failed = True
+        self.close()
+
     def close(self, fsync=False):
         """Wait for the writes in flight, write the tail, then close."""
         if self.fd is None:

@@ -318,6 +318,10 @@ def write_ranks(tmp, ranks, plans, sources, max_shard_size, progress=None, fsync
         for stream in streams.values():
             stream.finish()
         return streams
+    except BaseException:
+        for stream in streams.values():
+            stream.abandon()
+        raise
     finally:
         pipeline.close()
 

@@ -153,6 +153,12 @@ class OutputStream:
         self._close()
         return self.written
 
+    def abandon(self):
+        """After a failure: let go of the open shard's descriptors, writing nothing more."""
+        if self._file is not None:
+            self._file.abandon()
+            self._file = None
+
 
 def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False, taps=None,
                  reuse: Written = None, journal=True, direct=True) -> Written:
@@ -161,15 +167,19 @@ def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False
     taps = taps or {}
     stream = OutputStream(out_dir, shards, pipeline, fsync,
                           (lambda written: _journal_write(out_dir, plan_id, written)) if journal else None, direct)
-    for shard in shards:
-        if shard.name in reuse.files:
-            stream.written.files[shard.name] = reuse.files[shard.name]
-            stream.written.tensors.update({t.name: reuse.tensors[t.name] for t in shard.tensors})
-            continue
-        for t in shard.tensors:
-            f, file_h = stream.file_for(t.name)
-            stream.record(t, write_tensor(f, file_h, t, pipeline, progress, taps.get(t.name)))
-    written = stream.finish()
+    try:
+        for shard in shards:
+            if shard.name in reuse.files:
+                stream.written.files[shard.name] = reuse.files[shard.name]
+                stream.written.tensors.update({t.name: reuse.tensors[t.name] for t in shard.tensors})
+                continue
+            for t in shard.tensors:
+                f, file_h = stream.file_for(t.name)
+                stream.record(t, write_tensor(f, file_h, t, pipeline, progress, taps.get(t.name)))
+        written = stream.finish()
+    except BaseException:
+        stream.abandon()
+        raise
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(out_dir, JOURNAL))
     return written

@@ -212,3 +212,26 @@ def test_malicious_and_broken_files_refused(tmp_path, case, needle):
     assert r.exit_code == 2 and needle in r.stderr, r.stderr
     assert "tensor00000_000" in r.stderr and r.stderr.count("\n") == 1
     assert not canary.exists() and not (tmp_path / "out").exists()
+
+
+def test_more_files_than_the_soft_open_file_limit(grok_dir, params, tmp_path):
+    """Every mapped file holds a descriptor (Python's mmap before 3.13): with a soft limit below the
+    directory's 146 files the CLI raises it to the hard limit; with a hard limit that low too, the
+    error is one line naming the file and what to do."""
+    import resource
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    soft_only = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    both = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    for limit, out in ((soft_only, tmp_path / "ok"), (both, tmp_path / "refused")):
+        r = subprocess.run([sys.executable, "-m", "ckptconv.cli", "pickle-to-safetensors", grok_dir, out, "--quiet"],
+                           capture_output=True, text=True, preexec_fn=limit, cwd=root)
+        if limit is soft_only:
+            assert r.returncode == 0, r.stderr
+            assert_lossless(read_all(out), params)
+        else:
+            assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+            assert "Too many open files (every mapped input holds a descriptor: raise `ulimit -n`)" in r.stderr
+            assert str(grok_dir) in r.stderr
+            assert not out.exists()

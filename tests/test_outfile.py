@@ -1,4 +1,5 @@
 """Shard files written with O_DIRECT through the staging pool: the bytes, the fallbacks, the errors."""
+import contextlib
 import errno
 import itertools
 import os
@@ -202,3 +203,31 @@ def test_ranges_are_hashed_in_reused_staging_buffers(tmp_path):
         assert file_h[i].hexdigest() == hashlib.sha256(expected[i]).hexdigest()
     assert all(digest.result() == hashlib.sha256(b).hexdigest() for digest, b in tensors)
     assert tap.hexdigest() == hashlib.sha256(b"".join(b for _, b in tensors)).hexdigest()
+
+
+def test_a_failed_run_leaves_no_descriptor_open(hf_llama, tmp_path, monkeypatch):
+    """Reading fails half-way through a reshard and a convert run in this process: every shard file
+    that was open is closed (a long-lived process must not collect descriptors of removed files),
+    nothing is published."""
+    from ckptconv.errors import BadInput
+    from ckptconv.mapped import MappedFile
+    from tests.conftest import run
+    real_reader, calls = MappedFile.reader, itertools.count()
+
+    def failing_reader(self):
+        if next(calls) == 5:
+            raise BadInput(f"{self.path}: cannot read at byte 0: Input/output error")
+        return real_reader(self)
+
+    monkeypatch.setattr(MappedFile, "reader", failing_reader)
+    before = set(os.listdir("/proc/self/fd"))
+    for job, args in (("reshard", ["--tp", "2"]), ("convert", ["--max-shard-size", "50KB"])):
+        calls = itertools.count()
+        r = run(job, hf_llama["dir"], tmp_path / job, "--quiet", *args)
+        assert r.exit_code == 2 and "Input/output error" in r.stderr, r.stderr
+        assert not (tmp_path / job).exists()
+    held = []
+    for fd in set(os.listdir("/proc/self/fd")) - before:
+        with contextlib.suppress(OSError):
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+    assert not [p for p in held if p.startswith(str(tmp_path))], held  # (mapped sources may live on in the traceback)
