@@ -3,9 +3,9 @@
 Output contract (DESIGN.md): `model-0000k-of-0000n.safetensors` filled in order up to the shard size,
 `model.safetensors.index.json`, `manifest.json` with file and per-tensor logical SHA-256, and a
 coreutils `SHA256SUMS`. Every chunk is written once and hashed twice (file, tensor), see hashing.py.
-Sources that are one contiguous file range are hashed and written straight from the mapping; others
-are gathered block by block. Mapped pages are released as we go; shards bypass the page cache
-(outfile.py).
+Sources that are one contiguous file range are read straight into the output's staging buffers and
+hashed there; others are gathered block by block from the mapping, whose pages are released as we
+go. Shards bypass the page cache (outfile.py).
 """
 import contextlib
 import hashlib
