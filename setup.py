@@ -2,4 +2,6 @@
 extensions). Optional: without a compiler the package installs and hashes with hashlib."""
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("ckptconv._sha256x", ["ckptconv/_sha256x.c"], optional=True)])
+# -O3: the streams' state arrays must be scalarised into registers for the rounds to interleave
+# (at -O2 two streams ran at 2.8 GB/s instead of 3.5).
+setup(ext_modules=[Extension("ckptconv._sha256x", ["ckptconv/_sha256x.c"], extra_compile_args=["-O3"], optional=True)])

@@ -74,73 +74,44 @@ static const uint32_t K[64] = {
         _mm_storeu_si128((__m128i *)&(st)->h[4], _mm_alignr_epi8(u_, t_, 8));                     \
     } while (0)
 
-/* Sixteen groups of four rounds for each stream named in EACH (a macro applying its argument to
- * every stream), the message groups rotating through four registers. */
-#define ALL_ROUNDS(EACH)                                                                          \
-    EACH(0, 0, 1, 2, 3) EACH(1, 1, 2, 3, 0) EACH(2, 2, 3, 0, 1) EACH(3, 3, 0, 1, 2)               \
-    EACH(4, 0, 1, 2, 3) EACH(5, 1, 2, 3, 0) EACH(6, 2, 3, 0, 1) EACH(7, 3, 0, 1, 2)               \
-    EACH(8, 0, 1, 2, 3) EACH(9, 1, 2, 3, 0) EACH(10, 2, 3, 0, 1) EACH(11, 3, 0, 1, 2)             \
-    EACH(12, 0, 1, 2, 3) EACH(13, 1, 2, 3, 0) EACH(14, 2, 3, 0, 1) EACH(15, 3, 0, 1, 2)
-
-#define STREAM_A(k, a, b, c, d) ROUNDS4(a0, a1, am##a, am##b, am##c, am##d, k, pa);
-#define STREAM_B(k, a, b, c, d) ROUNDS4(b0, b1, bm##a, bm##b, bm##c, bm##d, k, pb);
-#define STREAM_C(k, a, b, c, d) ROUNDS4(c0, c1, cm##a, cm##b, cm##c, cm##d, k, pc);
-#define STREAMS_AB(k, a, b, c, d) STREAM_A(k, a, b, c, d) STREAM_B(k, a, b, c, d)
-#define STREAMS_ABC(k, a, b, c, d) STREAM_A(k, a, b, c, d) STREAM_B(k, a, b, c, d) STREAM_C(k, a, b, c, d)
-
 #define TARGET __attribute__((target("sha,sse4.1,ssse3")))
 
-TARGET static void compress1(State *sa, const uint8_t *pa, size_t blocks) {
+/* n streams (a compile-time constant at each call, so the arrays below live in registers and the
+ * unrolled loops interleave the streams' rounds), each with its own data pointer. */
+TARGET static inline __attribute__((always_inline)) void compress_n(State **st, const uint8_t **p, size_t blocks,
+                                                                   const int n) {
     const __m128i BSWAP = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
-    __m128i a0, a1, am0, am1, am2, am3;
-    LOAD_STATE(sa, a0, a1);
-    for (; blocks--; pa += 64) {
-        __m128i sa0 = a0, sa1 = a1;
-        ALL_ROUNDS(STREAM_A)
-        a0 = _mm_add_epi32(a0, sa0);
-        a1 = _mm_add_epi32(a1, sa1);
+    __m128i S0[MAX_STREAMS], S1[MAX_STREAMS], M[MAX_STREAMS][4];
+    const uint8_t *q[MAX_STREAMS];
+    for (int s = 0; s < n; s++) {
+        LOAD_STATE(st[s], S0[s], S1[s]);
+        q[s] = p[s];
     }
-    STORE_STATE(sa, a0, a1);
+    for (; blocks--;) {
+        __m128i A0[MAX_STREAMS], A1[MAX_STREAMS];
+        for (int s = 0; s < n; s++) {
+            A0[s] = S0[s];
+            A1[s] = S1[s];
+        }
+#pragma GCC unroll 16
+        for (int k = 0; k < 16; k++) {
+#pragma GCC unroll 3
+            for (int s = 0; s < n; s++)
+                ROUNDS4(S0[s], S1[s], M[s][k & 3], M[s][(k + 1) & 3], M[s][(k + 2) & 3], M[s][(k + 3) & 3], k, q[s]);
+        }
+        for (int s = 0; s < n; s++) {
+            S0[s] = _mm_add_epi32(S0[s], A0[s]);
+            S1[s] = _mm_add_epi32(S1[s], A1[s]);
+            q[s] += 64;
+        }
+    }
+    for (int s = 0; s < n; s++)
+        STORE_STATE(st[s], S0[s], S1[s]);
 }
 
-TARGET static void compress2(State *sa, State *sb, const uint8_t *pa, const uint8_t *pb, size_t blocks) {
-    const __m128i BSWAP = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
-    __m128i a0, a1, am0, am1, am2, am3, b0, b1, bm0, bm1, bm2, bm3;
-    LOAD_STATE(sa, a0, a1);
-    LOAD_STATE(sb, b0, b1);
-    for (; blocks--; pa += 64, pb += 64) {
-        __m128i sa0 = a0, sa1 = a1, sb0 = b0, sb1 = b1;
-        ALL_ROUNDS(STREAMS_AB)
-        a0 = _mm_add_epi32(a0, sa0);
-        a1 = _mm_add_epi32(a1, sa1);
-        b0 = _mm_add_epi32(b0, sb0);
-        b1 = _mm_add_epi32(b1, sb1);
-    }
-    STORE_STATE(sa, a0, a1);
-    STORE_STATE(sb, b0, b1);
-}
-
-TARGET static void compress3(State *sa, State *sb, State *sc, const uint8_t *pa, const uint8_t *pb,
-                             const uint8_t *pc, size_t blocks) {
-    const __m128i BSWAP = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
-    __m128i a0, a1, am0, am1, am2, am3, b0, b1, bm0, bm1, bm2, bm3, c0, c1, cm0, cm1, cm2, cm3;
-    LOAD_STATE(sa, a0, a1);
-    LOAD_STATE(sb, b0, b1);
-    LOAD_STATE(sc, c0, c1);
-    for (; blocks--; pa += 64, pb += 64, pc += 64) {
-        __m128i sa0 = a0, sa1 = a1, sb0 = b0, sb1 = b1, sc0 = c0, sc1 = c1;
-        ALL_ROUNDS(STREAMS_ABC)
-        a0 = _mm_add_epi32(a0, sa0);
-        a1 = _mm_add_epi32(a1, sa1);
-        b0 = _mm_add_epi32(b0, sb0);
-        b1 = _mm_add_epi32(b1, sb1);
-        c0 = _mm_add_epi32(c0, sc0);
-        c1 = _mm_add_epi32(c1, sc1);
-    }
-    STORE_STATE(sa, a0, a1);
-    STORE_STATE(sb, b0, b1);
-    STORE_STATE(sc, c0, c1);
-}
+TARGET static void compress1(State *st, const uint8_t *p, size_t blocks) { compress_n(&st, &p, blocks, 1); }
+TARGET static void compress2(State **st, const uint8_t **p, size_t blocks) { compress_n(st, p, blocks, 2); }
+TARGET static void compress3(State **st, const uint8_t **p, size_t blocks) { compress_n(st, p, blocks, 3); }
 
 static int cpu_has_sha(void) {
     unsigned a, b, c, d;
@@ -168,12 +139,15 @@ static void absorb(State **st, int n, const uint8_t *data, size_t len) {
         if (blocks[s] < common)
             common = blocks[s];
     }
+    const uint8_t *from[MAX_STREAMS];
+    for (int s = 0; s < n; s++)
+        from[s] = data + start[s];
     if (n == 3)
-        compress3(st[0], st[1], st[2], data + start[0], data + start[1], data + start[2], common);
+        compress3(st, from, common);
     else if (n == 2)
-        compress2(st[0], st[1], data + start[0], data + start[1], common);
+        compress2(st, from, common);
     else
-        compress1(st[0], data + start[0], common);
+        compress1(st[0], from[0], common);
     for (int s = 0; s < n; s++) {
         if (blocks[s] > common)
             compress1(st[s], data + start[s] + 64 * common, blocks[s] - common);

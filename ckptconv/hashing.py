@@ -4,6 +4,8 @@ import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from . import sha256
 from .outfile import StagingPool
 
@@ -11,13 +13,10 @@ CHUNK = 16 * 1024 * 1024
 
 
 class OrderedHasher:
-    """A thread that applies `update`s in submission order; the caller keeps buffers alive until done."""
+    """A thread that applies updates in submission order; the caller keeps buffers alive until done."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-
-    def update(self, h, data):
-        return self._pool.submit(h.update, data)
 
     def update_all(self, hs, data):
         return self._pool.submit(sha256.update_all, data, hs)
@@ -29,82 +28,85 @@ class OrderedHasher:
         self._pool.shutdown(wait=True)
 
 
+class HashLanes:
+    """Where each kind of digest runs: the shard file's, a tensor's, and a tap (one more stream of the
+    same bytes: a resharded tensor's global digest). With the compiled streams (sha256.FAST) the
+    file's and the tensor's share a thread, one interleaved pass, and the tap has its own (measured:
+    2.2 s against 2.3 s with all three on one thread, which uses 0.4 s less CPU); with hashlib each
+    has a thread of its own. States come from `sha256.new()`."""
+
+    def __init__(self):
+        file = OrderedHasher()
+        self._lanes = {"file": file, "tensor": file if sha256.FAST else OrderedHasher(), "tap": OrderedHasher()}
+
+    def feed(self, data, file=None, tensor=None, tap=None) -> list:
+        """Futures of `data` absorbed into each given state, in submission order per lane."""
+        groups = {}
+        for lane, h in (("file", file), ("tensor", tensor), ("tap", tap)):
+            if h is not None:
+                groups.setdefault(self._lanes[lane], []).append(h)
+        return [hasher.update_all(hs, data) for hasher, hs in groups.items()]
+
+    def digest(self, lane, h):
+        """The future hex digest of `h`, after everything fed to it."""
+        return self._lanes[lane].digest(h)
+
+    def close(self):
+        for hasher in set(self._lanes.values()):
+            hasher.close()
+
+
 class Pipeline:
-    """Bytes go to their files (outfile.OutFile, through the shared staging pool) while they are
-    hashed: the file's hash, the tensor's, and `tap`, one more fed with the same bytes (a resharded
-    tensor's global digest). With the compiled streams (sha256.FAST) one thread runs a chunk's file
-    and tensor digests in one interleaved pass and a second the tap (measured: 2.2 s against 2.3 s
-    for all three on one thread, which uses 0.4 s less CPU); with hashlib each digest has a thread
-    of its own. States come from `sha256.new()`. At most `depth` chunks are in flight."""
+    """Bytes go to their files through the shared staging pool (outfile.py) and are hashed there, by
+    the HashLanes. At most `depth` chunks are in flight."""
 
     def __init__(self, depth=4):
-        if sha256.FAST:
-            self.file_hasher = self.tensor_hasher = OrderedHasher()
-            self.tap_hasher = OrderedHasher()
-        else:
-            self.file_hasher, self.tensor_hasher, self.tap_hasher = OrderedHasher(), OrderedHasher(), OrderedHasher()
+        self.hashes = HashLanes()
         self.staging = StagingPool()
         self.depth = depth
         self._inflight = deque()
 
-    def push(self, fileobj, file_h, tensor_h, data, done=None, tap=None):
-        """Hash `data` in the background and copy it into `fileobj`; `done()` runs once the hashes
-        are done with it."""
-        futures = self._hash(file_h, tensor_h, data, tap)
-        fileobj.write(data)
-        self._track(futures, done)
+    def push(self, fileobj, file_h, tensor_h, data, tap=None):
+        """Copy `data` into `fileobj`'s staging buffers and hash it there; the caller may reuse or
+        release `data` as soon as this returns."""
+        data = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+
+        def copy(view, offset):
+            np.copyto(np.frombuffer(view, np.uint8), data[offset:offset + len(view)])  # without the GIL
+
+        self.push_range(fileobj, file_h, tensor_h, copy, 0, len(data), tap)
 
     def push_range(self, fileobj, file_h, tensor_h, fill_at, offset, n, tap=None, progress=None):
-        """Source bytes [offset, offset + n), read by `fill_at(view, offset)` straight into the file's
-        staging buffers and hashed there: one copy, by the kernel, and nothing of the source mapped."""
+        """Bytes [offset, offset + n) of a source, put by `fill_at(view, offset)` straight into the
+        file's staging buffers (a pread, a gather or a copy) and hashed there."""
         end = offset + n
         while offset < end:
             view, lease = fileobj.stage(lambda v, at=offset: fill_at(v, at), end - offset)
-            futures = self._hash(file_h, tensor_h, view, tap)
+            futures = self.hashes.feed(view, file_h, tensor_h, tap)
             for f in futures:
                 lease.hold_until(f)
             lease.let_go()
-            self._track(futures, None)
+            self._inflight.append(futures)
+            while len(self._inflight) >= self.depth:
+                self.retire_one()
             offset += len(view)
             if progress:
                 progress(len(view))
-
-    def _hash(self, file_h, tensor_h, data, tap):
-        if sha256.FAST:
-            futures = [self.file_hasher.update_all([h for h in (file_h, tensor_h) if h is not None], data)]
-            if tap is not None:
-                futures.append(self.tap_hasher.update(tap, data))
-            return futures
-        futures = [self.file_hasher.update(file_h, data)]
-        if tensor_h is not None:
-            futures.append(self.tensor_hasher.update(tensor_h, data))
-        if tap is not None:
-            futures.append(self.tap_hasher.update(tap, data))
-        return futures
-
-    def _track(self, futures, done):
-        self._inflight.append((futures, done))
-        while len(self._inflight) >= self.depth:
-            self.retire_one()
 
     def drain(self):
         while self._inflight:
             self.retire_one()
 
     def retire_one(self):
-        futures, done = self._inflight.popleft()
-        for f in futures:
+        for f in self._inflight.popleft():
             f.result()
-        if done is not None:
-            done()
 
     def close(self):
         try:
             self.drain()
         finally:
             self.staging.close()
-            for hasher in {self.file_hasher, self.tensor_hasher, self.tap_hasher}:
-                hasher.close()
+            self.hashes.close()
 
 
 def write_all(fileobj, data):

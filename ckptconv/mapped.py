@@ -52,7 +52,7 @@ class MappedFile:
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
-            raise BadInput(f"{self.path}: cannot open: {e.strerror}") from None
+            raise BadInput(f"{self.path}: cannot open: {e.strerror}{_hint(e)}") from None
 
         def fill_at(view, offset):
             got = 0

@@ -101,17 +101,6 @@ class OutFile:
         self._pending = []
         self._failed = False    # after a failed write, close writes nothing more
 
-    def write(self, data):
-        """Copy `data` in and write it (the caller hashes `data` itself)."""
-        data = memoryview(data).cast("B")
-        done = 0
-        while done < len(data):
-            def copy(view, start=done):
-                np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(data[start:start + len(view)], np.uint8))
-            staged, lease = self.stage(copy, len(data) - done)
-            lease.let_go()
-            done += len(staged)
-
     def stage(self, fill, n):
         """Put up to `n` next bytes of the file into a staging buffer — `fill(view)` fills `view` with
         them — and write them; returns (a view of those bytes, its Lease held once for the caller,

@@ -6,7 +6,6 @@ hands each rank's writer lazy slices of the source (`rank_pieces`), so only what
 read, and a source that is itself sliced (a previous reshard, DCP chunks) is read the same way.
 Layout of the output, mesh.json and `ranges`: DESIGN.md.
 """
-import hashlib
 import math
 import re
 import time
@@ -22,7 +21,7 @@ from .output import atomic_output, temp_path
 from .progress import byte_progress
 from .readers import ReadOptions, open_checkpoint, readers
 from .rules import RuleSet, choose, from_json, read_config
-from .tensor import Computed, Concat, iter_blocks, as_bytes
+from .tensor import Computed, Concat, as_bytes, sha256_of
 from .hashing import CHUNK, Pipeline
 from .writer import OutputStream, copy_files, finish, plan_shards, write_json, write_tensor
 
@@ -333,7 +332,7 @@ def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
     try:
         for a in range(0, p.shape[0], rows):
             block = np.ascontiguousarray(src.region((slice(a, min(a + rows, p.shape[0])),)))
-            pending = pipeline.tap_hasher.update(global_h, as_bytes(block)) if global_h is not None else None
+            pending = pipeline.hashes.feed(as_bytes(block), tap=global_h)
             for r in holders:
                 parts = [block[lead + (slice(lo, hi),)] for lo, hi in p.ranges[r]]
                 f, file_h = streams[r].file_for(p.name)
@@ -341,13 +340,13 @@ def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
                 nbytes = math.prod(shape) * p.dtype.itemsize
                 pipeline.push_range(f, file_h, digests[r], _gather(parts, p.axis, shape, p.dtype.numpy), 0, nbytes,
                                     progress=progress)
-            if pending is not None:
-                pending.result()
+            for f in pending:
+                f.result()
             src.release()
     except (ValueError, IndexError) as e:
         raise BadInput(f"tensor {p.name!r}: cannot read its data: {e}") from None
     for r in holders:
-        streams[r].record(pieces[r][p.name], pipeline.tensor_hasher.digest(digests[r]))
+        streams[r].record(pieces[r][p.name], pipeline.hashes.digest("tensor", digests[r]))
 
 
 
@@ -409,12 +408,7 @@ def global_digests(plans, sources, taps, rank0) -> dict:
         elif p.name in taps:
             out[p.name] = taps[p.name].hexdigest()
         else:
-            h = hashlib.sha256()
-            src = sources[p.name]
-            for block in iter_blocks(src, 16 << 20):
-                h.update(as_bytes(block))
-                src.release()
-            out[p.name] = h.hexdigest()
+            out[p.name] = sha256_of(sources[p.name])
     return out
 
 

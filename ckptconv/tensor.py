@@ -5,6 +5,7 @@ A source knows its name, dtype and shape, and hands out any hyper-rectangle of i
 concatenation, a cast. Writers stream a source in bounded blocks (`iter_blocks`) or, when its bytes
 are one contiguous range of a file (`file_span`), hash and copy that range without gathering it.
 """
+import hashlib
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -214,6 +215,15 @@ def iter_blocks(src: TensorSource, limit: int):
         head = tuple(slice(i, i + 1) for i in prefix)
         for a in range(0, shape[axis], step):
             yield np.ascontiguousarray(src.region(head + (slice(a, min(a + step, shape[axis])),)))
+
+
+def sha256_of(src: TensorSource, limit: int = 16 << 20) -> str:
+    """A tensor's logical SHA-256 in one bounded pass, its mapped pages advised away as it goes."""
+    h = hashlib.sha256()
+    for block in iter_blocks(src, limit):
+        h.update(as_bytes(block))
+        src.release()
+    return h.hexdigest()
 
 
 def as_bytes(block: np.ndarray) -> memoryview:

@@ -5,8 +5,8 @@ digests the file and another digests each tensor's bytes (both cores), and every
 line naming the file and the tensor. Reshard outputs are checked rank by rank, then against
 mesh.json by assembling each global tensor lazily from the rank pieces (never in memory).
 """
-import hashlib
 import json
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,11 +14,11 @@ import numpy as np
 
 from . import sha256
 from .errors import BadInput, UsageError
-from .hashing import CHUNK, OrderedHasher, sha256_file
+from .hashing import CHUNK, HashLanes, sha256_file
 from .mapped import MappedFile
 from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint
 from .safetensors_format import parse_header
-from .tensor import as_bytes, cast, iter_blocks
+from .tensor import as_bytes, cast, iter_blocks, sha256_of
 from . import dtypes
 from .writer import INDEX_NAME, MANIFEST_FORMAT
 
@@ -141,53 +141,42 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
 
 
 def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
-    """Digest the file and each tensor in one streaming pass: with the compiled streams both digests
-    in one interleaved pass on one thread while this one maps the next chunk's pages in, else on
-    two threads."""
+    """Digest the file and each tensor in one streaming pass (hashing.HashLanes), while this thread
+    maps the next chunk's pages in; pages are dropped once the hashes are done with them."""
     path = Path(m.path)
-    file_hasher = OrderedHasher()
-    tensor_hasher = file_hasher if sha256.FAST else OrderedHasher()
-    file_h, futures, digests = sha256.new(), [], []
-    window = 4 if sha256.FAST else 8  # futures kept in flight: 4 to 8 chunks either way
+    hashes, file_h, chunks, digests = HashLanes(), sha256.new(), deque(), []
     try:
         pos = released = 0
         ranges = [(None, 0, header.data_start)] + [(e, e.begin, e.end) for e in header.entries if e.end <= m.size]
         for entry, begin, end in ranges:
             if begin > pos:
-                futures.append((file_hasher.update(file_h, m.view[pos:begin]), begin))
+                chunks.append((hashes.feed(m.view[pos:begin], file_h), begin))
             begin = max(begin, pos)
             tensor_h = sha256.new() if entry is not None else None
             while begin < end:
                 n = min(CHUNK, end - begin)
-                view = m.view[begin:begin + n]
                 m.populate(begin, n)
-                if sha256.FAST and tensor_h is not None:
-                    futures.append((file_hasher.update_all([file_h, tensor_h], view), begin + n))
-                else:
-                    futures.append((file_hasher.update(file_h, view), begin + n))
-                    if tensor_h is not None:
-                        futures.append((tensor_hasher.update(tensor_h, view), begin + n))
+                chunks.append((hashes.feed(m.view[begin:begin + n], file_h, tensor_h), begin + n))
                 begin += n
-                if len(futures) > 2 * window:  # wait for the oldest chunks, drop the pages the hashes are done with
-                    for f, _ in futures[:-window]:
+                if len(chunks) > 4:  # wait for the oldest chunk, drop the pages the hashes are done with
+                    futures, done_to = chunks.popleft()
+                    for f in futures:
                         f.result()
-                    done_to = futures[-window - 1][1]
-                    futures = futures[-window:]
                     m.release(released, done_to - released)
                     released = done_to
                 if progress:
                     progress(n)
             if tensor_h is not None:
-                digests.append((entry, tensor_hasher.digest(tensor_h)))
+                digests.append((entry, hashes.digest("tensor", tensor_h)))
             pos = max(pos, end)
         if pos < m.size:
-            futures.append((file_hasher.update(file_h, m.view[pos:]), m.size))
-        for f, _ in futures:
-            f.result()
-        file_digest = file_hasher.digest(file_h).result()
+            chunks.append((hashes.feed(m.view[pos:], file_h), m.size))
+        for futures, _ in chunks:
+            for f in futures:
+                f.result()
+        file_digest = hashes.digest("file", file_h).result()
     finally:
-        file_hasher.close()
-        tensor_hasher.close()
+        hashes.close()
         m.release(0, m.size)
     report.bytes += m.size
     info = m_files.get(shard)
@@ -240,12 +229,7 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
         else:
             _check_shared_intervals(name, entry, pieces, path, report)
         try:
-            h = hashlib.sha256()
-            src = mesh_reader.assemble(name, entry, pieces, ranks)
-            for block in iter_blocks(src, CHUNK):
-                h.update(as_bytes(block))
-                src.release()
-            if h.hexdigest() != entry["sha256"]:
+            if sha256_of(mesh_reader.assemble(name, entry, pieces, ranks)) != entry["sha256"]:
                 report.add(path / "mesh.json", f"tensor {name!r}: the global tensor reassembled from the rank "
                                                "pieces does not match its sha256 (a piece is on the wrong rank "
                                                "or cut on the wrong axis)")
@@ -267,13 +251,7 @@ def _check_shared_intervals(name, entry, pieces, path, report):
     for (a, b), holders in seen.items():
         if len(holders) < 2:
             continue
-        digests = set()
-        for r, at in holders:
-            piece = pieces[r][name].sliced(axis, at, at + b - a)
-            h = hashlib.sha256()
-            for block in iter_blocks(piece, CHUNK):
-                h.update(as_bytes(block))
-            digests.add(h.hexdigest())
+        digests = {sha256_of(pieces[r][name].sliced(axis, at, at + b - a)) for r, at in holders}
         if len(digests) > 1:
             report.add(path / "mesh.json", f"tensor {name!r}: interval {a}..{b} of axis {axis} differs between "
                                            f"ranks {[r for r, _ in holders]}")

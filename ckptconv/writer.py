@@ -134,13 +134,10 @@ class OutputStream:
     def _close(self):
         if self._file is None:
             return
-        shard, f = self.shards[self._current], self._file
-        try:
-            self.pipeline.drain()
-            f.close(self.fsync)
-        finally:
-            f.close()
-            self._file = None
+        shard = self.shards[self._current]
+        self.pipeline.drain()
+        self._file.close(self.fsync)  # on failure, the caller abandons the stream (and this file)
+        self._file = None
         for t, digest in self._digests:
             self.written.tensors[t.name] = {"dtype": t.dtype.code, "shape": list(t.shape), "file": shard.name,
                                             "sha256": digest.result()}
@@ -199,14 +196,15 @@ def write_tensor(f, file_h, t, pipeline, progress, tap):
         else:
             for block in iter_blocks(t, CHUNK):
                 data = as_bytes(block)
-                pipeline.push(f, file_h, tensor_h, data, t.release, tap=tap)
+                pipeline.push(f, file_h, tensor_h, data, tap)
+                t.release()  # the bytes are in the staging buffers now
                 if progress:
                     progress(len(data))
     except (ValueError, IndexError) as e:
         raise BadInput(f"tensor {t.name!r}: cannot read its data: {e}") from None
     finally:
         t.release()
-    return pipeline.tensor_hasher.digest(tensor_h)
+    return pipeline.hashes.digest("tensor", tensor_h)
 
 
 def copy_files(out_dir, files, written: Written):
