@@ -336,10 +336,8 @@ def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
             for r in holders:
                 parts = [block[lead + (slice(lo, hi),)] for lo, hi in p.ranges[r]]
                 f, file_h = streams[r].file_for(p.name)
-                shape = parts[0].shape[:p.axis] + (sum(x.shape[p.axis] for x in parts),) + parts[0].shape[p.axis + 1:]
-                nbytes = math.prod(shape) * p.dtype.itemsize
-                pipeline.push_range(f, file_h, digests[r], _gather(parts, p.axis, shape, p.dtype.numpy), 0, nbytes,
-                                    progress=progress)
+                fill_at, nbytes = _gather(parts, p.axis)
+                pipeline.push_range(f, file_h, digests[r], fill_at, 0, nbytes, progress=progress)
             for f in pending:
                 f.result()
             src.release()
@@ -349,26 +347,24 @@ def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
         streams[r].record(pieces[r][p.name], pipeline.hashes.digest("tensor", digests[r]))
 
 
-
-def _gather(parts, axis, shape, dtype):
-    """`fill_at` for one rank's columns of a block: gathered straight into the staging buffer when it
-    holds the whole piece, else gathered once and copied a byte range at a time."""
+def _gather(parts, axis):
+    """One rank's columns of a block as (`fill_at`, byte count): gathered straight into the staging
+    buffer when it holds the whole piece, else gathered once and copied a byte range at a time."""
+    shape = list(parts[0].shape)
+    shape[axis] = sum(x.shape[axis] for x in parts)
+    nbytes = math.prod(shape) * parts[0].itemsize
     whole = None
 
     def fill_at(view, offset):
         nonlocal whole
-        if offset == 0 and len(view) == math.prod(shape) * np.dtype(dtype).itemsize:
-            out = np.frombuffer(view, dtype).reshape(shape)
-            if len(parts) == 1:
-                np.copyto(out, parts[0])
-            else:
-                np.concatenate(parts, axis=axis, out=out)
+        if offset == 0 and len(view) == nbytes:
+            np.concatenate(parts, axis=axis, out=np.frombuffer(view, parts[0].dtype).reshape(shape))
             return
         if whole is None:
-            whole = as_bytes(np.ascontiguousarray(np.concatenate(parts, axis=axis)))
+            whole = as_bytes(np.concatenate(parts, axis=axis))
         view[:] = whole[offset:offset + len(view)]
 
-    return fill_at
+    return fill_at, nbytes
 
 
 def _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write):
