@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py ckptconv/_sha256x.c
+$(VENV)/.installed: pyproject.toml setup.py ckptconv/_sha256x.c ckptconv/_mapguard.c
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

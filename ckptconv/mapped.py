@@ -2,6 +2,14 @@
 
 `ru_maxrss` counts every mapped page a process touched, so after a tensor is written its pages are
 advised away (`release`); the kernel keeps them in the page cache, only our resident set shrinks.
+
+A file truncated by another process while it is mapped would kill us with SIGBUS at the first
+page past its new end (no message, temporary output left behind). With the compiled guard
+(`_mapguard.c`, `GUARDED`), every mapping is registered, such a page reads as zeros instead and
+the hit is recorded: `unchanged()` is then False and `changed_files()` names the file, so the run
+stops with "changed while it was being read" and the atomic output is cleaned up. We read a
+mapping only through its Guard (`view`), which holds the mapping until the last view is gone and
+unregisters it before letting it go, so a registered range is always still this file's mapping.
 """
 import contextlib
 import errno
@@ -12,9 +20,45 @@ import stat
 
 from .errors import BadInput
 
+try:
+    from . import _mapguard
+except ImportError:  # built without a compiler (or not on Linux): unguarded, as before
+    _mapguard = None
+
+GUARDED = _mapguard is not None
+
 _PAGE = mmap.PAGESIZE
 _NO_FD = {"trackfd": False} if sys.version_info >= (3, 13) else {}  # 3.13+: the map keeps no descriptor
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value; not named by Python 3.11
+
+
+def _identity(st) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _guard(mapping, path):
+    """The mapping's SIGBUS guard, or None: unguarded without the compiled module, or when its table
+    is full (65,536 mappings at once) — the file is then read exactly as it was before the guard."""
+    if _mapguard is None or mapping is None:
+        return None
+    try:
+        return _mapguard.Guard(mapping, path)
+    except (OverflowError, OSError):
+        return None
+
+
+def changed_files() -> list:
+    """Paths of mapped files that lost pages while we read them (the guard answered with zeros), in
+    this process: mappings still open and those released since `forget_changes()`. Whatever a
+    reader made of those zeros (a wrong digest, a bad opcode), the truth is that the file changed."""
+    return sorted(set(_mapguard.changed())) if _mapguard is not None else []
+
+
+def forget_changes():
+    """Forget the released mappings that `changed_files()` reports (one command of several run in
+    the same process starts clean)."""
+    if _mapguard is not None:
+        _mapguard.forget()
 
 
 def _hint(e: OSError) -> str:
@@ -37,13 +81,19 @@ class MappedFile:
         try:
             st = os.fstat(fd)
             self.size = st.st_size
-            self.stamp = (st.st_size, st.st_mtime_ns)
+            self.identity = _identity(st)
             self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ, **_NO_FD) if self.size else None
         except OSError as e:
             raise BadInput(f"{self.path}: cannot map: {e.strerror}{_hint(e)}") from None
         finally:
             os.close(fd)
-        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+        # The Guard takes the map's buffer and is what every view is made from, so the map is unmapped
+        # only after the last view and the Guard are gone, and the Guard leaves the table first: its
+        # slot, free for reuse, never covers an unmapped range another mapping could take later.
+        # (mmap.close() would raise BufferError meanwhile; nothing here closes maps.)
+        self._guard = _guard(self._map, self.path)
+        through = self._guard if self._guard is not None else self._map  # the Guard re-exports the map
+        self.view = memoryview(through) if through is not None else memoryview(b"")
 
     @contextlib.contextmanager
     def reader(self):
@@ -62,8 +112,9 @@ class MappedFile:
                 except OSError as e:
                     raise BadInput(f"{self.path}: cannot read at byte {offset + got}: {e.strerror}") from None
                 if n == 0:
-                    raise BadInput(f"{self.path}: ends at byte {offset + got}, before the data it promised "
-                                   "(truncated while being read)")
+                    # `check` held the range against the size at open: the file shrank since
+                    raise BadInput(f"{self.path}: changed while it was being read (it now ends at byte "
+                                   f"{offset + got}, before the data it promised)")
                 got += n
 
         try:
@@ -95,9 +146,19 @@ class MappedFile:
         if end > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    @property
+    def hits(self) -> int:
+        """Faults the guard answered with zeros (pages gone from the file): it shrank under us."""
+        return self._guard.hits if self._guard is not None else 0
+
     def unchanged(self) -> bool:
-        st = os.stat(self.path)
-        return (st.st_size, st.st_mtime_ns) == self.stamp
+        """The path still names the file we mapped (device, inode, size, mtime, ctime: a file
+        replaced by another of the same size and mtime is caught too) and no page of it vanished."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return _identity(st) == self.identity and self.hits == 0
 
 
 class MemoryFile(MappedFile):
@@ -105,8 +166,8 @@ class MemoryFile(MappedFile):
     interface: tensors over it are views of this buffer."""
 
     def __init__(self, data: bytes, path: str):
-        self.path, self.size, self.stamp = path, len(data), None
-        self._map = None
+        self.path, self.size, self.identity = path, len(data), None
+        self._map = self._guard = None
         self.view = memoryview(data)
 
     @contextlib.contextmanager
