@@ -9,7 +9,8 @@ import ml_dtypes
 import numpy as np
 
 from . import dtypes
-from .errors import BadInput
+from .errors import BadInput, brief
+from .limits import shape_problem
 from .tensor import ArraySource
 from .unpickler import Function, Marker, Payload, StandIn, as_buffer
 
@@ -34,7 +35,7 @@ class NumpyDType:
         elif order in ("<", "|", "="):
             self.dtype = self.dtype.newbyteorder("<") if self.dtype.itemsize > 1 else self.dtype
         else:
-            raise ctx.bad(f"numpy dtype byte order {order!r}")
+            raise ctx.bad(f"numpy dtype byte order {brief(order)}")
 
     def to_jsonable(self):
         return self.dtype.name
@@ -44,12 +45,12 @@ def _dtype(ctx, spec, align=False, copy=False):
     if isinstance(spec, Marker) and isinstance(spec.value, np.dtype):
         return NumpyDType(spec.value)
     if not isinstance(spec, str) or not _DTYPE_SPEC.fullmatch(spec):
-        raise ctx.unsafe(f"numpy dtype {spec!r} is not a plain numeric dtype")
+        raise ctx.unsafe(f"numpy dtype {brief(spec)} is not a plain numeric dtype")
     dt = np.dtype(spec)
     try:
         dtypes.from_numpy(dt)
     except BadInput:
-        raise ctx.unsafe(f"numpy dtype {spec!r} is not accepted") from None
+        raise ctx.unsafe(f"numpy dtype {brief(spec)} is not accepted") from None
     return NumpyDType(dt)
 
 
@@ -73,10 +74,11 @@ class NumpyArray:
             raise ctx.unsafe("ndarray with a dtype that is not a numpy dtype")
         if not isinstance(raw, (bytes, bytearray, Payload)):
             raise ctx.unsafe(f"ndarray data of type {type(raw).__name__} (object arrays are refused)")
-        if not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
-            raise ctx.bad(f"ndarray shape {shape!r} is invalid")
+        problem = shape_problem(shape, dt.dtype.itemsize) if isinstance(shape, tuple) else "shape is not a tuple"
+        if problem:
+            raise ctx.bad(f"ndarray {problem}")
         if order not in ("C", "F"):
-            raise ctx.bad(f"ndarray order {order!r}")
+            raise ctx.bad(f"ndarray order {brief(order)}")
         count = 1
         for n in shape:
             count *= n

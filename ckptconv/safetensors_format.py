@@ -8,15 +8,16 @@ import json
 import math
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from . import dtypes
-from .errors import BadInput
+from . import dtypes, safejson
+from .errors import BadInput, brief
+from .limits import shape_problem
 
 MAX_HEADER = 100 * 1000 * 1000  # the safetensors library's own limit
 
 
-@dataclass(frozen=True)
-class HeaderEntry:
+class HeaderEntry(NamedTuple):  # a tuple: headers of a million tensors are built fast
     name: str
     dtype: dtypes.DType
     shape: tuple
@@ -40,17 +41,7 @@ def parse_header(view, size: int, path) -> Header:
     if n > MAX_HEADER or 8 + n > size:
         raise BadInput(f"{path}: safetensors header claims {n} bytes but the file has {size} (truncated or corrupt)")
 
-    def no_duplicates(pairs):
-        keys = [k for k, _ in pairs]
-        dup = {k for k in keys if keys.count(k) > 1}
-        if dup:
-            raise BadInput(f"{path}: safetensors header names {sorted(dup)[0]!r} twice")
-        return dict(pairs)
-
-    try:
-        raw = json.loads(bytes(view[8:8 + n]).decode("utf-8"), object_pairs_hook=no_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise BadInput(f"{path}: safetensors header is not valid JSON: {e}") from None
+    raw = safejson.loads(bytes(view[8:8 + n]), path, "safetensors header")
     if not isinstance(raw, dict):
         raise BadInput(f"{path}: safetensors header is not a JSON object")
     data_start, data_len = 8 + n, size - 8 - n
@@ -79,18 +70,22 @@ def parse_header(view, size: int, path) -> Header:
     return Header(entries, metadata, data_start, problems)
 
 
+_FIELDS = {"dtype", "shape", "data_offsets"}
+
+
 def _entry(name, info, data_start, data_len) -> HeaderEntry:
-    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+    if type(info) is not dict or info.keys() != _FIELDS:
         raise ValueError("entry must have exactly dtype, shape and data_offsets")
     code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if code not in dtypes.BY_CODE:
-        raise ValueError(f"unknown dtype {code!r}")
-    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**62 for d in shape):
-        raise ValueError(f"invalid shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+    dt = dtypes.BY_CODE.get(code) if type(code) is str else None
+    if dt is None:
+        raise ValueError(f"unknown dtype {brief(code)}")
+    problem = shape_problem(shape, dt.itemsize) if type(shape) is list else "shape is not a list"
+    if problem:
+        raise ValueError(f"invalid shape: {problem}")
+    if not (type(offsets) is list and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int
             and 0 <= offsets[0] <= offsets[1] <= data_len):
-        raise ValueError(f"data_offsets {offsets!r} are outside the {data_len} data bytes")
-    dt = dtypes.BY_CODE[code]
+        raise ValueError(f"data_offsets {brief(offsets)} are outside the {data_len} data bytes")
     need = math.prod(shape) * dt.itemsize
     if offsets[1] - offsets[0] != need:
         raise ValueError(f"dtype {code} x shape {shape} needs {need} bytes, data_offsets give "

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .dtypes import DType
-from .errors import BadInput
+from .errors import BadInput, encodable
+from .limits import shape_problem
 
 
 def _full(shape):
@@ -241,20 +242,36 @@ class Checkpoint:
     model_files: list = field(default_factory=list)  # (relative name, path) carried into OUT unchanged
     mapped: list = field(default_factory=list)       # MappedFiles to check for changes during a run
     manifest: dict = field(default_factory=dict)     # extra top-level manifest entries (quantization)
+    skipped_files: list = field(default_factory=list)  # model files not carried: {"name", "reason"}
 
     def __post_init__(self):
+        """Every reader's tensors meet the same rules before anything is planned or written: distinct
+        names that UTF-8 can spell (a safetensors header is UTF-8 JSON) and shapes consumers can load."""
+        where = self.source.get("path", "checkpoint")
         seen = set()
         for t in self.tensors:
+            if not isinstance(t.name, str) or not encodable(t.name):
+                raise BadInput(f"{where}: tensor name {t.name!r} is not valid Unicode text")
             if t.name in seen:
-                raise BadInput(f"{self.source.get('path', 'checkpoint')}: two tensors are named {t.name!r}")
+                raise BadInput(f"{where}: two tensors are named {t.name!r}")
             seen.add(t.name)
+            problem = shape_problem(t.shape, t.dtype.itemsize)
+            if problem:
+                raise BadInput(f"{where}: tensor {t.name!r}: {problem}")
+
+    def inputs(self, src) -> list:
+        """Every path this checkpoint reads: SRC, its mapped files and the model files it carries."""
+        return [src] + [m.path for m in self.mapped] + [p for _, p in self.model_files]
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
     def check_unchanged(self):
-        """Refuse to publish if an input file changed size or mtime while we read it."""
-        for m in self.mapped:
-            if not m.unchanged():
-                raise BadInput(f"{m.path}: changed while it was being read; nothing was written")
+        """Refuse to publish if an input file changed while we read it: replaced, resized or touched
+        (`MappedFile.unchanged`), or pages of it gone under a mapping (the SIGBUS guard read zeros
+        there) — also for mapped files a reader did not list in `mapped`."""
+        from .mapped import changed_files
+        changed = [m.path for m in self.mapped if not m.unchanged()] or changed_files()
+        if changed:
+            raise BadInput(f"{changed[0]}: changed while it was being read; nothing was written")

@@ -10,9 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import dtypes
-from .errors import BadInput
+from .errors import BadInput, brief
+from .limits import MAX_DEPTH, Budget, shape_problem
 from .numpy_globals import NumpyArray, numpy_globals, numpy_source
 from .tensor import ArraySource
+from . import unpickler
 from .unpickler import BENIGN, Function, Marker, StandIn
 
 
@@ -50,11 +52,19 @@ class TorchTensor:
         if not isinstance(storage, Storage):
             raise ctx.unsafe("tensor rebuilt from something that is not a storage")
         dt = dtype if dtype is not None else storage.dtype
+        if dt is None:
+            raise ctx.bad(f"tensor over the untyped storage {storage.key!r} names no dtype")
+        if not isinstance(dt, (dtypes.DType, Unsupported)):
+            raise ctx.bad(f"tensor dtype {brief(dt)} is not a torch dtype")
+        if not isinstance(size, (tuple, list)) or not isinstance(stride, (tuple, list)):
+            raise ctx.bad("tensor size and stride must be sequences of integers")
         size, stride = tuple(size), tuple(stride)
-        if not all(isinstance(v, int) for v in size + stride + (storage_offset,)):
+        if not all(type(v) is int for v in size + stride + (storage_offset,)):
             raise ctx.bad("tensor size, stride and offset must be integers")
-        if len(size) != len(stride) or any(v < 0 for v in size + stride) or storage_offset < 0:
-            raise ctx.bad(f"tensor size {size} / stride {stride} / offset {storage_offset} are invalid")
+        problem = shape_problem(size, dt.itemsize)
+        if problem or len(size) != len(stride) or any(v < 0 for v in stride) or storage_offset < 0:
+            raise ctx.bad(problem and f"tensor {problem}" or
+                          f"tensor size {size} / stride {stride} / offset {storage_offset} are invalid")
         self.storage, self.offset, self.size, self.stride, self.dtype = storage, storage_offset, size, stride, dt
         if isinstance(dt, dtypes.DType) and math.prod(size):
             last = storage_offset + sum((n - 1) * s for n, s in zip(size, stride))
@@ -102,8 +112,9 @@ def _rebuild_v2(ctx, storage, storage_offset, size, stride, requires_grad=False,
 
 
 def _rebuild_v3(ctx, storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
-    if not isinstance(dtype, Marker):
-        raise ctx.unsafe("_rebuild_tensor_v3 with a dtype that is not a torch dtype")
+    if not isinstance(dtype, Marker) or not isinstance(dtype.value, (dtypes.DType, Unsupported)):
+        raise ctx.unsafe(f"_rebuild_tensor_v3 with {getattr(dtype, 'qualname', brief(dtype))}, which is not a "
+                         "torch dtype")
     return TorchTensor(ctx, storage, storage_offset, size, stride, dtype.value)
 
 
@@ -151,7 +162,9 @@ def _as_str(ctx, *args):
 
 
 def _size(ctx, dims=()):
-    return tuple(dims)
+    if not isinstance(dims, (tuple, list)):
+        raise ctx.bad(f"torch.Size of a {type(dims).__name__}")
+    return ctx.tuple(dims)
 
 
 def torch_globals() -> dict:
@@ -198,35 +211,54 @@ def storage_dtype(storage_type, ctx):
     return storage_type.value.dtype
 
 
-def flatten(obj, path, prefix="", skip_unsupported=False, tensors=None, extras=None, skipped=None, depth=0):
-    """Flatten nested containers with `.` (DESIGN.md naming): tensors become sources, the rest extras."""
-    tensors = {} if tensors is None else tensors
-    extras = {} if extras is None else extras
-    skipped = [] if skipped is None else skipped
-    if depth > 200:
-        raise BadInput(f"{path}: containers nested more than 200 deep")
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            flatten(v, path, f"{prefix}.{k}" if prefix else str(k), skip_unsupported, tensors, extras, skipped, depth + 1)
-        return tensors, extras, skipped
-    if isinstance(obj, (list, tuple)) and any(_is_tensorlike(v) or isinstance(v, (dict, list, tuple)) for v in obj):
-        for i, v in enumerate(obj):
-            flatten(v, path, f"{prefix}.{i}" if prefix else str(i), skip_unsupported, tensors, extras, skipped, depth + 1)
-        return tensors, extras, skipped
-    name = prefix or "tensor"
-    if isinstance(obj, (TorchTensor, TorchTensorUnsupported)) and obj.unsupported:
-        if not skip_unsupported:
-            raise BadInput(f"{path}: tensor {name!r} has dtype {obj.unsupported}, which safetensors cannot store "
-                           "(use --skip-unsupported to leave it out)")
-        skipped.append({"name": name, "reason": obj.unsupported})
-    elif isinstance(obj, TorchTensor):
-        _add(tensors, path, name, obj.source(name))
-    elif isinstance(obj, NumpyArray):
-        _add(tensors, path, name, numpy_source(name, obj))
-    else:
-        if name in extras or name in tensors:
-            raise BadInput(f"{path}: two entries flatten to the name {name!r}")
-        extras[name] = obj
+def flatten(obj, path, prefix="", skip_unsupported=False, budget: Budget = None):
+    """Flatten nested containers with `.` (DESIGN.md naming): tensors become sources, the rest extras.
+    Returns (tensors, extras, skipped). A container reached a second time (shared, or a cycle) is
+    walked again only if it holds tensors (each needs its name); otherwise it is recorded as a Ref to
+    its first name. Every step is charged to `budget` (the pickle's), so shared structure cannot
+    expand beyond what the file's size justifies."""
+    budget = budget or Budget(path)
+    tensors, extras, skipped = {}, {}, []
+    seen = {}  # id -> [container, first name, holds tensors (None while being walked)]
+
+    def leaf(value, name):
+        if isinstance(value, (TorchTensor, TorchTensorUnsupported)) and value.unsupported:
+            if not skip_unsupported:
+                raise BadInput(f"{path}: tensor {name!r} has dtype {value.unsupported}, which safetensors cannot "
+                               "store (use --skip-unsupported to leave it out)")
+            skipped.append({"name": name, "reason": value.unsupported})
+        elif isinstance(value, TorchTensor):
+            _add(tensors, path, name, value.source(name))
+        elif isinstance(value, NumpyArray):
+            _add(tensors, path, name, numpy_source(name, value))
+        else:
+            if name in extras or name in tensors:
+                raise BadInput(f"{path}: two entries flatten to the name {name!r}")
+            extras[name] = value
+            return False
+        return True
+
+    def walk(value, name, depth):
+        budget.spend(1 + (len(value) if isinstance(value, (dict, list, tuple)) else 0), "its non-tensor state")
+        if not (isinstance(value, dict) or (isinstance(value, (list, tuple)) and any(
+                _is_tensorlike(v) or isinstance(v, (dict, list, tuple)) for v in value))):
+            return leaf(value, name or "tensor")
+        if depth >= MAX_DEPTH:
+            raise BadInput(f"{path}: containers nested more than {MAX_DEPTH} deep")
+        entry = seen.get(id(value))
+        if entry is not None and not entry[2]:
+            return leaf(unpickler.Ref(entry[1]), name or "tensor")
+        if entry is None:
+            seen[id(value)] = entry = [value, name, None]
+        found = False
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            k = unpickler.key_text(k)
+            found = walk(v, f"{name}.{k}" if name else k, depth + 1) or found
+        entry[2] = entry[2] or found
+        return found
+
+    walk(obj, prefix, 0)
     return tensors, extras, skipped
 
 

@@ -9,11 +9,13 @@ copied: they come back as `Payload` views of the caller's (memory-mapped) buffer
 """
 import codecs
 import hashlib
+import json
 import math
 import struct
 from dataclasses import dataclass
 
-from .errors import BadInput, UnsafePickle
+from .errors import BadInput, UnsafePickle, brief, encodable, printable
+from .limits import MAX_DEPTH, Budget
 
 PAYLOAD_MIN = 64 * 1024  # payloads this large stay views of the mapped file
 
@@ -109,11 +111,18 @@ class StateDict(dict):
 
 def _ordered_dict(ctx, items=()):
     d = StateDict()
-    for kv in items:
+    for kv in _items(ctx, items, "OrderedDict"):
         if not (isinstance(kv, (tuple, list)) and len(kv) == 2):
             raise ctx.bad("OrderedDict item is not a (key, value) pair")
+        ctx.hashing((kv[0],))
         d[kv[0]] = kv[1]
     return d
+
+
+def _items(ctx, items, what):
+    if not isinstance(items, (list, tuple)):
+        raise ctx.bad(f"{what} of a {type(items).__name__}, not a list or tuple")
+    return items
 
 
 def _encode(ctx, text, encoding="latin1"):
@@ -132,11 +141,11 @@ def _bytearray(ctx, data=b"", encoding=None):
 
 
 def _set(ctx, items=()):
-    return set(items)
+    return set(ctx.hashing(_items(ctx, items, "set")))
 
 
 def _frozenset(ctx, items=()):
-    return frozenset(items)
+    return ctx.frozenset(_items(ctx, items, "frozenset"))
 
 
 def _reconstructor(ctx, cls, base, state=None):
@@ -183,10 +192,22 @@ MARK = _Mark()
 
 
 class Context:
-    """What stand-ins see: where we are (for messages) and the reader's hooks."""
+    """What stand-ins see: where we are (for messages), the work budget, and the depth and expanded
+    size of every tuple and frozenset built so far. Those two are immutable, so both numbers are exact
+    when they are made; Python hashes tuples by recursing in C with no guard, and hashing or writing
+    out a shared tuple costs its expanded size, so both are bounded before anything hashes them."""
 
-    def __init__(self, path, base_offset):
-        self.path, self.base_offset, self.pos = path, base_offset, 0
+    def __init__(self, path, base_offset, budget: Budget):
+        self.path, self.base_offset, self.pos, self.budget = path, base_offset, 0, budget
+        self._shape = {}   # id -> (object, depth, expanded size), for nested tuples and frozensets
+        self._credited = 0
+
+    def credit(self, pos: int):
+        """The budget grows with the pickle bytes read so far (a legacy file's pickle is followed by
+        its storages, which justify nothing)."""
+        if pos > self._credited:
+            self.budget.add_bytes(pos - self._credited)
+            self._credited = pos
 
     def bad(self, msg) -> BadInput:
         return BadInput(f"{self.path}: {msg} (pickle offset {self.base_offset + self.pos})")
@@ -195,26 +216,71 @@ class Context:
         return UnsafePickle(f"{self.path}: refused: {msg} (pickle offset {self.base_offset + self.pos}); "
                             "nothing was executed")
 
+    def _size(self, x) -> tuple:
+        """(depth, expanded size) of a value: recorded for nested tuples and frozensets, one level
+        for flat ones (they hold no tuple), a leaf otherwise."""
+        info = self._shape.get(id(x))
+        if info is not None and info[0] is x:
+            return info[1], info[2]
+        return (1, len(x) + 1) if isinstance(x, (tuple, frozenset)) else (0, 1)
 
-def load(data, allowlist: dict, path, base_offset=0, persistent_load=None):
+    def _made(self, obj, items, what):
+        self.credit(self.pos)
+        depth, size = 1, 1
+        for x in items:
+            d, n = self._size(x)
+            depth, size = max(depth, d + 1), size + n
+        if depth > MAX_DEPTH:
+            raise self.bad(f"{what}s nested more than {MAX_DEPTH} deep")
+        if size > self.budget.left:
+            raise self.bad(f"a {what} that expands to {size} values (shared members), more than the pickle's "
+                           f"{self.budget.nbytes} bytes justify")
+        if depth > 1:
+            self._shape[id(obj)] = (obj, depth, size)
+        return obj
+
+    def tuple(self, items) -> tuple:
+        items = tuple(items)
+        return self._made(items, items, "tuple")
+
+    def frozenset(self, items) -> frozenset:
+        self.hashing(items)
+        return self._made(frozenset(items), items, "frozenset")
+
+    def hashing(self, keys):
+        """Charge for hashing `keys` (a tuple's hash walks all of it, every time); returns them."""
+        self.credit(self.pos)
+        cost = 0
+        for k in keys:
+            cost += self._size(k)[1]
+        self.budget.spend(cost, "hashing its keys")
+        return keys
+
+
+def load(data, allowlist: dict, path, base_offset=0, persistent_load=None, budget: Budget = None):
     """Run the pickle in `data` (bytes or memoryview) and return the object it builds.
 
     `allowlist` maps (module, name) to StandIns; `persistent_load(pid, ctx)` resolves PERSID ids.
+    `budget` (default: one sized by `data`) is charged here and by whoever walks the result next
+    (`flatten`, `extras_json`), so the whole reading of one pickle stays bounded by its size.
     """
-    return load_prefix(data, allowlist, path, base_offset, persistent_load)[0]
+    return load_prefix(data, allowlist, path, base_offset, persistent_load, budget=budget)[0]
 
 
-def load_prefix(data, allowlist: dict, path, base_offset=0, persistent_load=None, max_memo=10_000_000):
+def load_prefix(data, allowlist: dict, path, base_offset=0, persistent_load=None, max_memo=10_000_000,
+                budget: Budget = None):
     """Like `load` for a pickle followed by other bytes: returns (object, length of the pickle)."""
     mv = memoryview(data).cast("B")
-    ctx = Context(path, base_offset)
+    ctx = Context(path, base_offset, budget or Budget(path))
     try:
-        return _run(mv, allowlist, ctx, persistent_load, max_memo)
+        obj, length = _run(mv, allowlist, ctx, persistent_load, max_memo)
+        ctx.credit(length)
+        return obj, length
     except (BadInput,):
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError,
             UnicodeDecodeError, struct.error, MemoryError) as e:
-        raise ctx.bad(f"malformed pickle: {type(e).__name__}: {e}") from None
+        raise ctx.bad(f"malformed pickle: {type(e).__name__}: {printable(e, 200)}") from None
 
 
 def _run(mv, allowlist, ctx, persistent_load, max_memo):
@@ -231,15 +297,18 @@ def _run(mv, allowlist, ctx, persistent_load, max_memo):
         return out
 
     def line():
+        """A text opcode's argument, up to the newline (searched in growing windows: linear time)."""
         nonlocal pos
-        end = pos
-        while end < n and mv[end] != 0x0A:
-            end += 1
-        if end >= n:
-            raise ctx.bad("truncated pickle: unterminated line")
-        out = bytes(mv[pos:end])
-        pos = end + 1
-        return out
+        k = 256
+        while True:
+            window = bytes(mv[pos:pos + k])
+            end = window.find(b"\n")
+            if end >= 0:
+                pos += end + 1
+                return window[:end]
+            if pos + k >= n:
+                raise ctx.bad("truncated pickle: unterminated line")
+            k *= 4
 
     def u(fmt, k):
         return struct.unpack(fmt, take(k))[0]
@@ -374,15 +443,14 @@ def _run(mv, allowlist, ctx, persistent_load, max_memo):
         # --- containers
         elif op == 0x29:
             stack.append(())
-        elif op == 0x85:
-            stack[-1:] = [(stack[-1],)]
-        elif op == 0x86:
-            stack[-2:] = [tuple(stack[-2:])] if len(stack) >= 2 else _underflow(ctx)
-        elif op == 0x87:
-            stack[-3:] = [tuple(stack[-3:])] if len(stack) >= 3 else _underflow(ctx)
+        elif op in (0x85, 0x86, 0x87):  # TUPLE1/2/3
+            k = op - 0x84
+            if len(stack) < k:
+                _underflow(ctx)
+            stack[-k:] = [ctx.tuple(stack[-k:])]
         elif op == 0x74:  # TUPLE
             items = pop_mark()
-            stack.append(tuple(items))
+            stack.append(ctx.tuple(items))
         elif op == 0x5D:  # EMPTY_LIST
             stack.append([])
         elif op == 0x6C:  # LIST
@@ -398,26 +466,27 @@ def _run(mv, allowlist, ctx, persistent_load, max_memo):
             stack.append({})
         elif op == 0x64:  # DICT
             items = pop_mark()
-            stack.append(dict(zip(items[0::2], items[1::2])))
+            stack.append(dict(zip(ctx.hashing(items[0::2]), items[1::2])))
         elif op == 0x73:  # SETITEM
             v = stack.pop()
             k = stack.pop()
-            _as(stack[-1], dict, ctx, "SETITEM")[k] = v
+            _as(stack[-1], dict, ctx, "SETITEM")[ctx.hashing((k,))[0]] = v
         elif op == 0x75:  # SETITEMS
             items = pop_mark()
             if len(items) % 2:
                 raise ctx.bad("SETITEMS with an odd number of items")
             d = _as(stack[-1], dict, ctx, "SETITEMS")
+            ctx.hashing(items[0::2])
             for i in range(0, len(items), 2):
                 d[items[i]] = items[i + 1]
         elif op == 0x8F:  # EMPTY_SET
             stack.append(set())
         elif op == 0x90:  # ADDITEMS
             items = pop_mark()
-            _as(stack[-1], set, ctx, "ADDITEMS").update(items)
+            _as(stack[-1], set, ctx, "ADDITEMS").update(ctx.hashing(items))
         elif op == 0x91:  # FROZENSET
             items = pop_mark()
-            stack.append(frozenset(items))
+            stack.append(ctx.frozenset(items))
         # --- memo
         elif op == 0x70:  # PUT (text)
             memo_put(int(line()))
@@ -498,51 +567,89 @@ def _as(obj, kind, ctx, opname):
 
 def _persistent(hook, pid, ctx):
     if hook is None:
-        raise ctx.unsafe(f"persistent id {pid!r} in a pickle that has no persistent objects")
+        raise ctx.unsafe(f"persistent id {brief(pid)} in a pickle that has no persistent objects")
     return hook(pid, ctx)
 
 
 # ---------------------------------------------------------------------------------------------
 # Turning what a pickle built into JSON-able extras.
 
-_MAX_NODES = 1_000_000
+
+class Ref:
+    """A second way to reach a container already recorded under `path` (shared or self-referencing
+    state): written as {"__ref__": path} instead of a copy, so sharing never multiplies the output."""
+
+    def __init__(self, path: str):
+        self.path = path
 
 
-def to_jsonable(value, _budget=None, _active=None):
-    """Plain JSON values for the manifest: tuples/sets become lists, bytes a size and digest."""
-    budget = _budget if _budget is not None else [_MAX_NODES]
-    active = _active if _active is not None else set()
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise BadInput("non-tensor state is too large or self-referencing to record as extras")
-    if value is None or isinstance(value, (bool, int, str)):
+def key_text(key) -> str:
+    """A dict key as a name part: scalars as str(), anything else as a short, deterministic repr."""
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, (bool, int, float)):
+        return str(key)
+    return brief(key, 100)
+
+
+def extras_json(extras: dict, budget: Budget) -> dict:
+    """Plain JSON values for the manifest, one walk over all extras: tuples and sets become lists,
+    bytes a size and digest, inert objects a record; a mutable container met a second time (shared,
+    or a cycle) becomes {"__ref__": the name it was first written under}. Work is charged to
+    `budget`; nesting deeper than MAX_DEPTH is refused."""
+    seen = {}
+    return {name: _jsonable(value, name, 0, seen, budget) for name, value in extras.items()}
+
+
+def to_jsonable(value, budget: Budget = None):
+    """One value as extras_json writes it (its own walk)."""
+    return _jsonable(value, "", 0, {}, budget or Budget("non-tensor state"))
+
+
+def _jsonable(value, path, depth, seen, budget):
+    budget.spend(1, "non-tensor state")
+    if value is None or isinstance(value, bool):
         return value
+    if isinstance(value, int):
+        return value if value.bit_length() <= 1024 else {"__int__": hex(value)}
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
+    if isinstance(value, str):
+        budget.spend(len(value) >> 6, "non-tensor state")
+        return value if value.isascii() or encodable(value) else value.encode("utf-8", "backslashreplace").decode()
     if isinstance(value, (bytes, bytearray, Payload)):
         raw = value.view if isinstance(value, Payload) else value
+        budget.spend(len(raw) >> 16, "non-tensor state")
         return {"__bytes__": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
-    if id(value) in active:
-        raise BadInput("non-tensor state refers to itself")
-    active.add(id(value))
-    try:
-        if isinstance(value, dict):
-            return {str(k): to_jsonable(v, budget, active) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [to_jsonable(v, budget, active) for v in value]
-        if isinstance(value, (set, frozenset)):
-            return sorted((to_jsonable(v, budget, active) for v in value), key=repr)
-        if isinstance(value, InertObject):
-            out = {"__class__": value.qualname}
-            if value.args:
-                out["args"] = to_jsonable(value.args, budget, active)
-            out.update({str(k): to_jsonable(v, budget, active) for k, v in value.state.items()})
-            return out
-        if isinstance(value, StandIn):
-            return {"__global__": value.qualname}
+    if isinstance(value, Ref):
+        return {"__ref__": value.path}
+    if isinstance(value, StandIn):
+        return {"__global__": value.qualname}
+    if not isinstance(value, (dict, list, tuple, set, frozenset, InertObject)):
         jsonable = getattr(value, "to_jsonable", None)
-        if jsonable is not None:
-            return jsonable()
-        return repr(value)
-    finally:
-        active.discard(id(value))
+        return jsonable() if jsonable is not None else f"<{type(value).__name__}>"
+    if depth >= MAX_DEPTH:
+        raise BadInput(f"{budget.path}: non-tensor state {path!r} is nested more than {MAX_DEPTH} deep")
+    if isinstance(value, InertObject) or (isinstance(value, (dict, list, set)) and value):  # mutable: may be shared
+        first = seen.get(id(value))
+        if first is not None:
+            return {"__ref__": first[1]}
+        seen[id(value)] = (value, path)
+
+    def inner(v, key):
+        return _jsonable(v, f"{path}.{key}" if path else str(key), depth + 1, seen, budget)
+
+    if isinstance(value, dict):
+        return {key_text(k): inner(v, key_text(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [inner(v, i) for i, v in enumerate(value)]
+    if isinstance(value, (set, frozenset)):
+        # members are hashable (tuples, frozensets, scalars, records): no path names them, so they are
+        # written out whole, in an order that does not depend on hashing
+        members = [_jsonable(v, path, depth + 1, {}, budget) for v in value]
+        return sorted(members, key=lambda m: json.dumps(m, sort_keys=True))
+    out = {"__class__": value.qualname}
+    if value.args:
+        out["args"] = inner(value.args, "args")
+    out.update({key_text(k): inner(v, key_text(k)) for k, v in value.state.items()})
+    return out
