@@ -7,6 +7,7 @@ read, and a source that is itself sliced (a previous reshard, DCP chunks) is rea
 Layout of the output, mesh.json and `ranges`: DESIGN.md.
 """
 import math
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -22,8 +23,9 @@ from .progress import byte_progress
 from .readers import ReadOptions, open_checkpoint, readers
 from .rules import RuleSet, choose, from_json, read_config
 from .tensor import Computed, Concat, as_bytes, sha256_of
-from .hashing import CHUNK, Pipeline
-from .writer import OutputStream, copy_files, finish, plan_shards, write_json, write_tensor
+from .hashing import CHUNK, Pipeline, sha256_file
+from .sha256sums import NAME as SUMS, write_sums
+from .writer import OutputStream, check_space, copy_files, finish, plan_shards, write_json, write_tensor
 
 MESH_FORMAT = "ckptconv.mesh/1"
 
@@ -261,21 +263,25 @@ def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=N
 
     def write(tmp, my_ranks, progress=None, taps=None):
         """Write the rank directories `my_ranks`; returns rank 0's piece digests if it is among them."""
+        check_space(tmp, sum(p.piece_bytes(r) for p in plans for r in my_ranks), ckpt.model_files, len(my_ranks))
         streams = write_ranks(tmp, my_ranks, plans, sources, max_shard_size, progress, fsync, taps, direct)
         for rank, stream in streams.items():
-            source = {**ckpt.source, "resharded": {"tp": tp, "ep": ep, "rank": rank}}
+            source = {**ckpt.source, "resharded": {"tp": tp, "ep": ep, "rank": rank},
+                      **({"skipped_files": ckpt.skipped_files} if ckpt.skipped_files else {})}
             copy_files(stream.out_dir, ckpt.model_files, stream.written)
             finish(stream.out_dir, stream.shards, stream.written, source, ckpt.extras)
         return {n: v["sha256"] for n, v in streams[0].written.tensors.items()} if 0 in streams else None
 
     if cluster is not None:
-        _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write)
+        _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write, ckpt.inputs(src))
     else:
         taps = {p.name: sha256.new() for p in plans if _streams_in_order(p) or _scatters(p)}
-        with atomic_output(out, overwrite) as tmp, byte_progress(total, "reshard", quiet) as progress:
+        with atomic_output(out, overwrite, inputs=ckpt.inputs(src)) as tmp, \
+                byte_progress(total, "reshard", quiet) as progress:
             rank0 = write(tmp, list(range(ranks)), progress, taps)
             mesh = mesh_json(plans, rules, tp, ep, ckpt.source, global_digests(plans, sources, taps, rank0))
             write_json(tmp, "mesh.json", mesh)
+            write_top_sums(tmp)
             ckpt.check_unchanged()
     seconds = time.perf_counter() - started
     summary.update({"out": str(out), "seconds": round(seconds, 3), "bytes_written": total,
@@ -367,7 +373,7 @@ def _gather(parts, axis):
     return fill_at, nbytes
 
 
-def _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write):
+def _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write, inputs):
     """Rank directories are split among processes by bytes, and so are the global digests of split
     tensors; process 0 writes mesh.json from everyone's digests and publishes."""
     ranks = tp * ep
@@ -390,8 +396,20 @@ def _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sou
         for r in results:
             digests.update(r["global"])
         write_json(tmp_dir, "mesh.json", mesh_json(plans, rules, tp, ep, ckpt.source, digests))
+        write_top_sums(tmp_dir)
 
-    on_cluster(cluster, out, overwrite, publish, lambda: run_guarded(cluster, "ranks", work))
+    on_cluster(cluster, out, overwrite, publish, lambda: run_guarded(cluster, "ranks", work), inputs)
+
+
+def write_top_sums(out_dir):
+    """OUT/SHA256SUMS over mesh.json and every other top-level regular file (the rank directories
+    carry their own), so nothing in a reshard output is unhashed."""
+    digests = {}
+    with os.scandir(out_dir) as it:
+        for entry in it:
+            if entry.name != SUMS and entry.is_file(follow_symlinks=False):
+                digests[entry.name] = sha256_file(entry.path)
+    write_sums(out_dir, digests)
 
 
 def global_digests(plans, sources, taps, rank0) -> dict:

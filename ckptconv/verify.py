@@ -5,7 +5,11 @@ digests the file and another digests each tensor's bytes (both cores), and every
 line naming the file and the tensor. Reshard outputs are checked rank by rank, then against
 mesh.json by assembling each global tensor lazily from the rank pieces (never in memory).
 """
+import hashlib
 import json
+import math
+import os
+import stat
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,11 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from . import sha256
+from . import safejson
 from .errors import BadInput, UsageError
-from .hashing import CHUNK, HashLanes, sha256_file
+from .hashing import CHUNK, HashLanes
 from .mapped import MappedFile
 from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint
 from .safetensors_format import parse_header
+from .sha256sums import NAME as SUMS, is_digest, parse_sums, unsafe_name
 from .tensor import as_bytes, cast, iter_blocks, sha256_of
 from . import dtypes
 from .writer import INDEX_NAME, MANIFEST_FORMAT
@@ -33,64 +39,219 @@ class Report:
     shared: int = 0   # problems already merged across processes
 
     def add(self, where, what):
-        self.problems.append(f"{where}: {what}")
+        self.problems.append(_one_line(f"{where}: {what}"))
 
 
-def _json(path: Path, report: Report, what: str):
+def _brief(value, limit=80) -> str:
+    """A value read from a file, for a message: short, and never a deep repr."""
+    if isinstance(value, (dict, list)):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'} of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _one_line(text: str) -> str:
+    """A problem is one line: names from the output (a file called "a\nb") are escaped."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
+# What an output directory may hold is decided from lstat: nothing in it is followed or opened unless
+# it is a regular file named by the output's own metadata, by a plain name (sha256sums.unsafe_name).
+
+def _scan(d: Path, report: Report) -> dict:
+    """{name: lstat result} of every entry of `d` (symlinks not followed)."""
+    entries = {}
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        report.add(path, f"{what} is missing")
-    except (OSError, ValueError) as e:
-        report.add(path, f"{what} cannot be read: {e}")
+        with os.scandir(d) as it:
+            for entry in it:
+                try:
+                    entries[entry.name] = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+    except OSError as e:
+        report.add(d, f"cannot list the directory: {e.strerror}")
+    return entries
+
+
+def _kind(st) -> str:
+    mode = st.st_mode
+    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _regular(entries: dict, name: str) -> bool:
+    st = entries.get(name)
+    return st is not None and stat.S_ISREG(st.st_mode)
+
+
+def _read(d: Path, name: str, entries: dict, report: Report, what: str):
+    """The bytes of a metadata file of `d`; None (and a problem) if it is missing or unreadable. A
+    non-regular entry is not opened: the directory check reports it."""
+    if name not in entries:
+        report.add(d / name, f"{what} is missing")
+        return None
+    if not _regular(entries, name):
+        return None
+    try:
+        return mesh_reader.read_regular(d / name)
+    except BadInput as e:
+        report.add(d / name, f"{what} cannot be read: {str(e).split(': ', 1)[-1]}")
+        return None
+
+
+def _json(d: Path, name: str, entries: dict, report: Report, what: str):
+    data = _read(d, name, entries, report, what)
+    if data is None:
+        return None
+    try:
+        return safejson.loads(data, d / name, what)
+    except BadInput as e:
+        report.add(d / name, str(e).split(": ", 1)[-1])
     return None
 
 
-def _sums(path: Path, report: Report) -> dict:
-    sums = {}
-    try:
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            digest, sep, name = line.partition("  ")
-            if not sep or len(digest) != 64:
-                report.add(path, f"line {n} is not in `sha256sum` format")
-                continue
-            sums[name] = digest
-    except FileNotFoundError:
-        report.add(path, "SHA256SUMS is missing")
+def _sums(d: Path, entries: dict, report: Report):
+    """SHA256SUMS of `d` as {plain name: digest}, or None when it is missing or unreadable."""
+    data = _read(d, SUMS, entries, report, SUMS)
+    if data is None:
+        return None
+    sums, problems = parse_sums(data)
+    for p in problems:
+        report.add(d / SUMS, p)
     return sums
+
+
+def _sha256_regular(path: Path) -> str | None:
+    """A regular file's SHA-256, opened without following a symlink and without blocking on a FIFO;
+    None if what is there now is not a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        h = hashlib.sha256()
+        while chunk := os.read(fd, CHUNK):
+            h.update(chunk)
+        return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _index(d: Path, raw, report: Report):
+    """(valid {tensor: shard}, every tensor name the index lists), or (None, None) without an index."""
+    where = d / INDEX_NAME
+    if raw is None:
+        return None, None
+    if not isinstance(raw, dict) or not isinstance(raw.get("weight_map"), dict):
+        report.add(where, "the index has no 'weight_map' object")
+        return None, None
+    weight_map = {}
+    for name, file in raw["weight_map"].items():
+        why = unsafe_name(file)
+        if why is not None:
+            report.add(where, f"tensor {name!r} is listed in {_brief(file)}, which is not a plain file name in this "
+                              f"directory ({why}); not opened")
+        else:
+            weight_map[name] = file
+    return weight_map, set(raw["weight_map"])
+
+
+def _manifest(d: Path, raw, report: Report):
+    """(files {name: {"sha256", "size"} or None if malformed}, tensors {name: entry or None if malformed}),
+    checked for types; (None, None) without a usable manifest."""
+    where = d / "manifest.json"
+    if raw is None:
+        return None, None
+    if not isinstance(raw, dict):
+        report.add(where, "manifest.json is not a JSON object")
+        return None, None
+    if raw.get("format") != MANIFEST_FORMAT:
+        report.add(where, f"format is {_brief(raw.get('format'))}, not {MANIFEST_FORMAT}")
+    files, tensors = {}, {}
+    raw_files, raw_tensors = raw.get("files", {}), raw.get("tensors", {})
+    if not isinstance(raw_files, dict):
+        report.add(where, "'files' is not an object")
+        raw_files = {}
+    if not isinstance(raw_tensors, dict):
+        report.add(where, "'tensors' is not an object")
+        raw_tensors = {}
+    for name, info in raw_files.items():
+        why = unsafe_name(name)
+        if why is not None:
+            report.add(where, f"files lists {name!r}, which is not a plain file name in this directory ({why}); "
+                              "not opened")
+            continue
+        ok = (isinstance(info, dict) and is_digest(info.get("sha256")) and type(info.get("size")) is int
+              and info["size"] >= 0)
+        if not ok:
+            report.add(where, f"files entry {name!r} is {_brief(info)}, not {{\"sha256\": digest, \"size\": bytes}}")
+        files[name] = info if ok else None
+    for name, entry in raw_tensors.items():
+        ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+              and all(type(n) is int and n >= 0 for n in entry["shape"]) and isinstance(entry.get("file"), str)
+              and is_digest(entry.get("sha256")))
+        if not ok:
+            report.add(where, f"tensor {name!r}: entry {_brief(entry)} is not {{dtype, shape, file, sha256}}")
+            tensors[name] = None
+            continue
+        why = unsafe_name(entry["file"])
+        if why is not None:
+            report.add(where, f"tensor {name!r}: file {entry['file']!r} is not a plain file name in this directory "
+                              f"({why})")
+        tensors[name] = entry
+    return files, tensors
+
+
+def _read_meta(d: Path, entries: dict, report: Report):
+    """Index, manifest and SHA256SUMS of an output directory, type-checked."""
+    weight_map, index_names = _index(d, _json(d, INDEX_NAME, entries, report, "the index"), report)
+    m_files, m_tensors = _manifest(d, _json(d, "manifest.json", entries, report, "manifest.json"), report)
+    sums = _sums(d, entries, report)
+    return weight_map, index_names, m_files, m_tensors, sums
 
 
 def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structural=True) -> dict:
     """Check one output directory; returns {tensor: manifest entry} for what checked out structurally.
     `hash_only` limits the (expensive) hashing to some shards; `structural=False` skips everything
     else (another process of a multi-process run does it)."""
-    index = _json(d / INDEX_NAME, report, "the index")
-    manifest = _json(d / "manifest.json", report, "manifest.json")
-    sums = _sums(d / "SHA256SUMS", report)
-    if manifest is not None and manifest.get("format") != MANIFEST_FORMAT:
-        report.add(d / "manifest.json", f"format is {manifest.get('format')!r}, not {MANIFEST_FORMAT}")
-    m_files = (manifest or {}).get("files", {})
-    m_tensors = (manifest or {}).get("tensors", {})
-    weight_map = (index or {}).get("weight_map", {})
-    shard_names = sorted(set(weight_map.values()) | {f for f in m_files if f.endswith(".safetensors")})
+    found = report if structural else Report()  # what every process would find alike: reported once
+    entries = _scan(d, found)
+    weight_map, index_names, m_files, m_tensors, sums = _read_meta(d, entries, found)
+    manifest_ok = m_files is not None
+    m_files, m_tensors, sums_ok = m_files or {}, m_tensors or {}, sums is not None
+    sums = sums or {}
+    shard_names = sorted(set((weight_map or {}).values()) | {f for f in (*m_files, *sums) if f.endswith(".safetensors")})
 
     located = {}   # tensor -> (file, HeaderEntry)
     for shard in shard_names:
         path = d / shard
-        if not path.is_file():
-            report.add(path, "shard is missing")
+        if shard not in entries:
+            found.add(path, "shard is missing")
             continue
-        m = MappedFile(path)
+        if not _regular(entries, shard):
+            continue  # never opened; the directory check below reports what it is
         try:
+            m = MappedFile(path)
             header = parse_header(m.view, m.size, path)
         except BadInput as e:
-            report.add(path, str(e).split(": ", 1)[-1])
+            found.add(path, str(e).split(": ", 1)[-1])
             continue
-        for p in header.problems if structural else ():
-            report.add(path, p)
+        for p in header.problems:
+            found.add(path, p)
+        if structural and not header.problems:
+            _library_view(path, header, report)
         for e in header.entries:
             if e.name in located:
-                report.add(path, f"tensor {e.name!r} also appears in {located[e.name][0]}")
+                found.add(path, f"tensor {e.name!r} also appears in {located[e.name][0]}")
             else:
                 located[e.name] = (shard, e)
         if hash_only is None or shard in hash_only:
@@ -99,45 +260,83 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
     if not structural:
         return {}
 
-    for name, file in weight_map.items():
+    for name, file in (weight_map or {}).items():
         if name not in located:
             report.add(d / INDEX_NAME, f"tensor {name!r} is listed in the index (in {file}) but is in no shard")
         elif located[name][0] != file:
             report.add(d / INDEX_NAME, f"tensor {name!r} is listed in {file} but is in {located[name][0]}")
     for name, (file, _) in located.items():
-        if index is not None and name not in weight_map:
+        if index_names is not None and name not in index_names:
             report.add(d / file, f"tensor {name!r} is in the shard but missing from the index")
-        if manifest is not None and name not in m_tensors:
+        if manifest_ok and name not in m_tensors:
             report.add(d / file, f"tensor {name!r} is in the shard but missing from manifest.json")
     for name, entry in m_tensors.items():
         if name not in located:
             report.add(d / "manifest.json", f"tensor {name!r} is in the manifest but in no shard")
             continue
+        if entry is None:
+            continue  # malformed: reported
         file, e = located[name]
-        if entry.get("dtype") != e.dtype.code or list(entry.get("shape", [])) != list(e.shape):
+        if entry["dtype"] != e.dtype.code or entry["shape"] != list(e.shape):
             report.add(d / file, f"tensor {name!r} is {e.dtype.code}{list(e.shape)}, the manifest says "
-                                 f"{entry.get('dtype')}{entry.get('shape')}")
-        if entry.get("file") != file:
-            report.add(d / file, f"tensor {name!r} is here, the manifest says {entry.get('file')}")
+                                 f"{entry['dtype']}{entry['shape']}")
+        if entry["file"] != file:
+            report.add(d / file, f"tensor {name!r} is here, the manifest says {entry['file']}")
     report.tensors += len(located)
 
-    listed = set(sums) | set(m_files)
+    listed = set(sums) | set(m_files) | set(shard_names)
     for name in sorted(listed - set(shard_names)):
         path = d / name
-        if not path.is_file():
+        if name not in entries:
             report.add(path, "listed in the manifest or SHA256SUMS but missing")
             continue
-        digest = sha256_file(path)
-        if name in m_files and m_files[name].get("sha256") != digest:
+        digest = _sha256_regular(path) if _regular(entries, name) else None
+        if digest is None:
+            continue  # not a regular file: reported below, never opened
+        if m_files.get(name) is not None and m_files[name]["sha256"] != digest:
             report.add(path, "sha256 differs from manifest.json")
         if name in sums and sums[name] != digest:
             report.add(path, "sha256 differs from SHA256SUMS")
-    if sums and "manifest.json" not in sums:
-        report.add(d / "SHA256SUMS", "does not list manifest.json")
-    for p in sorted(d.iterdir()):
-        if p.is_file() and p.name != "SHA256SUMS" and p.name not in listed:
-            report.add(p, "file is not listed in SHA256SUMS or the manifest")
-    return {n: m_tensors[n] for n in located if n in m_tensors}
+    if sums_ok:
+        if "manifest.json" not in sums:
+            report.add(d / SUMS, "does not list manifest.json")
+        for name in sorted(set(m_files) - set(sums)):
+            report.add(d / name, "listed in manifest.json but not in SHA256SUMS")
+        if manifest_ok:
+            for name in sorted(set(sums) - set(m_files) - {"manifest.json"}):
+                report.add(d / name, "listed in SHA256SUMS but not in manifest.json")
+    for name, st in sorted(entries.items()):
+        if not stat.S_ISREG(st.st_mode):
+            report.add(d / name, f"is {_kind(st)}; an output directory holds only regular files (not followed)")
+        elif name != SUMS and name not in listed:
+            report.add(d / name, "file is not listed in SHA256SUMS or the manifest")
+    return {n: m_tensors[n] for n in located if m_tensors.get(n) is not None}
+
+
+def _library_view(path: Path, header, report: Report):
+    """The safetensors library, as a consumer, must see what we parsed: the same names, dtypes,
+    shapes and metadata (headers only; the data is read once, by the hashes)."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise UsageError("verify needs the safetensors library: pip install safetensors") from None
+    try:
+        theirs = {}
+        with safe_open(str(path), framework="numpy") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                theirs[name] = (piece.get_dtype(), list(piece.get_shape()))
+            metadata = f.metadata() or {}
+    except Exception as e:  # its own error types, whatever they are: the file is what is wrong
+        report.add(path, f"the safetensors library cannot open it: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        return
+    ours = {e.name: (e.dtype.code, list(e.shape)) for e in header.entries}
+    for name in sorted(set(ours) | set(theirs)):
+        if ours.get(name) != theirs.get(name):
+            report.add(path, f"tensor {name!r}: the safetensors library sees {theirs.get(name)}, ckptconv "
+                             f"{ours.get(name)}")
+    if metadata != header.metadata:
+        report.add(path, "the safetensors library sees different __metadata__")
 
 
 def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
@@ -180,9 +379,9 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
         m.release(0, m.size)
     report.bytes += m.size
     info = m_files.get(shard)
-    if info is None:
+    if shard not in m_files:
         report.add(path, "shard is not listed in manifest.json files")
-    else:
+    elif info is not None:  # (a malformed entry is reported with the manifest)
         if info.get("size") != m.size:
             report.add(path, f"size is {m.size} bytes, the manifest says {info.get('size')} (truncated?)")
         if info.get("sha256") != file_digest:
@@ -190,43 +389,99 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
     if shard in sums and sums[shard] != file_digest:
         report.add(path, "sha256 differs from SHA256SUMS")
     for entry, digest in digests:
-        want = m_tensors.get(entry.name, {}).get("sha256")
+        want = (m_tensors.get(entry.name) or {}).get("sha256")
         if want is not None and want != digest.result():
             report.add(path, f"tensor {entry.name!r}: sha256 differs from the manifest (its bytes "
                              f"{entry.begin}..{entry.end} are corrupted)")
 
 
 def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key: True):
-    """A reshard output: every rank dir on its own, then the pieces against mesh.json. `mine(kind, key)`
-    says which rank dirs and tensors this process checks (all, in a single process)."""
-    mesh = mesh_reader.read_mesh(path)
-    ranks = mesh["ranks"]
-    for r in range(ranks):
-        d = path / f"rank-{r:05d}"
-        if not d.is_dir():
-            report.add(d, "rank directory is missing")
-        elif mine("rank", r):
-            verify_dir(d, report, progress)
+    """A reshard output: its top level (SHA256SUMS over mesh.json and every other file, exactly the
+    rank directories mesh.json counts, nothing else), then every rank dir on its own. `mine(kind, key)`
+    says which rank dirs this process checks and whether it checks the top level (all, in a single
+    process). Returns mesh.json, validated, or None."""
+    found = report if mine("structure", None) else Report()
+    entries = _scan(path, found)
+    sums = _sums(path, entries, found)
+    data = _read(path, "mesh.json", entries, found, "mesh.json")
+    dirs = {}  # every rank-XXXXX directory on disk
+    for name, st in sorted(entries.items()):
+        r = mesh_reader.rank_number(name)
+        if r is not None and stat.S_ISDIR(st.st_mode):
+            dirs[r] = name
+        elif not stat.S_ISREG(st.st_mode):
+            found.add(path / name, f"is {_kind(st)}; a reshard output holds only its rank directories and regular "
+                                   "files (not followed)")
+        elif name != SUMS and name not in (sums or {}):
+            found.add(path / name, "file is not listed in SHA256SUMS")
+    mesh = None
+    if data is not None:
+        try:  # its rank count must be the number of rank directories before anything loops over it
+            mesh = mesh_reader.parse_mesh(data, path / "mesh.json", len(dirs))
+        except BadInput as e:
+            found.add(path / "mesh.json", str(e).split(": ", 1)[-1])
+    if sums is not None:
+        if "mesh.json" not in sums:
+            found.add(path / SUMS, "does not list mesh.json")
+        for name in sorted(sums):
+            if name not in entries:
+                found.add(path / name, "listed in SHA256SUMS but missing")
+            elif stat.S_ISDIR(entries[name].st_mode):
+                found.add(path / name, "listed in SHA256SUMS but is a directory")
+            elif _regular(entries, name):
+                digest = hashlib.sha256(data).hexdigest() if name == "mesh.json" and data is not None \
+                    else _sha256_regular(path / name)
+                if digest is not None and digest != sums[name]:
+                    found.add(path / name, "sha256 differs from SHA256SUMS")
+    present = dirs
+    if mesh is not None:  # as many directories as ranks (checked): rank-00000 … exactly, or some are off
+        ranks = mesh["ranks"]
+        present = {r: n for r, n in dirs.items() if r < ranks}
+        for r, name in sorted(dirs.items()):
+            if r >= ranks:
+                found.add(path / name, f"rank directory beyond the {ranks} ranks of mesh.json")
+        for r in range(ranks):
+            if r not in dirs:
+                found.add(path / f"rank-{r:05d}", "rank directory is missing")
+    for r, name in sorted(present.items()):
+        if mine("rank", r):
+            verify_dir(path / name, report, progress)
     return mesh
 
 
 def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind, key: True):
-    """With every rank dir intact: replicas equal, shared intervals equal, reassembled digests right."""
+    """With every rank dir intact: the same tensors as mesh.json, replicas equal, shared intervals
+    equal, pieces where mesh.json puts them, reassembled digests right."""
     ranks = mesh["ranks"]
-    per_rank = [json.loads((path / f"rank-{r:05d}" / "manifest.json").read_text())["tensors"] for r in range(ranks)]
+    per_rank = [json.loads(mesh_reader.read_regular(path / f"rank-{r:05d}" / "manifest.json"))["tensors"]
+                for r in range(ranks)]
+    held = {}
+    for r, tensors in enumerate(per_rank):
+        for name in tensors:
+            held.setdefault(name, []).append(r)
+    if mine("structure", None):
+        for name in sorted(set(held) - set(mesh["tensors"])):
+            report.add(path / "mesh.json", f"tensor {name!r} is on ranks {_ranks(held[name])} but not in mesh.json")
+        for name in sorted(set(mesh["tensors"]) - set(held)):
+            report.add(path / "mesh.json", f"tensor {name!r} is in mesh.json but in no rank directory")
     pieces, _ = mesh_reader.rank_pieces(path, ranks)  # headers parsed once, for every check below
     for name, entry in mesh["tensors"].items():
-        if not mine("tensor", name):
+        if not mine("tensor", name) or name not in held:
             continue
-        holders = [r for r in range(ranks) if name in per_rank[r]]
+        holders = held[name]
         if entry["axis"] is None:
             digests = {per_rank[r][name]["sha256"] for r in holders}
             if len(holders) != ranks:
                 report.add(path / "mesh.json", f"replicated tensor {name!r} is missing on ranks "
-                                               f"{sorted(set(range(ranks)) - set(holders))}")
+                                               f"{_ranks(sorted(set(range(ranks)) - set(holders)))}")
             if len(digests) > 1:
                 report.add(path / "mesh.json", f"replicated tensor {name!r} differs between ranks")
         else:
+            expected = [r for r in range(ranks) if mesh_reader.intervals(entry, ranks, r, name)]
+            if holders != expected:
+                report.add(path / "mesh.json", f"tensor {name!r} has pieces on ranks {_ranks(holders)}, mesh.json "
+                                               f"puts them on ranks {_ranks(expected)}")
+                continue
             _check_shared_intervals(name, entry, pieces, path, report)
         try:
             if sha256_of(mesh_reader.assemble(name, entry, pieces, ranks)) != entry["sha256"]:
@@ -237,6 +492,11 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
             report.add(path / "mesh.json", str(e))
 
 
+def _ranks(rs, limit=16) -> str:
+    rs = list(rs)
+    return str(rs) if len(rs) <= limit else f"{rs[:limit]}... ({len(rs)} ranks)"
+
+
 def _check_shared_intervals(name, entry, pieces, path, report):
     """Where several ranks hold the same interval (a shared kv head), their bytes must be equal."""
     if "ranges" not in entry:
@@ -244,6 +504,8 @@ def _check_shared_intervals(name, entry, pieces, path, report):
     axis, ranks = entry["axis"], len(pieces)
     seen = {}
     for r in range(ranks):
+        if name not in pieces[r]:
+            continue
         at = 0
         for a, b in mesh_reader.intervals(entry, ranks, r, name):
             seen.setdefault((a, b), []).append((r, at))
@@ -264,13 +526,15 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
     manifest = {}
     first = out_path / "rank-00000" if (out_path / "mesh.json").is_file() else out_path
     if (first / "manifest.json").is_file():
-        manifest = json.loads((first / "manifest.json").read_text()).get("source", {})
+        manifest = json.loads(mesh_reader.read_regular(first / "manifest.json")).get("source", {})
+        manifest = manifest if isinstance(manifest, dict) else {}
     src_tensors = {t.name: t for t in source.tensors}
     prefix = manifest.get("strip_prefix")
-    if prefix:
+    if prefix and isinstance(prefix, str):
         src_tensors = {(n[len(prefix):] if n.startswith(prefix) and len(n) > len(prefix) else n): t
                        for n, t in src_tensors.items()}
-    target = dtypes.BY_CODE.get(manifest.get("cast", ""))
+    cast_to = manifest.get("cast")
+    target = dtypes.BY_CODE.get(cast_to) if isinstance(cast_to, str) else None
     for t in out.tensors:
         s = src_tensors.pop(t.name, None)
         if not mine("tensor", t.name):
@@ -311,15 +575,15 @@ def verify(path, against=None, read=None, fmt=None, device=None, allow_fewer=Fal
     path = Path(path)
     if not path.is_dir():
         raise UsageError(f"{path}: not an output directory")
-    is_mesh = (path / "mesh.json").is_file()
-    if not is_mesh and not ((path / INDEX_NAME).is_file() or (path / "manifest.json").is_file()):
+    is_mesh = os.path.lexists(path / "mesh.json")
+    if not is_mesh and not (os.path.lexists(path / INDEX_NAME) or os.path.lexists(path / "manifest.json")):
         raise UsageError(f"{path}: holds neither {INDEX_NAME} nor mesh.json; not a ckptconv output")
     mine = _share(path, is_mesh, cluster)
     report = Report()
     if is_mesh:
         mesh = verify_mesh(path, report, progress, mine)
         _merge(cluster, "rank-dirs", report)
-        if not report.problems:
+        if not report.problems and mesh is not None:
             verify_mesh_tensors(path, mesh, report, mine)
     else:
         shards = None if cluster is None else {f for f in _shard_sizes(path) if mine("shard", f)}
@@ -337,31 +601,39 @@ def verify(path, against=None, read=None, fmt=None, device=None, allow_fewer=Fal
 
 
 def _shard_sizes(path: Path) -> dict:
-    index = json.loads((path / INDEX_NAME).read_text()) if (path / INDEX_NAME).is_file() else {}
-    names = sorted(set(index.get("weight_map", {}).values()))
-    return {n: (path / n).stat().st_size if (path / n).is_file() else 0 for n in names}
+    """{shard: size} of the regular shard files the output's (valid) metadata names, for sharing work."""
+    entries = _scan(path, Report())
+    weight_map, _, m_files, _, sums = _read_meta(path, entries, Report())
+    names = sorted(set((weight_map or {}).values())
+                   | {f for f in (*(m_files or {}), *(sums or {})) if f.endswith(".safetensors")})
+    return {n: entries[n].st_size if _regular(entries, n) else 0 for n in names}
 
 
 def _share(path: Path, is_mesh: bool, cluster):
-    """Which rank dirs, shards and tensors this process checks: balanced by bytes, as runs split work."""
+    """Which rank dirs, shards and tensors this process checks: balanced by bytes, as runs split work.
+    Only what is on disk and valid is shared out; process 0 reports everything else."""
     if cluster is None:
         return lambda kind, key: True
     from .cluster import assign
     owners = {}
     if is_mesh:
-        mesh = mesh_reader.read_mesh(path)
-        ranks = list(range(mesh["ranks"]))
-        sizes = [sum(p.stat().st_size for p in (path / f"rank-{r:05d}").glob("*.safetensors")) for r in ranks]
+        try:
+            mesh = mesh_reader.read_mesh(path)
+        except BadInput:
+            mesh = None
+        ranks = sorted(r for r in mesh_reader.rank_dirs(path) if mesh is not None and r < mesh["ranks"])
+        sizes = [sum(_shard_sizes(path / f"rank-{r:05d}").values()) for r in ranks]
         owners.update({("rank", r): o for r, o in zip(ranks, assign(sizes, cluster.num_processes))})
-        names = list(mesh["tensors"])
-        tsizes = [int(np.prod(mesh["tensors"][n]["shape"])) * dtypes.from_code(mesh["tensors"][n]["dtype"]).itemsize
-                  for n in names]
+        tensors = mesh["tensors"] if mesh is not None else {}
+        names = list(tensors)
+        tsizes = [math.prod(tensors[n]["shape"]) * dtypes.from_code(tensors[n]["dtype"]).itemsize for n in names]
     else:
         shards = _shard_sizes(path)
         owners.update({("shard", n): o for n, o in zip(shards, assign(list(shards.values()), cluster.num_processes))})
-        manifest = json.loads((path / "manifest.json").read_text()) if (path / "manifest.json").is_file() else {}
-        names = list(manifest.get("tensors", {}))
-        tsizes = [int(np.prod(manifest["tensors"][n]["shape"])) for n in names]
+        _, _, _, m_tensors, _ = _read_meta(path, _scan(path, Report()), Report())
+        tensors = {n: e for n, e in (m_tensors or {}).items() if e is not None}
+        names = list(tensors)
+        tsizes = [math.prod(tensors[n]["shape"]) for n in names]
     owners.update({("tensor", n): o for n, o in zip(names, assign(tsizes, cluster.num_processes))})
     return lambda kind, key: owners.get((kind, key), 0) == cluster.process_id
 
@@ -387,4 +659,22 @@ def _merge(cluster, stage, report: Report):
 
 
 def total_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*.safetensors"))
+    """Bytes of the .safetensors files in an output and its rank directories (for the progress bar);
+    symlinks are not followed, and nothing deeper than a rank directory is walked."""
+    total = 0
+
+    def scan(d, depth):
+        nonlocal total
+        with os.scandir(d) as it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    if depth == 0:
+                        scan(entry.path, 1)
+                elif entry.name.endswith(".safetensors") and entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+
+    try:
+        scan(path, 0)
+    except OSError:
+        pass
+    return total

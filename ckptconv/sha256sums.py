@@ -1,0 +1,78 @@
+"""`SHA256SUMS`: the coreutils checksum list beside every output (`sha256sum -c SHA256SUMS` passes there).
+
+Format, exactly as written: one line per file, `{sha256 hex, lowercase}  {name}\\n`, sorted by name.
+Every name is a plain file name in the same directory (no `/`, not `.` or `..`, no NUL or control
+characters), so the list can never point a checker outside the directory. The parser is strict: a
+line that is not in that form, a name that is not plain, or a name listed twice is a problem, and
+such a name is never returned (so never opened).
+"""
+import os
+import re
+
+from .errors import BadInput
+
+NAME = "SHA256SUMS"
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_LINE = re.compile(rb"([0-9a-f]{64})  (.+)", re.DOTALL)
+
+
+def is_digest(value) -> bool:
+    """A SHA-256 hex digest as ckptconv writes it (64 lowercase hex digits)."""
+    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
+
+
+def unsafe_name(name) -> str | None:
+    """Why `name` is not a plain file name inside its directory, or None when it is one."""
+    if not isinstance(name, str):
+        return f"a {type(name).__name__}, not a file name"
+    if name in ("", ".", ".."):
+        return "not a file name"
+    if "/" in name:
+        return "an absolute path" if name.startswith("/") else "a path, not a file name"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "it holds a control character"
+    return None
+
+
+def format_sums(digests) -> bytes:
+    """The file's bytes for {name: hex digest}: sorted by name, two spaces, one line each."""
+    for name, digest in digests.items():
+        why = unsafe_name(name)
+        if why is not None:
+            raise BadInput(f"{name!r} cannot be listed in {NAME}: {why}")
+        if not is_digest(digest):
+            raise BadInput(f"{name!r}: {digest!r} is not a SHA-256 hex digest")
+    return b"".join(f"{digests[name]}  ".encode() + os.fsencode(name) + b"\n" for name in sorted(digests))
+
+
+def write_sums(out_dir, digests) -> bytes:
+    """Write `out_dir/SHA256SUMS` for {name: hex digest}; returns the bytes written."""
+    data = format_sums(digests)
+    with open(os.path.join(out_dir, NAME), "wb") as f:
+        f.write(data)
+    return data
+
+
+def parse_sums(data: bytes) -> tuple:
+    """({name: digest}, [problem sentences]) from a SHA256SUMS file's bytes."""
+    sums, problems = {}, []
+    lines = data.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()
+    elif data:
+        problems.append("does not end with a newline")
+    for n, line in enumerate(lines, 1):
+        m = _LINE.fullmatch(line)
+        if m is None:
+            problems.append(f"line {n} is not in `sha256sum` format (`<64 hex digits>  <file name>`)")
+            continue
+        name = os.fsdecode(m.group(2))
+        why = unsafe_name(name)
+        if why is not None:
+            problems.append(f"line {n} names {name!r}, which is not a plain file name in this directory "
+                            f"({why}); not opened")
+        elif name in sums:
+            problems.append(f"line {n} lists {name!r} a second time")
+        else:
+            sums[name] = m.group(1).decode()
+    return sums, problems

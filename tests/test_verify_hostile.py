@@ -1,0 +1,600 @@
+"""verify against hostile outputs: whatever an output's files say, verify answers with problem lines
+(exit 1) or one error line (exit 2), never a crash, never reads outside OUT, never follows a link or
+blocks on a FIFO, and never lets a count from a file decide how much memory or time it takes.
+
+Every case starts from a real output (convert / reshard of a torch.save checkpoint, by the CLI) and
+tampers with it; a "careful forger" case re-signs what it touched so only the check under test can
+catch it."""
+import hashlib
+import json
+import os
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckptconv.sha256sums import format_sums, parse_sums, unsafe_name
+from ckptconv.verify import total_bytes
+from tests.conftest import ROOT, run
+
+MEMORY_CAP = 1536 * 2**20
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """A small Llama-shaped torch.save checkpoint (GQA, so `ranges` appear), converted to several
+    shards and resharded for tp 2."""
+    d = tmp_path_factory.mktemp("hostile")
+    src = d / "src"
+    src.mkdir()
+    torch.manual_seed(0)
+    heads, kv, hd, vocab, inter = 4, 2, 4, 32, 24
+    dim = heads * hd
+    state = {"model.embed_tokens.weight": torch.randn(vocab, dim), "lm_head.weight": torch.randn(vocab, dim),
+             "model.norm.weight": torch.randn(dim)}
+    p = "model.layers.0."
+    state.update({p + "self_attn.q_proj.weight": torch.randn(heads * hd, dim),
+                  p + "self_attn.k_proj.weight": torch.randn(kv * hd, dim),
+                  p + "self_attn.v_proj.weight": torch.randn(kv * hd, dim),
+                  p + "self_attn.o_proj.weight": torch.randn(dim, heads * hd),
+                  p + "mlp.gate_proj.weight": torch.randn(inter, dim),
+                  p + "mlp.up_proj.weight": torch.randn(inter, dim),
+                  p + "mlp.down_proj.weight": torch.randn(dim, inter),
+                  p + "input_layernorm.weight": torch.randn(dim)})
+    torch.save(state, src / "pytorch_model.bin")
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": heads,
+                                                 "num_key_value_heads": kv, "head_dim": hd, "hidden_size": dim}))
+    r = run("convert", src, d / "conv", "--max-shard-size", "2KB", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    r = run("reshard", src, d / "tp2", "--tp", "2", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    assert len(list((d / "conv").glob("*.safetensors"))) > 2
+    return d
+
+
+@pytest.fixture
+def copy(outputs, tmp_path):
+    def make(name):
+        shutil.copytree(outputs / name, tmp_path / name, symlinks=True)
+        return tmp_path / name
+    return make
+
+
+def clean(text):
+    """No crash: the CLI's catch-all says "error: unexpected <Exception>"; no traceback either."""
+    assert "error: unexpected" not in text and "Traceback" not in text, text
+
+
+def verify(out, *args):
+    """(exit status, stdout lines, stderr) of an in-process `ckptconv verify`."""
+    r = run("verify", out, *args)
+    clean(r.stdout + r.stderr)
+    if r.exit_code == 2:
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("ckptconv: error: "), r.stderr
+    return r.exit_code, r.stdout.splitlines(), r.stderr
+
+
+def problem(lines, *parts):
+    """The one report line holding every part."""
+    hits = [line for line in lines if all(p in line for p in parts)]
+    assert hits, (parts, lines)
+    return hits[0]
+
+
+def sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def sign_top(out):
+    """Re-sign a reshard output's top level (as a careful forger would after editing mesh.json)."""
+    names = [p.name for p in out.iterdir() if p.is_file() and not p.is_symlink() and p.name != "SHA256SUMS"]
+    (out / "SHA256SUMS").write_bytes(format_sums({n: sha(out / n) for n in names}))
+
+
+class Whole:
+    """An edit's result that replaces the whole document (other results, e.g. of dict.pop, are ignored)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def edit_json(path, change):
+    obj = json.loads(path.read_text())
+    result = change(obj)
+    obj = result.value if isinstance(result, Whole) else obj
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def edit_mesh(out, change, sign=True):
+    edit_json(out / "mesh.json", change)
+    if sign:
+        sign_top(out)
+
+
+def sign_sums(out):
+    """Rewrite an output dir's SHA256SUMS over its regular files."""
+    names = [p.name for p in out.iterdir() if p.is_file() and not p.is_symlink() and p.name != "SHA256SUMS"]
+    (out / "SHA256SUMS").write_bytes(format_sums({n: sha(out / n) for n in names}))
+
+
+def resign_dir(out):
+    """Recompute an output dir's manifest file digests and SHA256SUMS after an edit."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    for f, info in manifest["files"].items():
+        info.update(sha256=sha(out / f), size=(out / f).stat().st_size)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    sign_sums(out)
+
+
+def shards(out):
+    return sorted(out.glob("model-*.safetensors"))
+
+
+AUDITED = """
+import os, sys
+log = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+def hook(event, args):
+    if event == "open" and args and isinstance(args[0], (str, bytes)):
+        os.write(log, os.fsencode(os.path.abspath(args[0])) + b"\\n")
+sys.addaudithook(hook)
+from ckptconv.cli import main
+main(sys.argv[2:], prog_name="ckptconv")
+"""
+
+
+def verify_subprocess(out, tmp_path, *args, timeout=120):
+    """`ckptconv verify` in a fresh process capped at 1.5 GB of address space, recording every file
+    Python opens (audit hook). Returns (exit status, stdout lines, stderr, opened paths)."""
+    log = tmp_path / "opened.log"
+    log.unlink(missing_ok=True)
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
+
+    r = subprocess.run([sys.executable, "-c", AUDITED, str(log), "verify", str(out), "--quiet", *map(str, args)],
+                       capture_output=True, text=True, timeout=timeout, cwd=ROOT, preexec_fn=cap)
+    clean(r.stdout + r.stderr)
+    opened = set(log.read_bytes().decode("utf-8", "surrogateescape").splitlines()) if log.exists() else set()
+    return r.returncode, r.stdout.splitlines(), r.stderr, opened
+
+
+# ------------------------------------------------------------------------------------------------
+# SHA256SUMS, the format
+
+
+def test_sha256sums_format_and_parser():
+    data = format_sums({"b.json": "1" * 64, "a.safetensors": "f" * 64})
+    assert data == f"{'f' * 64}  a.safetensors\n{'1' * 64}  b.json\n".encode()  # what writer.py writes
+    assert parse_sums(data) == ({"a.safetensors": "f" * 64, "b.json": "1" * 64}, [])
+    sums, problems = parse_sums(b"%s  ../x\n%s  /etc/passwd\n%s  ok\n%s  ok\nnot a line\n%s  a\x00b\n%s  tail"
+                                % ((b"0" * 64,) * 4 + (b"1" * 64,) * 2))
+    assert sums == {"ok": "0" * 64, "tail": "1" * 64}
+    assert len(problems) == 6 and "does not end with a newline" in problems[0]
+    for bad in ("../x", "/etc/passwd", "a/b", "..", ".", "", "a\nb", "a\x00b", 5, None):
+        assert unsafe_name(bad) is not None, bad
+    with pytest.raises(Exception, match="cannot be listed"):
+        format_sums({"../x": "0" * 64})
+
+
+# ------------------------------------------------------------------------------------------------
+# (a) the top level of a reshard output is covered by SHA256SUMS and accounted for
+
+
+def test_reshard_output_has_a_top_level_sha256sums(outputs):
+    out = outputs / "tp2"
+    assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "mesh.json", "rank-00000", "rank-00001"]
+    sums, problems = parse_sums((out / "SHA256SUMS").read_bytes())
+    assert not problems and sums == {"mesh.json": sha(out / "mesh.json")}
+    for d in (out, out / "rank-00000", out / "rank-00001"):
+        subprocess.run(["sha256sum", "--quiet", "--strict", "-c", "SHA256SUMS"], cwd=d, check=True)
+    code, lines, _ = verify(out)
+    assert code == 0 and lines[-1].endswith("OK: 2 shard files, 22 tensors, 14.16 KB hashed"), lines
+
+
+def test_emptied_mesh_and_overwritten_headers_are_caught(copy):
+    out = copy("tp2")
+    edit_mesh(out, lambda m: m.update(ranks=0, tensors={}), sign=False)
+    for shard in shards(out / "rank-00000"):
+        data = bytearray(shard.read_bytes())
+        data[8:24] = b"X" * 16
+        shard.write_bytes(bytes(data))
+    code, lines, _ = verify(out)
+    assert code == 1
+    problem(lines, "mesh.json: sha256 differs from SHA256SUMS")
+    problem(lines, "mesh.json", "'ranks' must be a whole number of at least 1, not 0")
+    problem(lines, "rank-00000/model-00001-of-00001.safetensors", "not valid JSON")
+    sign_top(out)  # a careful forger: ranks 0 is still refused, and the shards still fail
+    code, lines, _ = verify(out)
+    assert code == 1 and not any("SHA256SUMS" in line for line in lines)
+    problem(lines, "'ranks' must be a whole number")
+
+
+def test_top_level_sha256sums_is_required_and_checked(copy):
+    out = copy("tp2")
+    (out / "SHA256SUMS").unlink()
+    code, lines, _ = verify(out)
+    assert code == 1 and problem(lines, "SHA256SUMS: SHA256SUMS is missing")
+    (out / "SHA256SUMS").write_bytes(format_sums({}))
+    code, lines, _ = verify(out)
+    assert code == 1
+    problem(lines, "SHA256SUMS: does not list mesh.json")
+    problem(lines, "mesh.json: file is not listed in SHA256SUMS")
+    sign_top(out)
+    edit_mesh(out, lambda m: m["tensors"]["model.norm.weight"].update(rule="anything"), sign=False)
+    code, lines, _ = verify(out)
+    assert lines[:-1] == [f"{out / 'mesh.json'}: sha256 differs from SHA256SUMS"] and code == 1
+
+
+def test_tensor_dropped_from_or_added_to_mesh_json(copy):
+    out = copy("tp2")
+    edit_mesh(out, lambda m: m["tensors"].pop("model.norm.weight"))
+    code, lines, _ = verify(out)
+    assert code == 1
+    problem(lines, "mesh.json: tensor 'model.norm.weight' is on ranks [0, 1] but not in mesh.json")
+    edit_mesh(out, lambda m: m["tensors"].update({"model.ghost.weight": {
+        "shape": [4], "dtype": "F32", "axis": None, "rule": "replicate", "sha256": "0" * 64}}))
+    code, lines, _ = verify(out)
+    assert code == 1
+    problem(lines, "tensor 'model.ghost.weight' is in mesh.json but in no rank directory")
+
+
+def test_pieces_where_mesh_json_does_not_put_them(copy):
+    out = copy("tp2")  # k_proj: 2 kv heads over 2 ranks; say rank 1 holds nothing
+    name = "model.layers.0.self_attn.k_proj.weight"
+    edit_mesh(out, lambda m: m["tensors"][name].update(ranges=[[[0, 8]], []]))
+    code, lines, _ = verify(out)
+    assert code == 1
+    problem(lines, f"tensor {name!r} has pieces on ranks [0, 1], mesh.json puts them on ranks [0]")
+
+
+def test_rank_directories_must_be_exactly_those_of_mesh_json(copy, tmp_path):
+    out = copy("tp2")
+    shutil.copytree(out / "rank-00001", out / "rank-00002")
+    code, lines, _ = verify(out)
+    assert code == 1 and problem(lines, "mesh.json says 2 ranks", "holds 3 rank directories")
+    shutil.rmtree(out / "rank-00002")
+    shutil.rmtree(out / "rank-00001")
+    code, lines, _ = verify(out)
+    assert code == 1 and problem(lines, "mesh.json says 2 ranks", "holds 1 rank directories")
+    shutil.copytree(out / "rank-00000", out / "rank-00005")
+    code, lines, _ = verify(out)
+    assert code == 1
+    problem(lines, "rank-00005: rank directory beyond the 2 ranks of mesh.json")
+    problem(lines, "rank-00001: rank directory is missing")
+    # and the reader that convert/reshard use refuses it too, with one line
+    r = run("convert", out, tmp_path / "again", "--quiet")
+    assert r.exit_code == 2 and "rank directories are not rank-00000 to rank-00001" in r.stderr
+    clean(r.stderr)
+
+
+def test_nothing_unaccounted_at_the_top_of_a_reshard_output(copy, tmp_path):
+    out = copy("tp2")
+    (out / "notes.txt").write_text("hi\n")
+    (out / "extra").mkdir()
+    (out / "rank-0001").mkdir()  # not the rank-XXXXX spelling
+    os.symlink(out / "rank-00001", out / "rank-00003")
+    os.symlink(tmp_path, out / "elsewhere")
+    code, lines, _ = verify(out)
+    assert code == 1
+    problem(lines, "notes.txt: file is not listed in SHA256SUMS")
+    problem(lines, "extra: is a directory")
+    problem(lines, "rank-0001: is a directory")
+    problem(lines, "rank-00003: is a symbolic link", "not followed")
+    problem(lines, "elsewhere: is a symbolic link")
+    sign_top(out)  # notes.txt listed now: fine; the rest is still not allowed
+    code, lines, _ = verify(out)
+    assert code == 1 and not any("notes.txt" in line for line in lines)
+    problem(lines, "extra: is a directory")
+
+
+# ------------------------------------------------------------------------------------------------
+# (b) names in metadata never lead outside OUT; only regular files are opened
+
+
+def test_sha256sums_lines_pointing_outside_are_problems_and_never_opened(copy, tmp_path):
+    out = copy("conv")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the password\n")
+    with open(out / "SHA256SUMS", "a") as f:
+        f.write(f"{sha(secret)}  ../secret.txt\n{sha(secret)}  {secret}\n")
+    code, lines, _, opened = verify_subprocess(out, tmp_path)
+    assert code == 1
+    problem(lines, "SHA256SUMS: line", "'../secret.txt'", "not a plain file name", "not opened")
+    problem(lines, "SHA256SUMS: line", repr(str(secret)), "an absolute path")
+    assert str(secret) not in opened and any(p.endswith("SHA256SUMS") for p in opened)
+
+
+def test_index_and_manifest_paths_pointing_outside_are_never_opened(copy, tmp_path):
+    out = copy("conv")
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(shards(out)[0], outside)
+    name = next(iter(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]))
+    edit_json(out / "model.safetensors.index.json", lambda i: i["weight_map"].update({name: str(outside)}))
+
+    def manifest(m):
+        m["files"]["../outside.safetensors"] = {"sha256": sha(outside), "size": outside.stat().st_size}
+        m["tensors"][name]["file"] = "../outside.safetensors"
+    edit_json(out / "manifest.json", manifest)
+    resign_dir(out)
+    code, lines, _, opened = verify_subprocess(out, tmp_path)
+    assert code == 1
+    problem(lines, "model.safetensors.index.json", f"tensor {name!r} is listed in", "an absolute path", "not opened")
+    problem(lines, "manifest.json: files lists '../outside.safetensors'", "not opened")
+    problem(lines, f"manifest.json: tensor {name!r}: file '../outside.safetensors' is not a plain file name")
+    assert str(outside) not in opened
+
+
+def test_proc_pagemap_in_sha256sums_does_not_hang(copy, tmp_path):
+    out = copy("conv")
+    with open(out / "SHA256SUMS", "a") as f:
+        f.write(f"{'0' * 64}  /proc/self/pagemap\n")
+    code, lines, _, opened = verify_subprocess(out, tmp_path, timeout=60)
+    assert code == 1 and problem(lines, "'/proc/self/pagemap'", "an absolute path", "not opened")
+    assert "/proc/self/pagemap" not in opened
+
+
+def test_symlinks_fifos_and_devices_are_not_followed_or_opened(copy, tmp_path):
+    out = copy("conv")
+    shard = shards(out)[1]
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(shard, outside)
+    os.symlink(outside, shard)  # byte for byte what was there, but a link
+    os.remove(out / "config.json")
+    os.mkfifo(out / "config.json")  # a FIFO would block a reader forever
+    os.symlink("/dev/zero", out / "zeros.safetensors")
+    code, lines, _, opened = verify_subprocess(out, tmp_path, timeout=60)
+    assert code == 1
+    problem(lines, f"{shard}: is a symbolic link", "not followed")
+    problem(lines, "config.json: is a FIFO")
+    problem(lines, "zeros.safetensors: is a symbolic link")
+    assert not {str(outside), str(shard), str(out / "config.json"), "/dev/zero"} & opened
+    # a symlinked mesh.json is refused by the reader without being read
+    top = copy("tp2")
+    (top / "mesh.json").rename(tmp_path / "mesh.json")
+    os.symlink(tmp_path / "mesh.json", top / "mesh.json")
+    code, lines, _ = verify(top)
+    assert code == 1 and problem(lines, "mesh.json: is a symbolic link")
+    r = run("convert", top, tmp_path / "c", "--quiet")
+    assert r.exit_code == 2 and "symbolic link" in r.stderr
+    clean(r.stderr)
+
+
+def test_problem_lines_stay_one_line(copy):
+    out = copy("conv")
+    (out / "evil\nOK: 0 shard files").write_text("x")
+    code, lines, _ = verify(out)
+    assert code == 1
+    problem(lines, "evil\\nOK: 0 shard files: file is not listed")
+    assert not any(line.startswith("OK") for line in lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# (c) every entry of a plain output is accounted for
+
+
+def test_plain_output_subdirectory_and_unlisted_files(copy):
+    out = copy("conv")
+    (out / "sub").mkdir()
+    shutil.copy(shards(out)[0], out / "sub" / "model-00001-of-00001.safetensors")
+    shutil.copy(shards(out)[0], out / "stray.safetensors")
+    code, lines, _ = verify(out)
+    assert code == 1
+    problem(lines, f"{out / 'sub'}: is a directory")
+    problem(lines, "stray.safetensors: file is not listed in SHA256SUMS or the manifest")
+    assert not any("sub/model" in line for line in lines)  # reported, not walked
+
+
+def test_manifest_and_sha256sums_must_list_the_same_files(copy):
+    out = copy("conv")
+    sums, _ = parse_sums((out / "SHA256SUMS").read_bytes())
+    sums.pop("config.json")
+    (out / "SHA256SUMS").write_bytes(format_sums(sums))
+    code, lines, _ = verify(out)
+    assert code == 1 and problem(lines, "config.json: listed in manifest.json but not in SHA256SUMS")
+
+
+# ------------------------------------------------------------------------------------------------
+# (d) counts in metadata are bounded by what is on disk
+
+
+def test_a_hundred_million_ranks_is_one_line_in_bounded_memory(copy, tmp_path):
+    out = copy("tp2")
+    edit_mesh(out, lambda m: m.update(ranks=10**8, tp=10**8))
+    code, lines, _, _ = verify_subprocess(out, tmp_path, timeout=120)
+    assert code == 1
+    assert lines[:-1] == [f"{out / 'mesh.json'}: mesh.json says 100000000 ranks, {out} holds 2 rank directories"]
+    r = subprocess.run([sys.executable, "-m", "ckptconv.cli", "convert", out, tmp_path / "c", "--quiet"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP)))
+    assert r.returncode == 2 and "mesh.json says 100000000 ranks" in r.stderr
+    clean(r.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# (e) types are checked before use: a problem line (verify) or one error line (readers), never a crash
+
+def _tensor(m, name="model.layers.0.self_attn.k_proj.weight"):
+    return m["tensors"][name]
+
+
+MESH_EDITS = {
+    "ranks a string": lambda m: m.update(ranks="2"),
+    "ranks a bool": lambda m: m.update(ranks=True),
+    "tp a float": lambda m: m.update(tp=2.0),
+    "tp x ep wrong": lambda m: m.update(ep=2),
+    "tensors a list": lambda m: m.update(tensors=[]),
+    "entry a string": lambda m: m["tensors"].update({"model.norm.weight": "F32"}),
+    "no shape": lambda m: _tensor(m).pop("shape"),
+    "shape of strings": lambda m: _tensor(m).update(shape=["8", "16"]),
+    "no dtype": lambda m: _tensor(m).pop("dtype"),
+    "dtype a list": lambda m: _tensor(m).update(dtype=["F32"]),
+    "unknown dtype": lambda m: _tensor(m).update(dtype="F128"),
+    "no axis": lambda m: _tensor(m).pop("axis"),
+    "axis out of range": lambda m: _tensor(m).update(axis=5),
+    "axis negative": lambda m: _tensor(m).update(axis=-1),
+    "axis a string": lambda m: _tensor(m).update(axis="0"),
+    "sha256 an int": lambda m: _tensor(m).update(sha256=5),
+    "ranges a dict": lambda m: _tensor(m).update(ranges={}),
+    "ranges too short": lambda m: _tensor(m).update(ranges=[[[0, 8]]]),
+    "ranges reversed": lambda m: _tensor(m).update(ranges=[[[4, 0]], [[4, 8]]]),
+    "ranges past the end": lambda m: _tensor(m).update(ranges=[[[0, 4]], [[4, 10**20]]]),
+    "ranges of strings": lambda m: _tensor(m).update(ranges=[["0-4"], ["4-8"]]),
+    "ranges a triple": lambda m: _tensor(m).update(ranges=[[[0, 4, 1]], [[4, 8]]]),
+    "uneven split without ranges": lambda m: _tensor(m, "model.layers.0.mlp.gate_proj.weight").update(
+        shape=[13, 16]),
+    "padded_shape on a replicated tensor": lambda m: _tensor(m, "model.norm.weight").update(padded_shape=[16]),
+    "padded_shape smaller": lambda m: _tensor(m, "lm_head.weight").update(padded_shape=[2, 16]),
+    "rules missing": lambda m: m.pop("rules"),
+    "rules a list": lambda m: m.update(rules=[]),
+    "rule not an object": lambda m: m["rules"]["rules"].insert(0, "x"),
+    "rule pattern an int": lambda m: m["rules"]["rules"].insert(0, {"pattern": 5, "kind": "row"}),
+    "rule bad regex": lambda m: m["rules"]["rules"].insert(0, {"pattern": "(", "kind": "row"}),
+    "rule unknown kind": lambda m: m["rules"]["rules"].insert(0, {"pattern": "x", "kind": "diagonal"}),
+    "not an object": lambda m: Whole([m]),
+    "format wrong": lambda m: m.update(format="ckptconv.mesh/2"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(MESH_EDITS))
+def test_hostile_mesh_json(copy, tmp_path, edit):
+    out = copy("tp2")
+    edit_mesh(out, MESH_EDITS[edit])  # signed: only the validation can catch it
+    code, lines, _ = verify(out)
+    assert code == 1 and any(f"{out / 'mesh.json'}: " in line for line in lines), lines
+    for job in (("convert", out, tmp_path / "c"), ("reshard", out, tmp_path / "r", "--tp", "1")):
+        r = run(*job, "--quiet")
+        assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "mesh.json" in r.stderr, (job, r.stderr)
+        clean(r.stderr)
+
+
+def _first(d):
+    return next(iter(d))
+
+
+DIR_EDITS = {  # (file, edit) on a plain output, or on a rank directory of a reshard output
+    "weight_map value a list": ("model.safetensors.index.json",
+                                lambda i: i["weight_map"].update({_first(i["weight_map"]): ["x"]})),
+    "weight_map value null": ("model.safetensors.index.json",
+                              lambda i: i["weight_map"].update({_first(i["weight_map"]): None})),
+    "weight_map a list": ("model.safetensors.index.json", lambda i: i.update(weight_map=[])),
+    "index a list": ("model.safetensors.index.json", lambda i: Whole([i])),
+    "files entry an int": ("manifest.json", lambda m: m["files"].update({_first(m["files"]): 5})),
+    "files entry without size": ("manifest.json", lambda m: m["files"][_first(m["files"])].pop("size")),
+    "files a list": ("manifest.json", lambda m: m.update(files=[])),
+    "tensors entry without fields": ("manifest.json", lambda m: m["tensors"].update({_first(m["tensors"]): {}})),
+    "tensors entry shape of strings": ("manifest.json",
+                                       lambda m: m["tensors"][_first(m["tensors"])].update(shape=["1"])),
+    "tensors entry dtype a list": ("manifest.json",
+                                   lambda m: m["tensors"][_first(m["tensors"])].update(dtype=["F32"])),
+    "tensors a string": ("manifest.json", lambda m: m.update(tensors="all of them")),
+    "manifest a number": ("manifest.json", lambda m: Whole(5)),
+    "source a list": ("manifest.json", lambda m: m.update(source=[])),
+}
+
+
+@pytest.mark.parametrize("where", ["conv", "tp2"])
+@pytest.mark.parametrize("edit", sorted(DIR_EDITS))
+def test_hostile_index_and_manifest(outputs, copy, edit, where):
+    out = copy(where)
+    d = out / "rank-00000" if where == "tp2" else out
+    name, change = DIR_EDITS[edit]
+    edit_json(d / name, change)
+    resign_dir(d) if name == "model.safetensors.index.json" else sign_sums(d)  # signed: only validation catches it
+    code, lines, _ = verify(out)
+    if edit == "source a list":  # informational, and --against does not trip over it
+        code, lines, _ = verify(out, "--against", outputs / "src")
+        assert code == 0, lines
+        return
+    assert code == 1 and any(str(d / name) in line for line in lines), lines
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe garbage", b"[" * 100000 + b"]" * 100000, b"", b"{}"])
+def test_unreadable_metadata_files(copy, content):
+    out = copy("conv")
+    for name in ("model.safetensors.index.json", "manifest.json", "SHA256SUMS"):
+        (out / name).write_bytes(content)
+    code, lines, _ = verify(out)
+    assert code == 1 and lines
+
+
+# ------------------------------------------------------------------------------------------------
+# (f) the safetensors library must see what we see
+
+
+def rewrite_header(path, change):
+    """Apply `change` to a shard's header JSON and write it back (same data, header re-padded)."""
+    raw = path.read_bytes()
+    n = struct.unpack_from("<Q", raw)[0]
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def test_output_the_safetensors_library_cannot_load(copy):
+    """A tensor name holding a lone UTF-16 surrogate (`\\ud800` in the JSON): Python's JSON parser,
+    and so ours, takes it, and everything re-signed agrees, but the safetensors library (serde)
+    refuses the header, so no consumer can load the file."""
+    out = copy("conv")
+    old = "model.norm.weight"
+    new = old + "\ud800"
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = out / index[old]
+
+    def rename(d):
+        d[new] = d.pop(old)
+    rewrite_header(shard, rename)
+    edit_json(out / "model.safetensors.index.json", lambda i: rename(i["weight_map"]))
+    edit_json(out / "manifest.json", lambda m: rename(m["tensors"]))
+    resign_dir(out)
+    code, lines, _ = verify(out)
+    assert code == 1 and len(lines) == 2, lines
+    assert lines[0].startswith(f"{shard}: the safetensors library cannot open it: ") and "JSON" in lines[0]
+
+
+def test_library_view_matches_on_good_outputs(outputs):
+    code, lines, _ = verify(outputs / "conv")
+    assert code == 0, lines
+
+
+# ------------------------------------------------------------------------------------------------
+# (g) no walk follows a symlink
+
+
+def test_total_bytes_does_not_follow_symlinks(copy, tmp_path):
+    out = copy("tp2")
+    want = sum(p.stat().st_size for p in out.rglob("*.safetensors"))
+    big = tmp_path / "big.safetensors"
+    with open(big, "wb") as f:
+        f.truncate(10**12)  # sparse: a terabyte the progress bar must not count
+    os.symlink(big, out / "big.safetensors")
+    os.symlink(big, out / "rank-00000" / "big.safetensors")
+    os.symlink(out, out / "rank-00001" / "loop")
+    os.symlink(out, out / "loop")
+    assert total_bytes(out) == want
+    code, lines, _ = verify(out)
+    assert code == 1 and problem(lines, "big.safetensors: is a symbolic link")
+
+
+# ------------------------------------------------------------------------------------------------
+# the multi-process verify shares out only what is on disk and valid
+
+
+def test_hostile_outputs_on_two_processes(copy):
+    from tests.test_distributed import launch, wait_all
+    mesh = copy("tp2")
+    edit_mesh(mesh, lambda m: m.update(ranks=10**8, tp=10**8))
+    plain = copy("conv")
+    edit_json(plain / "model.safetensors.index.json", lambda i: i["weight_map"].update(
+        {_first(i["weight_map"]): ["x"], "zz": "/etc/passwd"}))
+    for out, want in ((mesh, "mesh.json says 100000000 ranks"), (plain, "'zz' is listed in '/etc/passwd'")):
+        results = wait_all(launch(["verify", out, "--quiet"]))
+        assert [rc for rc, _, _ in results] == [1, 1], results
+        for _, stdout, stderr in results:
+            clean(stdout + stderr)
+        problem(results[0][1].splitlines(), want)
