@@ -137,14 +137,14 @@ def finish(cluster: Cluster, ok: bool, message: str = ""):
         raise OutputError(f"the run failed: {outcome['message']}")
 
 
-def on_cluster(cluster, out, overwrite, publish, work):
+def on_cluster(cluster, out, overwrite, publish, work, inputs=()):
     """Process 0: lock, make the shared temporary directory, let the others start, run `publish(tmp)`
     (its own work and the merge), publish, announce. Others: wait for the start, `work()`, wait for
     the outcome. Any failure anywhere means nothing is published and every process exits non-zero."""
     if cluster.is_main:
         started = False
         try:
-            with atomic_output(out, overwrite) as tmp:
+            with atomic_output(out, overwrite, inputs=inputs) as tmp:
                 cluster.put("ready", {"ok": True})
                 started = True
                 publish(tmp)

@@ -10,7 +10,7 @@ from .hashing import Pipeline
 from .output import atomic_output, temp_path
 from .progress import byte_progress
 from .readers import ReadOptions, open_checkpoint, readers
-from .writer import Written, copy_files, finish, plan_shards, write_output, write_shards
+from .writer import Written, copy_files, finish, plan_shards, source_id, write_output, write_shards
 
 
 @dataclass
@@ -48,21 +48,31 @@ def convert(src, out, opts: ConvertOptions, cluster=None) -> dict:
         source["cast"] = target.code
     if opts.strip_prefix:
         source["strip_prefix"] = opts.strip_prefix
+    if ckpt.skipped_files and opts.copy_extras:
+        source["skipped_files"] = ckpt.skipped_files
     total = sum(t.nbytes for t in tensors)
     if cluster is not None:
-        return _convert_on_cluster(ckpt, tensors, source, out, opts, cluster, started)
-    with atomic_output(out, opts.overwrite, opts.resume) as tmp, byte_progress(total, "convert", opts.quiet) as progress:
-        manifest, reused = write_output(tmp, tensors, source, ckpt.extras,
-                                        ckpt.model_files if opts.copy_extras else (), opts.max_shard_size, progress,
-                                        ckpt.manifest, opts.fsync, resume=opts.resume, direct=opts.direct)
+        return _convert_on_cluster(ckpt, tensors, source, src, out, opts, cluster, started)
+    carried = ckpt.model_files if opts.copy_extras else ()
+    job = source_id(ckpt.inputs(src), [source, ckpt.extras, ckpt.manifest, [rel for rel, _ in carried]])
+    with atomic_output(out, opts.overwrite, opts.resume, ckpt.inputs(src)) as tmp, \
+            byte_progress(total, "convert", opts.quiet) as progress:
+        manifest, reused, note = write_output(tmp, tensors, source, ckpt.extras, carried, opts.max_shard_size,
+                                              progress, ckpt.manifest, opts.fsync, job=job, resume=opts.resume,
+                                              direct=opts.direct)
         ckpt.check_unchanged()
     seconds = time.perf_counter() - started
-    return {"out": str(out), "format": ckpt.source["format"], "tensors": len(tensors), "bytes": total,
-            "files": sorted(manifest["files"]), "seconds": round(seconds, 3), "resumed_bytes": reused,
-            "gb_per_s": round(total / seconds / 1e9, 3) if seconds else None}
+    summary = {"out": str(out), "format": ckpt.source["format"], "tensors": len(tensors), "bytes": total,
+               "files": sorted(manifest["files"]), "seconds": round(seconds, 3), "resumed_bytes": reused,
+               "gb_per_s": round(total / seconds / 1e9, 3) if seconds else None}
+    if note:
+        summary["resume_note"] = note
+    if "skipped_files" in source:
+        summary["skipped_files"] = source["skipped_files"]
+    return summary
 
 
-def _convert_on_cluster(ckpt, tensors, source, out, opts, cluster, started) -> dict:
+def _convert_on_cluster(ckpt, tensors, source, src, out, opts, cluster, started) -> dict:
     """This process writes the shards `assign` gives it; process 0 merges the digests and publishes.
     The plan, and so the output, is the same as a single-process run's, byte for byte."""
     shards = plan_shards(tensors, opts.max_shard_size)
@@ -72,8 +82,7 @@ def _convert_on_cluster(ckpt, tensors, source, out, opts, cluster, started) -> d
     def write_mine():
         pipeline = Pipeline()
         try:
-            written = write_shards(temp_path(Path(out)), mine, pipeline, fsync=opts.fsync, journal=False,
-                                   direct=opts.direct)
+            written = write_shards(temp_path(Path(out)), mine, pipeline, fsync=opts.fsync, direct=opts.direct)
         finally:
             pipeline.close()
         ckpt.check_unchanged()
@@ -89,7 +98,8 @@ def _convert_on_cluster(ckpt, tensors, source, out, opts, cluster, started) -> d
         copy_files(tmp, ckpt.model_files if opts.copy_extras else (), written)
         finish(tmp, shards, written, source, ckpt.extras, ckpt.manifest)
 
-    on_cluster(cluster, out, opts.overwrite, publish, lambda: run_guarded(cluster, "shards", write_mine))
+    on_cluster(cluster, out, opts.overwrite, publish, lambda: run_guarded(cluster, "shards", write_mine),
+               ckpt.inputs(src))
     seconds = time.perf_counter() - started
     mine_bytes = sum(s.size for s in mine)
     return {"out": str(out), "format": ckpt.source["format"], "tensors": len(tensors),

@@ -1,8 +1,10 @@
 """Atomic output directories: build beside OUT, publish by rename, and never leave half an OUT.
 
 `OUT` is built in `.OUT.ckptconv-tmp` next to it, guarded by `.OUT.ckptconv-lock` (pid and host).
-On success the temporary directory is renamed to OUT; on any failure it is removed. A lock whose
-process is gone (a killed run) is recognised and its leftovers are cleaned up by the next run.
+On success the temporary directory is renamed to OUT; on any failure or terminating signal it is
+removed. A lock whose process is gone (a killed run) is recognised and its leftovers are cleaned up
+by the next run. What may be replaced is narrow: OUT may not be, or hold, any input; an existing
+OUT must be empty, or a previous ckptconv output when `--overwrite` is given.
 """
 import contextlib
 import json
@@ -13,6 +15,9 @@ import time
 from pathlib import Path
 
 from .errors import OutputError
+from .signals import deferred
+
+MARKERS = ("manifest.json", "mesh.json")  # a directory holding one of these is a ckptconv output
 
 
 def temp_path(out: Path) -> Path:
@@ -23,6 +28,10 @@ def lock_path(out: Path) -> Path:
     return out.parent / f".{out.name}.ckptconv-lock"
 
 
+def _old_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.ckptconv-old"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -31,6 +40,36 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def check_target(out: Path, inputs=(), overwrite=False):
+    """Refuse an OUT that a run must not replace: a symbolic link, one that is or holds an input, an
+    existing file, a non-empty directory without --overwrite, or with it, one that is not a ckptconv
+    output (its manifest.json or mesh.json)."""
+    if out.is_symlink():
+        raise OutputError(f"{out}: is a symbolic link (to {os.readlink(out)}); give the path it points to")
+    real = os.path.realpath(out)
+    for p in inputs:
+        if _inside(os.path.realpath(p), real):
+            what = "is" if os.path.realpath(p) == real else "holds"
+            raise OutputError(f"{out}: {what} the input {p}; write the output somewhere else")
+    if not out.parent.is_dir():
+        raise OutputError(f"{out.parent}: output's parent directory does not exist")
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a directory; remove it or choose another OUT")
+    if not any(os.scandir(out)):
+        return  # an empty directory (`mkdir out` first): replaced by the output
+    if not overwrite:
+        raise OutputError(f"{out}: already exists (use --overwrite to replace a previous ckptconv output)")
+    if not any((out / m).is_file() and not (out / m).is_symlink() for m in MARKERS):
+        raise OutputError(f"{out}: is not a ckptconv output (no {' or '.join(MARKERS)}); --overwrite replaces only "
+                          "those: remove it yourself if it should go")
 
 
 def _take_lock(out: Path) -> Path:
@@ -44,52 +83,72 @@ def _take_lock(out: Path) -> Path:
                 holder = json.loads(lock.read_text() or "{}")
             except (OSError, ValueError):
                 holder = {}
+            holder = holder if isinstance(holder, dict) else {}
             pid, host = holder.get("pid"), holder.get("host")
             if isinstance(pid, int) and host == me["host"] and not _alive(pid):
                 lock.unlink(missing_ok=True)  # a killed run's lock: take it over
                 continue
             if not holder:
                 raise OutputError(f"{out}: another run is starting to write it (lock {lock}); "
-                                  "delete the lock if no run is active")
+                                  "delete the lock if no run is active") from None
             raise OutputError(f"{out}: another ckptconv run (pid {pid} on {host}) is writing it; "
-                              f"if it is gone, delete {lock}")
+                              f"if it is gone, delete {lock}") from None
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
         return lock
     raise OutputError(f"{out}: could not take the lock {lock}")
 
 
-@contextlib.contextmanager
-def atomic_output(out, overwrite=False, resume=False):
-    """Yield a temporary directory; publish it as `out` if the block succeeds, remove it otherwise.
-    With `resume`, what a killed run left there is handed back for the writer to re-verify."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise OutputError(f"{out}: already exists (use --overwrite to replace it)")
-    if not out.parent.is_dir():
-        raise OutputError(f"{out.parent}: output's parent directory does not exist")
-    lock = _take_lock(out)
-    tmp = temp_path(out)
-    try:
-        if tmp.exists() and not resume:
-            shutil.rmtree(tmp)  # left by a killed run
-        tmp.mkdir(exist_ok=resume)
-        yield tmp
-        _fsync_dir(tmp)
-        if out.exists():
-            old = out.parent / f".{out.name}.ckptconv-old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out, old)
-            os.rename(tmp, out)
+def _recover(out: Path):
+    """A run killed while publishing left the previous OUT at `.OUT.ckptconv-old`: put it back."""
+    old = _old_path(out)
+    if os.path.lexists(old):
+        if os.path.lexists(out):
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.rename(tmp, out)
-        _fsync_dir(out.parent)
+            os.rename(old, out)
+
+
+@contextlib.contextmanager
+def atomic_output(out, overwrite=False, resume=False, inputs=()):
+    """Yield a temporary directory; publish it as `out` if the block succeeds, remove it otherwise.
+    With `resume`, what a killed run left there is handed back for the writer to re-verify.
+    `inputs` are the files the run reads: OUT may not be or hold any of them."""
+    out = Path(os.path.abspath(out))
+    check_target(out, inputs, overwrite)
+    tmp = temp_path(out)
+    with deferred():
+        lock = _take_lock(out)
+    try:
+        with deferred():
+            _recover(out)
+            check_target(out, inputs, overwrite)  # again, now that we hold the lock
+            if tmp.exists() and not resume:
+                shutil.rmtree(tmp)  # left by a killed run
+            tmp.mkdir(exist_ok=resume)
+        yield tmp
+        with deferred():
+            _fsync_dir(tmp)
+            _publish(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with deferred():
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        lock.unlink(missing_ok=True)
+        with deferred():
+            lock.unlink(missing_ok=True)
+
+
+def _publish(tmp: Path, out: Path):
+    if os.path.lexists(out) and any(os.scandir(out)):  # a previous output (check_target allowed it)
+        old = _old_path(out)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)  # replaces an empty directory
+    _fsync_dir(out.parent)
 
 
 def _fsync_dir(path: Path):

@@ -5,11 +5,11 @@ list of rules; the first whose pattern fully matches a name wins, and unmatched 
 replicated. Presets (llama, gpt2, gpt-neox, grok-1) are rule sets too, built from a model's config;
 `--rules FILE` reads the same thing from TOML. `split()` turns a rule into per-rank intervals.
 """
-import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import safejson
 from .errors import UsageError
 
 try:
@@ -212,8 +212,6 @@ def choose(names, config: dict | None, preset: str | None, rules_file, heads_ove
 def read_config(model_files) -> dict | None:
     for rel, path in model_files:
         if rel == "config.json":
-            try:
-                return json.loads(Path(path).read_text())
-            except (OSError, ValueError):
-                return None
+            config = safejson.load_file(path, "config.json", limit=64 << 20)
+            return config if isinstance(config, dict) else None
     return None

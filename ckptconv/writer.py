@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from dataclasses import dataclass, field
 
 from . import sha256
@@ -19,6 +20,7 @@ from .errors import BadInput, OutputError
 from .hashing import CHUNK, Pipeline, sha256_file, write_all
 from .outfile import OutFile
 from .safetensors_format import build_header
+from .sha256sums import write_sums
 from .tensor import as_bytes, iter_blocks
 
 MANIFEST_FORMAT = "ckptconv.manifest/1"
@@ -73,34 +75,55 @@ def _plan_id(shards) -> str:
     return h.hexdigest()
 
 
-def _journal_write(out_dir, plan_id, written: Written):
+def source_id(paths, description) -> str:
+    """Identifies what a run reads, for --resume: for every input file its device, inode, size,
+    modification and change times (any write to a file, or another file put in its place, changes
+    them; the change time cannot be set back), and the digest of what the reader made of them
+    (`description`: the source, extras and other facts that go into the manifest)."""
+    h = hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode())
+    for p in sorted({os.path.realpath(p) for p in paths}):
+        st = os.stat(p)
+        h.update(f"{p}\0{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _journal_write(out_dir, job, written: Written):
     """Record finished shards (atomically) so a killed run can be resumed."""
     tmp = os.path.join(out_dir, JOURNAL + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"plan": plan_id, "files": written.files, "tensors": written.tensors}, f)
+        json.dump({**job, "files": written.files, "tensors": written.tensors}, f)
     os.replace(tmp, os.path.join(out_dir, JOURNAL))
 
 
-def reusable(out_dir, shards, progress=None) -> Written:
-    """Shards a killed run finished, re-hashed and checked against its journal; the rest is redone."""
+def reusable(out_dir, shards, source: str, progress=None):
+    """Shards a killed run of the same job finished, re-hashed and checked against its journal; the
+    rest is redone. Returns (Written, why nothing or not everything could be reused, or None)."""
     try:
         with open(os.path.join(out_dir, JOURNAL)) as f:
             journal = json.load(f)
-    except (OSError, ValueError):
-        return Written()
+        files, tensors = journal["files"], journal["tensors"]
+        if not isinstance(files, dict) or not isinstance(tensors, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        return Written(), "no interrupted run of this output to resume; started afresh"
     done = Written()
+    if journal.get("source") != source:
+        return done, "the interrupted run read a different or changed source; started over"
     if journal.get("plan") != _plan_id(shards):
-        return done  # different input or options: nothing can be trusted
+        return done, "the interrupted run wrote other tensors or used other options; started over"
+    redone = 0
     for shard in shards:
-        info = journal["files"].get(shard.name)
+        info = files.get(shard.name)
         path = os.path.join(out_dir, shard.name)
-        if info is None or not os.path.isfile(path) or os.path.getsize(path) != info["size"]:
+        if not isinstance(info, dict) or not os.path.isfile(path) or os.path.getsize(path) != info.get("size"):
             continue
-        if sha256_file(path, progress=progress) != info["sha256"]:
+        if sha256_file(path, progress=progress) != info.get("sha256") or not all(
+                isinstance(tensors.get(t.name), dict) for t in shard.tensors):
+            redone += 1
             continue
         done.files[shard.name] = info
-        done.tensors.update({t.name: journal["tensors"][t.name] for t in shard.tensors})
-    return done
+        done.tensors.update({t.name: tensors[t.name] for t in shard.tensors})
+    return done, (f"{redone} finished shard(s) failed their re-check and were rewritten" if redone else None)
 
 
 class OutputStream:
@@ -158,12 +181,13 @@ class OutputStream:
 
 
 def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False, taps=None,
-                 reuse: Written = None, journal=True, direct=True) -> Written:
-    plan_id = _plan_id(shards)
+                 reuse: Written = None, source=None, direct=True) -> Written:
+    """Write `shards` into `out_dir`; with `source` (a `source_id`), keep a journal for --resume."""
+    job = {"plan": _plan_id(shards), "source": source}
     reuse = reuse or Written()
     taps = taps or {}
     stream = OutputStream(out_dir, shards, pipeline, fsync,
-                          (lambda written: _journal_write(out_dir, plan_id, written)) if journal else None, direct)
+                          (lambda written: _journal_write(out_dir, job, written)) if source else None, direct)
     try:
         for shard in shards:
             if shard.name in reuse.files:
@@ -208,15 +232,34 @@ def write_tensor(f, file_h, t, pipeline, progress, tap):
 
 
 def copy_files(out_dir, files, written: Written):
-    """Carry model files (config.json, tokenizer...) into OUT unchanged, hashed for the manifest."""
+    """Carry model files (config.json, tokenizer...) into OUT unchanged, hashed for the manifest. The
+    paths were resolved and checked by `readers.carried`; they are opened without following a link
+    (one swapped in since is refused), a copy never gets wider permissions than its source, and a file
+    that changes while it is copied stops the run."""
     for rel, src in files:
         dst = os.path.join(out_dir, rel)
         h = hashlib.sha256()
-        with open(src, "rb") as fi, open(dst, "wb") as fo:
-            while chunk := fi.read(CHUNK):
-                h.update(chunk)
-                write_all(fo, chunk)
-        written.files[rel] = {"sha256": h.hexdigest(), "size": os.path.getsize(dst)}
+        try:
+            fi = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise BadInput(f"{src}: cannot read: {e.strerror}") from None
+        try:
+            before = os.fstat(fi)
+            if not stat.S_ISREG(before.st_mode):
+                raise BadInput(f"{src}: is no longer a regular file")
+            with open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, before.st_mode & 0o666),
+                      "wb") as fo:
+                left = before.st_size
+                while left > 0 and (chunk := os.read(fi, min(CHUNK, left))):
+                    h.update(chunk)
+                    write_all(fo, chunk)
+                    left -= len(chunk)
+            after = os.fstat(fi)
+        finally:
+            os.close(fi)
+        if left or (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            raise BadInput(f"{src}: changed while it was being read; nothing was written")
+        written.files[rel] = {"sha256": h.hexdigest(), "size": before.st_size}
 
 
 def write_json(out_dir, name, obj, written: Written = None) -> bytes:
@@ -238,32 +281,36 @@ def finish(out_dir, shards, written: Written, source: dict, extras: dict, extra_
                 "tensors": written.tensors, "extras": extras}
     manifest.update(extra_manifest or {})
     data = write_json(out_dir, "manifest.json", manifest)
-    sums = dict(written.files)
-    sums["manifest.json"] = {"sha256": hashlib.sha256(data).hexdigest()}
-    lines = "".join(f"{v['sha256']}  {k}\n" for k, v in sorted(sums.items()))
-    with open(os.path.join(out_dir, "SHA256SUMS"), "w") as f:
-        f.write(lines)
+    sums = {name: info["sha256"] for name, info in written.files.items()}
+    sums["manifest.json"] = hashlib.sha256(data).hexdigest()
+    write_sums(out_dir, sums)
     return manifest
 
 
-def write_output(out_dir, tensors, source, extras, model_files=(), max_shard_size=5 * 10**9,
-                 progress=None, extra_manifest=None, fsync=False, taps=None, resume=False, direct=True):
-    """Write a complete output directory (shards, index, manifest, SHA256SUMS) into `out_dir`;
-    returns (manifest, bytes reused from a killed run).
-
-    `taps` maps tensor names to extra hashes fed with those tensors' bytes as they are written.
-    With `resume`, shards a killed run finished in `out_dir` are re-verified and kept."""
-    shards = plan_shards(tensors, max_shard_size)
-    reuse = reusable(out_dir, shards) if resume else Written()
-    needed = sum(s.size for s in shards if s.name not in reuse.files)
+def check_space(out_dir, shard_bytes: int, model_files=(), copies: int = 1):
+    """Refuse to start when the shards and `copies` of the carried model files cannot fit."""
+    needed = shard_bytes + copies * sum(os.path.getsize(p) for _, p in model_files)
     if shutil.disk_usage(out_dir).free < needed:
         raise OutputError(f"{out_dir}: not enough free disk space for {needed} bytes")
+
+
+def write_output(out_dir, tensors, source, extras, model_files=(), max_shard_size=5 * 10**9,
+                 progress=None, extra_manifest=None, fsync=False, taps=None, job=None, resume=False, direct=True):
+    """Write a complete output directory (shards, index, manifest, SHA256SUMS) into `out_dir`;
+    returns (manifest, bytes reused from a killed run, a note on --resume or None).
+
+    `taps` maps tensor names to extra hashes fed with those tensors' bytes as they are written.
+    `job` (a `source_id` of what the run reads) names the journal kept for --resume; with `resume`,
+    shards a killed run of the same job finished in `out_dir` are re-verified and kept."""
+    shards = plan_shards(tensors, max_shard_size)
+    reuse, note = reusable(out_dir, shards, job) if resume else (Written(), None)
+    check_space(out_dir, sum(s.size for s in shards if s.name not in reuse.files), model_files)
     pipeline = Pipeline()
     try:
-        written = write_shards(out_dir, shards, pipeline, progress, fsync, taps, reuse, direct=direct)
+        written = write_shards(out_dir, shards, pipeline, progress, fsync, taps, reuse, job, direct=direct)
     finally:
         pipeline.close()
 
     copy_files(out_dir, model_files, written)
     manifest = finish(out_dir, shards, written, source, extras, extra_manifest)
-    return manifest, sum(v["size"] for v in reuse.files.values())
+    return manifest, sum(v["size"] for v in reuse.files.values()), note

@@ -111,6 +111,7 @@ def test_coordinator_that_never_comes(tmp_path, hf_llama):
 
 def test_process_0_failing_to_start_stops_the_others(hf_llama, tmp_path):
     (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("not ours")  # an empty directory would be accepted
     results = wait_all(launch(["convert", hf_llama["dir"], tmp_path / "out"]))
     assert [rc for rc, _, _ in results] == [2, 2], results
     assert "already exists" in results[0][2]

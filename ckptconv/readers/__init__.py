@@ -5,10 +5,13 @@ A reader module defines NAME, PICKLE (whether it parses pickles), DESCRIPTION, `
 format means adding a module to `_modules()`.
 """
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import BadInput, UsageError
+from .. import safejson
+from ..errors import BadInput, UsageError, brief, encodable
+from ..sha256sums import unsafe_name
 
 
 @dataclass
@@ -21,6 +24,7 @@ class ReadOptions:
     layout: str | None = None                           # Grok: mixtral
     host_axis: int | None = None                        # Grok: axis to join host files on
     workers: int = 2
+    max_extra_size: int = 256 * 10**6                   # model files larger than this are not carried
 
 
 def wanted(name: str, only) -> bool:
@@ -61,18 +65,107 @@ def open_checkpoint(path, fmt=None, options=None):
             raise BadInput(f"{path}: no such file or directory")
     else:
         mod = detect(path)
-    return mod.load(Path(path), options)
+    ckpt = mod.load(Path(path), options)
+    ckpt.model_files, ckpt.skipped_files = carried(ckpt.model_files, source_root(Path(path)), options.max_extra_size)
+    return ckpt
 
 
 WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".safetensors", ".distcp", ".index.json", ".msgpack", ".h5")
+OUTPUT_METADATA = ("manifest.json", "SHA256SUMS", "mesh.json")
 
 
 def model_files(directory: Path, consumed=()) -> list:
-    """Files beside the weights (config.json, tokenizer, README...) to carry into OUT unchanged."""
+    """Files beside the weights (config.json, tokenizer, README...) that may be carried into OUT:
+    (name, path) candidates; `carried` decides which are."""
     consumed = {os.path.abspath(p) for p in consumed}
     out = []
     for p in sorted(directory.iterdir()):
-        if (p.is_file() and not p.name.startswith(".") and os.path.abspath(p) not in consumed
-                and not p.name.endswith(WEIGHT_SUFFIXES) and p.name not in ("manifest.json", "SHA256SUMS", "mesh.json")):
-            out.append((p.name, p))
+        if (p.name.startswith(".") or os.path.abspath(p) in consumed or p.name.endswith(WEIGHT_SUFFIXES)
+                or p.name in OUTPUT_METADATA or p.is_dir()):
+            continue
+        out.append((p.name, p))
     return out
+
+
+def source_root(path: Path) -> str:
+    """The directory every file of the source must resolve into: SRC itself (a file's directory), or
+    for a Hugging Face cache snapshot (`.../snapshots/REV/`, whose files link into the repo's
+    `blobs/`), that repo."""
+    d = path if path.is_dir() else path.parent
+    if d.parent.name == "snapshots" and (d.parent.parent / "blobs").is_dir():
+        d = d.parent.parent
+    return os.path.realpath(d)
+
+
+def inside(path, root: str) -> bool:
+    """Whether `path` resolves (symbolic links followed) to `root` or below it."""
+    real = os.path.realpath(path)
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def confined(path: Path, root: str) -> Path:
+    """`path`, refused (never opened) when it resolves outside the source: an index or a symbolic link
+    must not make ckptconv read other files."""
+    if not inside(path, root):
+        raise BadInput(f"{path}: leads outside the checkpoint (to {os.path.realpath(path)}); refused")
+    return path
+
+
+def carried(candidates, root: str, max_size: int):
+    """Split model files into those carried into OUT — regular files resolving inside the source, at
+    most `max_size` bytes — and those skipped, each with the reason (listed in the summary and the
+    manifest). Carried paths are resolved, so the copy opens exactly what was checked."""
+    files, skipped = [], []
+    for rel, p in candidates:
+        real = os.path.realpath(p)
+        try:
+            st = os.stat(real)
+        except OSError as e:
+            skipped.append({"name": rel, "reason": f"unreadable: {e.strerror}"})
+            continue
+        if unsafe_name(rel) or not encodable(rel):
+            skipped.append({"name": rel, "reason": "a name SHA256SUMS cannot list"})
+        elif not inside(real, root):
+            skipped.append({"name": rel, "reason": "a symbolic link leading outside the source"})
+        elif not stat.S_ISREG(st.st_mode):
+            skipped.append({"name": rel, "reason": "not a regular file"})
+        elif st.st_size > max_size:
+            skipped.append({"name": rel, "reason": f"{st.st_size} bytes, more than --max-extra-size {max_size}"})
+        else:
+            files.append((rel, Path(real)))
+    return files, skipped
+
+
+def weight_map(index: Path, only=()) -> dict:
+    """The index's {tensor: shard file} entries that `only` keeps, validated: shard names are plain
+    file names in the index's directory (shared by the .bin index of readers/torch_pickle.py)."""
+    data = safejson.load_file(index, "shard index")
+    entries = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(entries, dict):
+        raise BadInput(f"{index}: not a valid shard index (needs a 'weight_map' object)")
+    out = {}
+    for name, shard in entries.items():
+        if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard.startswith(".") \
+                or "\0" in shard:
+            raise BadInput(f"{index}: weight_map entry {name!r} names an invalid shard {brief(shard)}")
+        if wanted(name, only):
+            out[name] = shard
+    for shard in set(out.values()):
+        if not (index.parent / shard).is_file():
+            raise BadInput(f"{index}: shard {shard!r} listed in the index is missing")
+    return out
+
+
+def by_shard(entries: dict) -> dict:
+    """{shard file: [tensor names the index places there]}."""
+    out = {}
+    for name, shard in entries.items():
+        out.setdefault(shard, []).append(name)
+    return out
+
+
+def check_listed(index: Path, shard: str, names: list, held: set):
+    """Every tensor the index places in `shard` must be there: none disappears silently."""
+    for name in names:
+        if name not in held:
+            raise BadInput(f"{index}: tensor {name!r} is listed in {shard}, which does not hold it")

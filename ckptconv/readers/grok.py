@@ -7,7 +7,6 @@ the unpickler hands them back as views of the mapped file, so nothing is copied.
 flatten order of the tree (no names are stored); several hosts' files are joined along the axis the
 Grok-1 partition rules shard over "model". Format facts: ../shared/reference/grok-1/FORMAT.md.
 """
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,13 +14,13 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from .. import dtypes, unpickler
+from .. import dtypes, safejson, unpickler
 from ..errors import BadInput, UsageError
 from ..mapped import MappedFile
 from ..numpy_globals import NumpyArray, numpy_globals, numpy_source
 from ..tensor import Checkpoint, Computed, Concat, cast
 from ..unpickler import StandIn
-from . import ReadOptions, model_files, wanted
+from . import ReadOptions, confined, model_files, source_root, wanted
 
 NAME = "grok"
 PICKLE = True
@@ -108,12 +107,12 @@ def detect(path: Path) -> bool:
     return path.is_dir() and _shard_dir(path) is not None
 
 
-def _inventory(d: Path) -> dict:
+def _inventory(d: Path, root: str) -> dict:
     files = {}
     for p in d.iterdir():
         m = FILE_RE.fullmatch(p.name)
         if m:
-            files.setdefault(int(m.group(1)), {})[int(m.group(2))] = p
+            files.setdefault(int(m.group(1)), {})[int(m.group(2))] = confined(p, root)
     count = max(files) + 1
     missing = [i for i in range(count) if i not in files]
     if missing:
@@ -128,9 +127,9 @@ def _inventory(d: Path) -> dict:
 def _names(count, options: ReadOptions):
     if options.names:
         try:
-            raw = json.loads(Path(options.names).read_text())
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--names {options.names}: cannot read a JSON list or object: {e}") from None
+            raw = safejson.load_file(options.names, "--names file", limit=64 << 20)
+        except BadInput as e:
+            raise UsageError(str(e)) from None
         names = raw if isinstance(raw, list) else [raw.get(str(i)) for i in range(count)] if isinstance(raw, dict) else None
         if not names or len(names) != count or not all(isinstance(n, str) and n for n in names):
             raise UsageError(f"--names {options.names}: needs {count} names (a list, or an object keyed 0..{count - 1})")
@@ -169,7 +168,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     d = _shard_dir(path)
     if d is None:
         raise BadInput(f"{path}: no tensor{{i:05d}}_{{h:03d}} files here or in ckpt-0/")
-    files = _inventory(d)
+    files = _inventory(d, source_root(path))
     names, naming = _names(len(files), options)
     if options.layout not in (None, "mixtral"):
         raise UsageError(f"--layout {options.layout!r}: only 'mixtral' is known")
@@ -178,8 +177,11 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     keep = [i for i in range(len(files)) if options.layout or wanted(names[i].replace("/", "."), options.only)]
     allow = allowlist(options.allow_globals)
     jobs = [(i, h, files[i][h]) for i in keep for h in sorted(files[i])]
-    with ThreadPoolExecutor(max(1, options.workers)) as pool:
+    pool = ThreadPoolExecutor(max(1, options.workers))
+    try:
         parsed = dict(zip([(i, h) for i, h, _ in jobs], pool.map(lambda j: _parse(j[2], allow), jobs)))
+    finally:
+        pool.shutdown(cancel_futures=True)  # on a bad file or a signal, the files not yet parsed are not
     hosts = len(files[0])
     if options.host_axis is not None:
         def host_axis(_name):
@@ -193,7 +195,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     leaves = {names[i]: _join(names[i], i, [parsed[(i, h)] for h in range(hosts)], host_axis) for i in keep}
     source = {"format": NAME, "path": str(path), "files": len(files) * hosts, "hosts": hosts, "names": naming}
     if options.layout == "mixtral":
-        tensors, quant = _mixtral(leaves, options.dequantize or "bf16"), {}
+        tensors, quant = _mixtral(d, leaves, options.dequantize or "bf16"), {}
         source["layout"] = "mixtral"
     else:
         tensors, quant = _tensors(leaves, options.dequantize)
@@ -302,7 +304,7 @@ def expert(src, e, name) -> Computed:
     return Computed(name, src.dtype, src.shape[1:], lambda index: src.region((slice(e, e + 1),) + index)[0], (src,))
 
 
-def _mixtral(leaves, dequantize):
+def _mixtral(d, leaves, dequantize):
     """FORMAT.md's "Names used downstream" table: dense, 2-D weights as [out, in], experts split."""
     dtype = {"bf16": dtypes.BY_CODE["BF16"], "f32": dtypes.BY_CODE["F32"]}[dequantize]
     out = []
@@ -327,9 +329,12 @@ def _mixtral(leaves, dequantize):
             out.append(transposed(p + "block_sparse_moe.gate.weight", dense))
         elif rest.startswith("moe/"):
             w = _MIXTRAL_EXPERT[rest.split("/")[1]]
+            if len(dense.shape) != 3 or not 0 < dense.shape[0] <= max(1, dense.nbytes):
+                raise BadInput(f"{d}: {path}: expert weights of shape {list(dense.shape)} cannot be split into "
+                               "experts (needs [experts, in, out] holding data)")
             for e in range(dense.shape[0]):
                 name = p + f"block_sparse_moe.experts.{e}.{w}.weight"
                 out.append(transposed(name, expert(dense, e, name)))
         else:
-            raise BadInput(f"{path}: no Mixtral-style name for this tree path")
+            raise BadInput(f"{d}: {path}: no Mixtral-style name for this tree path")
     return out

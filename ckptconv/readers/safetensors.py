@@ -3,7 +3,6 @@
 Headers are validated strictly (offsets in bounds, contiguous, dtype x shape = bytes); every tensor
 is a contiguous view of the mapped file. Also reads ckptconv's own outputs.
 """
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ from ..errors import BadInput
 from ..mapped import MappedFile
 from ..safetensors_format import parse_header
 from ..tensor import ArraySource, Checkpoint
-from . import ReadOptions, model_files, wanted
+from . import ReadOptions, by_shard, check_listed, confined, model_files, source_root, wanted, weight_map
 
 NAME = "safetensors"
 PICKLE = False
@@ -44,16 +43,26 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     target = _dir_target(path) if path.is_dir() else path
     if target is None:
         raise BadInput(f"{path}: no safetensors file or index found")
-    files = [target]
+    if path.is_dir():
+        confined(target, source_root(path))
+    files, listed = [target], None
     if target.name.endswith(".index.json"):
-        files = _files_from_index(target, options.only)
+        listed = by_shard(weight_map(target, options.only))
+        files = [confined(target.parent / f, source_root(target)) for f in sorted(listed)]
     tensors, mapped = [], []
     for f in files:
         m = MappedFile(f)
         mapped.append(m)
-        tensors += [t for t in file_tensors(m) if wanted(t.name, options.only)]
+        held = file_tensors(m)
+        if listed is not None:
+            check_listed(target, f.name, listed[f.name], {t.name for t in held})
+        tensors += [t for t in held if wanted(t.name, options.only)]
     consumed = files + [target]
     source = {"format": NAME, "path": str(path), "files": [p.name for p in files]}
+    if path.is_dir():
+        unindexed = [p.name for p in sorted(path.glob("*.safetensors")) if p not in files]
+        if listed is not None and unindexed:
+            source["unindexed"] = unindexed
     return Checkpoint(tensors, {}, source, model_files(path, consumed) if path.is_dir() else [], mapped)
 
 
@@ -69,16 +78,3 @@ def _source(m, e):
         return np.frombuffer(m.view, dtype=e.dtype.numpy, count=(e.end - e.begin) // e.dtype.itemsize,
                              offset=e.begin).reshape(e.shape)
     return ArraySource(e.name, e.dtype, e.shape, array, (m, e.begin, e.end - e.begin), contiguous=True)
-
-
-def _files_from_index(index: Path, only) -> list:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        assert isinstance(weight_map, dict)
-    except (ValueError, KeyError, AssertionError):
-        raise BadInput(f"{index}: not a valid safetensors index (needs a 'weight_map' object)") from None
-    names = sorted({f for n, f in weight_map.items() if wanted(n, only)})
-    for f in names:
-        if not isinstance(f, str) or "/" in f or not (index.parent / f).is_file():
-            raise BadInput(f"{index}: shard {f!r} listed in the index is missing")
-    return [index.parent / f for f in names]

@@ -5,7 +5,6 @@ Accepts a JSON file with a "tensors" list whose entries have a name (`name`, or 
 marked `"quantized": true` with `weight` and `scales` descriptions become `NAME.weight` and
 `NAME.scales`, as the Grok-1 reader names them (../shared/reference/grok-1/tensors.json is one).
 """
-import json
 import math
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import dtypes
+from .. import safejson
 from ..errors import BadInput
 from ..tensor import Checkpoint, TensorSource
 from . import ReadOptions, wanted
@@ -44,16 +44,16 @@ def detect(path: Path) -> bool:
     if not (path.is_file() and path.suffix == ".json" and path.stat().st_size < 64 << 20):
         return False
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        data = safejson.load_file(path, "shapes description")
+    except BadInput:
         return False
     return isinstance(data, dict) and isinstance(data.get("tensors"), list) and \
         all(isinstance(t, dict) and "shape" in t for t in data["tensors"][:5])
 
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
+    data = safejson.load_file(path, "shapes description", limit=64 << 20)
     try:
-        data = json.loads(path.read_text())
         tensors = []
         for t in data["tensors"]:
             name = t.get("name") or t["path"].replace("/", ".")

@@ -4,16 +4,17 @@ Hugging Face directories of `.bin` shards with `pytorch_model.bin.index.json`.
 `data.pkl` runs through the allowlisting unpickler with torch's stand-ins; each storage resolves to
 its zip entry (or its place after the legacy pickles), so every tensor is a view of the mapped file.
 """
-import json
 import struct
 from pathlib import Path
 
 from .. import unpickler, ziparchive
-from ..errors import BadInput
+from ..errors import BadInput, brief
+from ..limits import Budget
 from ..mapped import MappedFile
 from ..tensor import Checkpoint
 from ..torch_globals import Storage, flatten, storage_dtype, torch_globals
-from . import ReadOptions, model_files, wanted
+from . import (ReadOptions, by_shard, check_listed, confined, inside, model_files, source_root, wanted,
+               weight_map)
 
 NAME = "torch"
 PICKLE = True
@@ -48,7 +49,9 @@ def _dir_files(directory: Path) -> list:
     index = _index_file(directory)
     if index is not None:
         return [index]
-    files = [p for p in sorted(directory.iterdir()) if p.is_file() and p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+    root = source_root(directory)
+    files = [p for p in sorted(directory.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt") and p.is_file()
+             and inside(p, root)]  # a link leading elsewhere is not even looked at
     return [p for p in files if _is_torch_file(p)]
 
 
@@ -65,22 +68,26 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         found = _dir_files(path)
         if len(found) != 1:
             raise BadInput(f"{path}: expected one torch checkpoint or one *.bin.index.json, found {len(found)}")
-        target = found[0]
+        target = confined(found[0], source_root(path))
     else:
         target = path
-    shards = [target]
+    shards, listed = [target], None
     if target.name.endswith(".index.json"):
-        shards = _shards_from_index(target, options.only)
+        listed = by_shard(weight_map(target, options.only))
+        shards = [confined(target.parent / f, source_root(target)) for f in sorted(listed)]
     tensors, extras, skipped, mapped = [], {}, [], []
     for shard in shards:
         m = MappedFile(shard)
         mapped.append(m)
-        obj = _load_file(m, allow)
-        t, e, s = flatten(obj, shard, skip_unsupported=options.skip_unsupported)
+        budget = Budget(shard)
+        obj = _load_file(m, allow, budget)
+        t, e, s = flatten(obj, shard, skip_unsupported=options.skip_unsupported, budget=budget)
+        if listed is not None:
+            check_listed(target, shard.name, listed[shard.name], set(t) | {x["name"] for x in s})
         for name, src in t.items():
             if wanted(name, options.only):
                 tensors.append(src)
-        extras.update({k: unpickler.to_jsonable(v) for k, v in e.items() if wanted(k, options.only)})
+        extras.update(unpickler.extras_json({k: v for k, v in e.items() if wanted(k, options.only)}, budget))
         skipped += s
     source = {"format": NAME, "path": str(path), "files": [str(p.relative_to(path) if path.is_dir() else p.name)
                                                             for p in shards]}
@@ -91,35 +98,15 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     return Checkpoint(tensors, extras, source, files, mapped)
 
 
-def _shards_from_index(index: Path, only) -> list:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError
-    except (ValueError, KeyError, TypeError):
-        raise BadInput(f"{index}: not a valid shard index (needs a 'weight_map' object)") from None
-    order = []
-    for name, shard in weight_map.items():
-        if not isinstance(shard, str) or "/" in shard or shard.startswith("."):
-            raise BadInput(f"{index}: weight_map entry {name!r} names an invalid shard {shard!r}")
-        if shard not in order and wanted(name, only):
-            order.append(shard)
-    paths = [index.parent / s for s in sorted(order)]
-    for p in paths:
-        if not p.is_file():
-            raise BadInput(f"{index}: shard {p.name} listed in the index is missing")
-    return paths
-
-
-def _load_file(m: MappedFile, allow):
+def _load_file(m: MappedFile, allow, budget):
     if bytes(m.view[:len(_LEGACY_HEAD)]) == _LEGACY_HEAD:
-        return _load_legacy(m, allow)
+        return _load_legacy(m, allow, budget)
     if not ziparchive.is_zip(m):
         raise BadInput(f"{m.path}: not a torch.save file (neither a zip archive nor the legacy format)")
-    return load_zip(m, allow)
+    return load_zip(m, allow, budget=budget)
 
 
-def load_zip(m: MappedFile, allow, base=0, length=None):
+def load_zip(m: MappedFile, allow, base=0, length=None, budget=None):
     """Unpickle a torch zip archive at [base, base+length) of `m` (DCP chunks are such archives)."""
     entries = ziparchive.read_entries(m, base, length)
     pkl = [n for n in entries if n == "data.pkl" or n.endswith("/data.pkl")]
@@ -132,10 +119,10 @@ def load_zip(m: MappedFile, allow, base=0, length=None):
 
     def persistent_load(pid, ctx):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise ctx.unsafe(f"persistent id {pid!r} is not a torch storage reference")
+            raise ctx.unsafe(f"persistent id {brief(pid)} is not a torch storage reference")
         _, stype, key, _location, numel = pid
         if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
-            raise ctx.bad(f"malformed storage reference {pid!r}")
+            raise ctx.bad(f"malformed storage reference {brief(pid)}")
         if key in storages:
             return storages[key]
         entry = entries.get(f"{prefix}data/{key}")
@@ -149,10 +136,10 @@ def load_zip(m: MappedFile, allow, base=0, length=None):
 
     entry = entries[pkl[0]]
     data = ziparchive.read_small(m, entry)
-    return unpickler.load(data, allow, m.path, entry.offset, persistent_load)
+    return unpickler.load(data, allow, m.path, entry.offset, persistent_load, budget)
 
 
-def _load_legacy(m: MappedFile, allow):
+def _load_legacy(m: MappedFile, allow, budget):
     """Legacy format: magic, protocol, sys_info pickles, the object pickle, the storage-key list pickle,
     then each storage as an int64 element count followed by its bytes."""
     pos = 0
@@ -162,7 +149,7 @@ def _load_legacy(m: MappedFile, allow):
         header.append(value)
         pos += length
     if header[0] != _LEGACY_MAGIC or header[1] != 1001:
-        raise BadInput(f"{m.path}: legacy torch file with unknown magic/protocol {header[:2]!r}")
+        raise BadInput(f"{m.path}: legacy torch file with unknown magic/protocol {brief(header[:2])}")
     sys_info = header[2] if isinstance(header[2], dict) else {}
     if sys_info.get("little_endian") is False:
         raise BadInput(f"{m.path}: big-endian legacy torch files are not supported")
@@ -170,23 +157,23 @@ def _load_legacy(m: MappedFile, allow):
 
     def persistent_load(pid, ctx):
         if not (isinstance(pid, tuple) and len(pid) == 6 and pid[0] == "storage"):
-            raise ctx.unsafe(f"persistent id {pid!r} is not a torch storage reference")
+            raise ctx.unsafe(f"persistent id {brief(pid)} is not a torch storage reference")
         _, stype, key, _location, numel, view = pid
         dtype = storage_dtype(stype, ctx)
         if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
-            raise ctx.bad(f"malformed legacy storage reference {pid!r}")
+            raise ctx.bad(f"malformed legacy storage reference {brief(pid)}")
         item = _itemsize(dtype)
         root = storages.setdefault(key, Storage(key, dtype, m, -1, numel * item))
         if view is None:
             return root
         if not (isinstance(view, tuple) and len(view) == 3):
-            raise ctx.bad(f"malformed storage view {view!r}")
+            raise ctx.bad(f"malformed storage view {brief(view)}")
         vkey, voffset, vsize = view
         sub = Storage(vkey, dtype, m, -1, vsize * item)
         views.append((sub, root, voffset * item))
         return sub
 
-    obj, length = unpickler.load_prefix(m.view[pos:], allow, m.path, pos, persistent_load)
+    obj, length = unpickler.load_prefix(m.view[pos:], allow, m.path, pos, persistent_load, budget=budget)
     pos += length
     keys, length = unpickler.load_prefix(m.view[pos:], {}, m.path, pos)
     pos += length
