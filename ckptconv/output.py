@@ -116,11 +116,10 @@ def atomic_output(out, overwrite=False, resume=False, inputs=()):
     `inputs` are the files the run reads: OUT may not be or hold any of them."""
     out = Path(os.path.abspath(out))
     check_target(out, inputs, overwrite)
-    tmp = temp_path(out)
-    with deferred():
-        lock = _take_lock(out)
+    tmp, lock = temp_path(out), None
     try:
-        with deferred():
+        with deferred():  # a signal that arrives meanwhile is raised at the end: the lock is ours by then
+            lock = _take_lock(out)
             _recover(out)
             check_target(out, inputs, overwrite)  # again, now that we hold the lock
             if tmp.exists() and not resume:
@@ -131,12 +130,14 @@ def atomic_output(out, overwrite=False, resume=False, inputs=()):
             _fsync_dir(tmp)
             _publish(tmp, out)
     except BaseException:
-        with deferred():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if lock is not None:  # (without the lock, the temporary directory is another run's)
+            with deferred():
+                shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        with deferred():
-            lock.unlink(missing_ok=True)
+        if lock is not None:
+            with deferred():
+                lock.unlink(missing_ok=True)
 
 
 def _publish(tmp: Path, out: Path):

@@ -30,6 +30,10 @@ def _safetensors_bytes():
 
 
 SEEDS = {
+    # issue 12's hostile pickles (tests/test_trust.py), small enough to mutate quickly
+    "deep-tuple-key": b"\x80\x02}N" + b"\x85" * 1000 + b"K\x01s.",
+    "shared-tuples": b"\x80\x02}X\x01\x00\x00\x00aN" + b"2\x86" * 64 + b"s.",
+    "forged-newline": b"\x80\x04\x8c\x1aos\nwrote out/: 4 tensors x\x8c\x06system\x93.",
     "pickle": pickle.dumps({"a": [1, 2.5, "x", b"y", (None, True)], "b": {1, 2}}, protocol=4),
     "torch-zip": _torch_bytes(),
     "safetensors": _safetensors_bytes(),

@@ -8,20 +8,18 @@ catch it."""
 import hashlib
 import json
 import os
-import resource
 import shutil
 import struct
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from ckptconv.sha256sums import format_sums, parse_sums, unsafe_name
 from ckptconv.verify import total_bytes
-from tests.conftest import ROOT, run
+from tests.conftest import run
+from tests.hostile import assert_clean as clean, assert_refused, cli
 
-MEMORY_CAP = 1536 * 2**20
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +60,6 @@ def copy(outputs, tmp_path):
         shutil.copytree(outputs / name, tmp_path / name, symlinks=True)
         return tmp_path / name
     return make
-
-
-def clean(text):
-    """No crash: the CLI's catch-all says "error: unexpected <Exception>"; no traceback either."""
-    assert "error: unexpected" not in text and "Traceback" not in text, text
 
 
 def verify(out, *args):
@@ -134,32 +127,12 @@ def shards(out):
     return sorted(out.glob("model-*.safetensors"))
 
 
-AUDITED = """
-import os, sys
-log = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-def hook(event, args):
-    if event == "open" and args and isinstance(args[0], (str, bytes)):
-        os.write(log, os.fsencode(os.path.abspath(args[0])) + b"\\n")
-sys.addaudithook(hook)
-from ckptconv.cli import main
-main(sys.argv[2:], prog_name="ckptconv")
-"""
-
-
 def verify_subprocess(out, tmp_path, *args, timeout=120):
     """`ckptconv verify` in a fresh process capped at 1.5 GB of address space, recording every file
     Python opens (audit hook). Returns (exit status, stdout lines, stderr, opened paths)."""
-    log = tmp_path / "opened.log"
-    log.unlink(missing_ok=True)
-
-    def cap():
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
-
-    r = subprocess.run([sys.executable, "-c", AUDITED, str(log), "verify", str(out), "--quiet", *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout, cwd=ROOT, preexec_fn=cap)
+    r = cli("verify", out, "--quiet", *args, timeout=timeout)
     clean(r.stdout + r.stderr)
-    opened = set(log.read_bytes().decode("utf-8", "surrogateescape").splitlines()) if log.exists() else set()
-    return r.returncode, r.stdout.splitlines(), r.stderr, opened
+    return r.returncode, r.stdout.splitlines(), r.stderr, r.opened
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,11 +380,7 @@ def test_a_hundred_million_ranks_is_one_line_in_bounded_memory(copy, tmp_path):
     code, lines, _, _ = verify_subprocess(out, tmp_path, timeout=120)
     assert code == 1
     assert lines[:-1] == [f"{out / 'mesh.json'}: mesh.json says 100000000 ranks, {out} holds 2 rank directories"]
-    r = subprocess.run([sys.executable, "-m", "ckptconv.cli", "convert", out, tmp_path / "c", "--quiet"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP)))
-    assert r.returncode == 2 and "mesh.json says 100000000 ranks" in r.stderr
-    clean(r.stderr)
+    assert_refused(cli("convert", out, tmp_path / "c", "--quiet"), tmp_path / "c", "mesh.json says 100000000 ranks")
 
 
 # ------------------------------------------------------------------------------------------------

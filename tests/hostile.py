@@ -1,0 +1,93 @@
+"""Running the CLI the way an attacker's victim does: a fresh process under a memory cap and a time
+limit, every file it opens recorded by an audit hook, and the assertions every refusal must meet."""
+import os
+import resource
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+# A normal run of the small checkpoints in the tests needs about 0.25 GiB of address space.
+MEMORY_CAP = 1536 << 20
+
+_DRIVER = """
+import os, sys
+log = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+def hook(event, args):
+    if event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        kind = b"open " if event == "open" else b"list "
+        os.write(log, kind + os.fsencode(os.path.abspath(args[0])) + b"\\n")
+sys.addaudithook(hook)
+from ckptconv.cli import main
+main(sys.argv[2:], prog_name="ckptconv")
+"""
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    opened: set = field(default_factory=set)   # absolute paths of the files the process opened
+    listed: set = field(default_factory=set)   # ... and of the directories it listed
+
+
+def cli(*args, cwd=ROOT, timeout=120, cap=MEMORY_CAP, env=None, preexec=None, log_dir=None) -> Run:
+    """`ckptconv ARGS` in a fresh process with its address space capped and its file opens audited
+    (the log goes to `log_dir`, by default beside the process's working directory's tmp)."""
+    log = Path(log_dir or os.environ.get("TMPDIR", "/tmp")) / f"ckptconv-opened-{os.getpid()}-{id(args)}.log"
+    log.unlink(missing_ok=True)
+
+    def limit():
+        if cap:
+            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        if preexec:
+            preexec()
+
+    r = subprocess.run([sys.executable, "-c", _DRIVER, str(log), *map(str, args)], cwd=cwd, capture_output=True,
+                       text=True, timeout=timeout, preexec_fn=limit, env=env)
+    events = log.read_bytes().decode("utf-8", "surrogateescape").splitlines() if log.exists() else []
+    log.unlink(missing_ok=True)
+    return Run(r.returncode, r.stdout, r.stderr, {e[5:] for e in events if e.startswith("open ")},
+               {e[5:] for e in events if e.startswith("list ")})
+
+
+def assert_clean(text: str):
+    """No crash: the catch-all says "error: unexpected <Exception>"; no traceback either."""
+    assert "error: unexpected" not in text and "Traceback" not in text, text
+
+
+def assert_refused(r, out: Path, *fragments, code=2):
+    """Exit `code`, exactly one stderr line holding every fragment, and nothing left beside OUT: no
+    OUT (unless it existed before: then the caller checks it is untouched), no temporary directory,
+    no lock."""
+    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptconv: error: "), r.stderr[-2000:]
+    assert_clean(r.stderr)
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert not (out.parent / f".{out.name}.ckptconv-tmp").exists()
+    assert not (out.parent / f".{out.name}.ckptconv-lock").exists()
+    assert not (out.parent / f".{out.name}.ckptconv-old").exists()
+
+
+_OWN = [Path(p).resolve() for p in {sys.prefix, sys.base_prefix, sysconfig.get_paths()["purelib"],
+                                    sysconfig.get_paths()["stdlib"], ROOT / "ckptconv"}]
+
+
+def opened_outside(r: Run, *allowed) -> list:
+    """Files the process opened, or directories it listed, outside `allowed` (and outside Python's
+    and ckptconv's own). Listing or opening (to fsync) a directory that holds an allowed one (OUT's
+    parent, where its temporary directory and lock live; the working directory, for imports) reads
+    nothing of what else it holds."""
+    roots = [Path(a).resolve() for a in allowed] + _OWN
+    ancestors = {parent for root in roots for parent in root.parents} | {Path.cwd().resolve(), ROOT.resolve()}
+
+    def inside(p):
+        return any(Path(p).resolve().is_relative_to(root) for root in roots)
+
+    return sorted(p for p in r.opened | r.listed if not inside(p) and Path(p).resolve() not in ancestors)
