@@ -167,14 +167,6 @@ def test_safetensors_duplicate_names(tmp_path):
 # --- interrupted, concurrent and failing runs
 
 
-@pytest.fixture(scope="module")
-def big_pt(tmp_path_factory):
-    p = tmp_path_factory.mktemp("big") / "big.pt"
-    g = torch.Generator().manual_seed(0)
-    torch.save({f"w{i}": torch.randn(1024, 2048, generator=g) for i in range(24)}, p)  # 24 x 8 MiB
-    return p
-
-
 def _tmp_bytes(tmp: Path) -> int:
     try:
         return sum(f.stat().st_size for f in tmp.iterdir())

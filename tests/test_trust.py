@@ -360,14 +360,6 @@ def test_weight_files_leading_outside_are_refused_unread(tmp_path):
 # 7. Signals: every catchable terminating signal cleans up and exits 128 + n
 
 
-@pytest.fixture(scope="module")
-def big_pt(tmp_path_factory):
-    p = tmp_path_factory.mktemp("big") / "big.pt"
-    g = torch.Generator().manual_seed(0)
-    torch.save({f"w{i}": torch.randn(1024, 2048, generator=g) for i in range(24)}, p)  # 24 x 8 MiB
-    return p
-
-
 SIGNALS = ["SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF",
            "SIGXCPU", "SIGPWR", "SIGIO", "SIGRTMIN"]
 

@@ -33,7 +33,7 @@ from ..safetensors_format import parse_header
 from ..tensor import Checkpoint, Concat, TensorSource
 from ..torch_globals import TorchTensor, flatten, torch_globals
 from ..unpickler import Function, InertClass, InertObject, Marker
-from . import ReadOptions, model_files, wanted
+from . import ReadOptions, confined, model_files, source_root, wanted
 from .safetensors import file_tensors
 from .torch_pickle import load_zip
 
@@ -323,7 +323,7 @@ class _Inflated(MemoryFile):
 
 class DCPReader:
     def __init__(self, path: Path, allow):
-        self.path, self.allow = path, allow
+        self.path, self.allow, self.root = path, allow, source_root(path)
         self.files = {}
         self._blobs = {}                 # (file, offset) -> ({name: source}, DCP_SHARDING_INFO)
         self._inflated = OrderedDict()   # id(chunk) -> source over its inflated bytes, most recent last
@@ -336,7 +336,7 @@ class DCPReader:
             p = self.path / rel
             if not p.is_file():
                 raise BadInput(f"{p}: .distcp file named by .metadata is missing")
-            self.files[rel] = MappedFile(p)
+            self.files[rel] = MappedFile(confined(p, self.root))
         return self.files[rel]
 
     def claim(self, bytes_locs, chunk_locs):
@@ -623,7 +623,7 @@ def _storage_index(storage, where) -> dict:
 def load(path: Path, options: ReadOptions) -> Checkpoint:
     allow = allowlist(options.allow_globals)
     meta_path = path / ".metadata"
-    meta = MappedFile(meta_path)
+    meta = MappedFile(confined(meta_path, source_root(path)))
     md = _record(unpickler.load(meta.view, allow, meta_path), ("Metadata",), "the pickle", meta_path)
     sdm = _field(md, "state_dict_metadata", meta_path)
     storage = _field(md, "storage_data", meta_path)
