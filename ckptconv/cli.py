@@ -128,6 +128,10 @@ def cluster_options(fn):
     return wrapper
 
 
+OVERWRITE_HELP = ("Replace OUT if it is a previous ckptconv output (anything else is refused, and OUT is never "
+                  "SRC or a directory holding it). An empty directory needs no --overwrite.")
+
+
 def write_options(fn):
     """How shard files are written (convert, reshard)."""
     fn = click.option("--buffered-io", is_flag=True,
@@ -168,7 +172,7 @@ def _convert_command(name, pickle_only, help_text):
     @click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from tensor names that start with it.")
     @click.option("--dtype", type=click.Choice(["keep", "bf16", "f16", "f32"]), default="keep", show_default=True,
                   help="Cast floating tensors (round to nearest even); integers are kept.")
-    @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+    @click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
     @click.option("--no-copy-extras", is_flag=True, help="Do not carry config/tokenizer files into OUT.")
     @write_options
     @click.option("--resume", is_flag=True, help="Reuse the shards a killed run of the same conversion finished "
@@ -228,7 +232,7 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @click.option("--pad-vocab", is_flag=True, help="Zero-pad vocab rows (embeddings, lm_head) up to a multiple of "
               "--tp instead of refusing; recorded as padded_shape in mesh.json.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file in each rank dir.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
 @write_options
 @read_options
 @cluster_options

@@ -3,9 +3,12 @@ bounded before the parser recurses, duplicate keys refused, and every failure a 
 file, in time linear in the size.
 """
 import contextlib
+import errno
 import gc
 import json
+import os
 import re
+import stat
 
 import numpy as np
 
@@ -70,13 +73,36 @@ def loads(data, where, what="JSON") -> object:
         raise BadInput(f"{where}: {what} is not valid JSON: {e}") from None
 
 
-def load_file(path, what="JSON", limit: int = 1 << 30) -> object:
-    """`loads` of a file's bytes; files above `limit` bytes are refused before they are read."""
+def read(path, what="file", limit: int = 1 << 30, follow: bool = True) -> bytes:
+    """The bytes of `path`, which must be a regular file of at most `limit` bytes. A FIFO or device is
+    refused without blocking on it (O_NONBLOCK, then fstat); with `follow=False` a symbolic link is
+    refused without being followed (an output's own metadata: verify never leaves OUT)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
+        fd = os.open(path, flags)
     except OSError as e:
-        raise BadInput(f"{path}: cannot read {what}: {e.strerror}") from None
-    if len(data) > limit:
-        raise BadInput(f"{path}: {what} is larger than {limit} bytes")
-    return loads(data, path, what)
+        if e.errno == errno.ELOOP and not follow:
+            raise BadInput(f"{path}: is a symbolic link, not a regular file (not followed)") from None
+        raise BadInput(f"{path}: cannot open the {what}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadInput(f"{path}: the {what} is not a regular file")
+        if st.st_size > limit:
+            raise BadInput(f"{path}: the {what} has {st.st_size} bytes, more than the {limit} accepted")
+        chunks, left = [], limit + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            raise BadInput(f"{path}: the {what} grew past the {limit} bytes accepted while it was read")
+        return b"".join(chunks)
+    except OSError as e:
+        raise BadInput(f"{path}: cannot read the {what}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def load_file(path, what="JSON", limit: int = 1 << 30, follow: bool = True) -> object:
+    """`loads` of a file read by `read`."""
+    return loads(read(path, what, limit, follow), path, what)

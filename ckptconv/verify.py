@@ -6,7 +6,6 @@ line naming the file and the tensor. Reshard outputs are checked rank by rank, t
 mesh.json by assembling each global tensor lazily from the rank pieces (never in memory).
 """
 import hashlib
-import json
 import math
 import os
 import stat
@@ -16,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import sha256
-from . import safejson
-from .errors import BadInput, UsageError
+from . import safejson, sha256
+from .errors import BadInput, UsageError, brief, printable
 from .hashing import CHUNK, HashLanes
 from .mapped import MappedFile
 from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint
@@ -39,23 +37,7 @@ class Report:
     shared: int = 0   # problems already merged across processes
 
     def add(self, where, what):
-        self.problems.append(_one_line(f"{where}: {what}"))
-
-
-def _brief(value, limit=80) -> str:
-    """A value read from a file, for a message: short, and never a deep repr."""
-    if isinstance(value, (dict, list)):
-        return f"a JSON {'object' if isinstance(value, dict) else 'array'} of {len(value)} items"
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _one_line(text: str) -> str:
-    """A problem is one line: names from the output (a file called "a\nb") are escaped."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
-                   for c in text)
+        self.problems.append(printable(f"{where}: {what}"))  # a file called "a\nb" stays one line
 
 
 # What an output directory may hold is decided from lstat: nothing in it is followed or opened unless
@@ -158,7 +140,7 @@ def _index(d: Path, raw, report: Report):
     for name, file in raw["weight_map"].items():
         why = unsafe_name(file)
         if why is not None:
-            report.add(where, f"tensor {name!r} is listed in {_brief(file)}, which is not a plain file name in this "
+            report.add(where, f"tensor {name!r} is listed in {brief(file)}, which is not a plain file name in this "
                               f"directory ({why}); not opened")
         else:
             weight_map[name] = file
@@ -175,7 +157,7 @@ def _manifest(d: Path, raw, report: Report):
         report.add(where, "manifest.json is not a JSON object")
         return None, None
     if raw.get("format") != MANIFEST_FORMAT:
-        report.add(where, f"format is {_brief(raw.get('format'))}, not {MANIFEST_FORMAT}")
+        report.add(where, f"format is {brief(raw.get('format'))}, not {MANIFEST_FORMAT}")
     files, tensors = {}, {}
     raw_files, raw_tensors = raw.get("files", {}), raw.get("tensors", {})
     if not isinstance(raw_files, dict):
@@ -193,14 +175,14 @@ def _manifest(d: Path, raw, report: Report):
         ok = (isinstance(info, dict) and is_digest(info.get("sha256")) and type(info.get("size")) is int
               and info["size"] >= 0)
         if not ok:
-            report.add(where, f"files entry {name!r} is {_brief(info)}, not {{\"sha256\": digest, \"size\": bytes}}")
+            report.add(where, f"files entry {name!r} is {brief(info)}, not {{\"sha256\": digest, \"size\": bytes}}")
         files[name] = info if ok else None
     for name, entry in raw_tensors.items():
         ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
               and all(type(n) is int and n >= 0 for n in entry["shape"]) and isinstance(entry.get("file"), str)
               and is_digest(entry.get("sha256")))
         if not ok:
-            report.add(where, f"tensor {name!r}: entry {_brief(entry)} is not {{dtype, shape, file, sha256}}")
+            report.add(where, f"tensor {name!r}: entry {brief(entry)} is not {{dtype, shape, file, sha256}}")
             tensors[name] = None
             continue
         why = unsafe_name(entry["file"])
@@ -453,8 +435,7 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
     """With every rank dir intact: the same tensors as mesh.json, replicas equal, shared intervals
     equal, pieces where mesh.json puts them, reassembled digests right."""
     ranks = mesh["ranks"]
-    per_rank = [json.loads(mesh_reader.read_regular(path / f"rank-{r:05d}" / "manifest.json"))["tensors"]
-                for r in range(ranks)]
+    per_rank = [_checked_manifest(path / f"rank-{r:05d}")["tensors"] for r in range(ranks)]
     held = {}
     for r, tensors in enumerate(per_rank):
         for name in tensors:
@@ -519,6 +500,11 @@ def _check_shared_intervals(name, entry, pieces, path, report):
                                            f"ranks {[r for r, _ in holders]}")
 
 
+def _checked_manifest(d: Path) -> dict:
+    """manifest.json of a directory verify already checked (a regular file, a JSON object)."""
+    return safejson.loads(mesh_reader.read_regular(d / "manifest.json"), d / "manifest.json", "manifest.json")
+
+
 def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report, mine=lambda kind, key: True):
     """Every tensor (global tensor, for a reshard output) equal to the source, bit for bit, streaming."""
     out = open_checkpoint(out_path, None, ReadOptions())
@@ -526,7 +512,7 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
     manifest = {}
     first = out_path / "rank-00000" if (out_path / "mesh.json").is_file() else out_path
     if (first / "manifest.json").is_file():
-        manifest = json.loads(mesh_reader.read_regular(first / "manifest.json")).get("source", {})
+        manifest = _checked_manifest(first).get("source", {})
         manifest = manifest if isinstance(manifest, dict) else {}
     src_tensors = {t.name: t for t in source.tensors}
     prefix = manifest.get("strip_prefix")

@@ -60,10 +60,10 @@ def assert_clean(text: str):
     assert "error: unexpected" not in text and "Traceback" not in text, text
 
 
-def assert_refused(r, out: Path, *fragments, code=2):
+def assert_refused(r, out: Path, *fragments, code=2, src=None):
     """Exit `code`, exactly one stderr line holding every fragment, and nothing left beside OUT: no
     OUT (unless it existed before: then the caller checks it is untouched), no temporary directory,
-    no lock."""
+    no lock. With `src`, nothing outside SRC and OUT was opened (a `cli` run)."""
     assert r.returncode == code, (r.returncode, r.stderr[-2000:])
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("ckptconv: error: "), r.stderr[-2000:]
@@ -73,6 +73,9 @@ def assert_refused(r, out: Path, *fragments, code=2):
     assert not (out.parent / f".{out.name}.ckptconv-tmp").exists()
     assert not (out.parent / f".{out.name}.ckptconv-lock").exists()
     assert not (out.parent / f".{out.name}.ckptconv-old").exists()
+    if src is not None:
+        assert opened_outside(r, src, out, out.parent / f".{out.name}.ckptconv-tmp",
+                              out.parent / f".{out.name}.ckptconv-lock") == []
 
 
 _OWN = [Path(p).resolve() for p in {sys.prefix, sys.base_prefix, sysconfig.get_paths()["purelib"],

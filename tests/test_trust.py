@@ -104,7 +104,7 @@ def test_nesting_is_bounded_everywhere(tmp_path, case):
         src.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 4)
     out = tmp_path / "out"
     r = cli(command[0], src, *([out] if command[0] != "inspect" else []), *command[1:], timeout=120)
-    assert_refused(r, out, str(src.name), fragment)
+    assert_refused(r, out, str(src.name), fragment, src=src)
     assert not out.exists()
 
 
@@ -116,7 +116,7 @@ def test_shared_tuples_cannot_expand(tmp_path):
     """64 x (DUP, TUPLE2): 2**64 leaves from 140 bytes. Refused when built, in bounded time."""
     src = torch_file(tmp_path / "m.pt", _u("a") + b"N" + b"2\x86" * 64)
     r = cli("convert", src, tmp_path / "out", timeout=60)
-    assert_refused(r, tmp_path / "out", "m.pt", "expands to", "more than the pickle's")
+    assert_refused(r, tmp_path / "out", "m.pt", "expands to", "more than the pickle's", src=src)
 
 
 def test_shared_lists_are_recorded_once_as_references(tmp_path):
@@ -226,7 +226,7 @@ def test_malformed_pickles_are_classified(tmp_path, case):
     body = _u("\ud800") + _tensor() if item is None else _u("x") + item
     src = torch_file(tmp_path / "m.pt", body)
     r = cli("convert", src, tmp_path / "out")
-    assert_refused(r, tmp_path / "out", "m.pt", fragment)
+    assert_refused(r, tmp_path / "out", "m.pt", fragment, src=src)
 
 
 @pytest.mark.parametrize("index, fragment", [
@@ -238,7 +238,7 @@ def test_malformed_pickles_are_classified(tmp_path, case):
 def test_malformed_indexes_are_classified(tmp_path, index, fragment):
     src = hf_dir(tmp_path / "hf", index=json.dumps(index))
     r = cli("convert", src, tmp_path / "out")
-    assert_refused(r, tmp_path / "out", "model.safetensors.index.json", fragment)
+    assert_refused(r, tmp_path / "out", "model.safetensors.index.json", fragment, src=src)
 
 
 def _hostile_program(rng: random.Random, depth=0) -> bytes:

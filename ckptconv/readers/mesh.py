@@ -4,10 +4,8 @@ Each global tensor is a lazy join of slices of the rank pieces that cover it, fo
 (even blocks, or `ranges`); replicated tensors are rank 0's copy. Nothing is assembled in memory,
 so a tp 8 output reshards to tp 4 (or merges back to tp 1) slice by slice.
 """
-import errno
 import os
 import re
-import stat
 from pathlib import Path
 
 from .. import dtypes, safejson
@@ -34,31 +32,8 @@ _RULE_KEYS = {"pattern": str, "kind": str, "axis": int, "heads": int, "kv_heads"
 
 
 def read_regular(path, limit=MAX_METADATA) -> bytes:
-    """The bytes of `path`, a regular file of at most `limit` bytes. A symlink, FIFO or device is
-    refused without being followed or read (O_NOFOLLOW, O_NONBLOCK), and so is anything larger."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise BadInput(f"{path}: is a symbolic link, not a regular file (not followed)") from None
-        raise BadInput(f"{path}: cannot open: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise BadInput(f"{path}: not a regular file")
-        if st.st_size > limit:
-            raise BadInput(f"{path}: {st.st_size} bytes, more than the {limit} a metadata file may have")
-        chunks, left = [], limit + 1
-        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
-            chunks.append(chunk)
-            left -= len(chunk)
-        if left <= 0:
-            raise BadInput(f"{path}: more than the {limit} bytes a metadata file may have")
-        return b"".join(chunks)
-    except OSError as e:
-        raise BadInput(f"{path}: cannot read: {e.strerror}") from None
-    finally:
-        os.close(fd)
+    """The bytes of `path` in an output: a regular file, not followed if it is a link (safejson.read)."""
+    return safejson.read(path, limit=limit, follow=False)
 
 
 def read_mesh(path: Path) -> dict:
