@@ -201,13 +201,14 @@ class Context:
         self.path, self.base_offset, self.pos, self.budget = path, base_offset, 0, budget
         self._shape = {}   # id -> (object, depth, expanded size), for nested tuples and frozensets
         self._credited = 0
+        self.payloads = 0  # bytes of the payloads left in the file (Payload), up to here
 
     def credit(self, pos: int):
-        """The budget grows with the pickle bytes read so far (a legacy file's pickle is followed by
-        its storages, which justify nothing)."""
-        if pos > self._credited:
-            self.budget.add_bytes(pos - self._credited)
-            self._credited = pos
+        """The budget grows with the pickle bytes read so far, less the payloads left in place (a
+        Grok file's tensor bytes, like a legacy file's storages after its pickle, justify nothing)."""
+        if pos - self.payloads > self._credited:
+            self.budget.add_bytes(pos - self.payloads - self._credited)
+            self._credited = pos - self.payloads
 
     def bad(self, msg) -> BadInput:
         return BadInput(f"{self.path}: {msg} (pickle offset {self.base_offset + self.pos})")
@@ -326,6 +327,7 @@ def _run(mv, allowlist, ctx, persistent_load, max_memo):
         view = take(k)
         if k >= PAYLOAD_MIN:
             stack.append(Payload(view, ctx.base_offset + start))
+            ctx.payloads += k
         else:
             stack.append(bytearray(view) if mutable else bytes(view))
 
