@@ -1,0 +1,113 @@
+"""Outputs pinned byte for byte: the SHA-256 of every file that convert and reshard write for a set of
+deterministic inputs (torch.save files of every layout, a Llama-shaped .bin directory, Grok-1 and DCP
+checkpoints), recorded in tests/data/pinned_outputs.json. Restructuring must not change a byte; an
+issue that changes the output contract re-records them (CKPTCONV_PIN_RECORD=1) and says so.
+
+Inputs are made with torch and numpy only (no transformers or huggingface_hub, whose versions would
+change the inputs), and every command runs with relative paths, so the manifests' paths are too."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests import fixtures, grok_fixtures
+from tests.conftest import ROOT
+
+PINS = Path(__file__).parent / "data" / "pinned_outputs.json"
+RECORD = os.environ.get("CKPTCONV_PIN_RECORD") == "1"
+
+
+def llama_bin(d: Path):
+    """A Llama-shaped state dict (GQA: 4 query, 2 kv heads) in two .bin shards with an index."""
+    g = torch.Generator().manual_seed(0)
+    hidden, inter, vocab, kv = 32, 48, 64, 16
+    sd = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for name, shape in [("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (kv, hidden)),
+                            ("self_attn.v_proj", (kv, hidden)), ("self_attn.o_proj", (hidden, hidden)),
+                            ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
+                            ("mlp.down_proj", (hidden, inter))]:
+            sd[p + name + ".weight"] = torch.randn(*shape, generator=g)
+        sd[p + "input_layernorm.weight"] = torch.ones(hidden)
+        sd[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    sd["model.norm.weight"] = torch.ones(hidden)
+    sd["lm_head.weight"] = torch.randn(vocab, hidden, generator=g)
+    d.mkdir()
+    names = list(sd)
+    halves = {"pytorch_model-00001-of-00002.bin": names[:10], "pytorch_model-00002-of-00002.bin": names[10:]}
+    for file, keys in halves.items():
+        torch.save({k: sd[k] for k in keys}, d / file)
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, keys in halves.items() for k in keys}}))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": hidden, "num_attention_heads": 4,
+                                               "num_key_value_heads": 2, "intermediate_size": inter,
+                                               "vocab_size": vocab, "num_hidden_layers": 2}))
+    (d / "tokenizer_config.json").write_text("{}")
+
+
+def make_inputs(root: Path):
+    torch.save(fixtures.layout_cases(), root / "layouts.pt")
+    torch.save(fixtures.layout_cases(), root / "legacy.pt", _use_new_zipfile_serialization=False)
+    torch.save(fixtures.dtype_matrix(), root / "dtypes.pt")
+    torch.save(fixtures.training_state(), root / "train.pt")
+    llama_bin(root / "llama")
+    grok_fixtures.write_dir(root / "grok", grok_fixtures.make_params(2))
+    import torch.distributed.checkpoint as dcp
+    from tests.dcp_fixtures import nested_state
+    dcp.save(nested_state(), checkpoint_id=root / "dcp")
+
+
+JOBS = {
+    "layouts": ["convert", "layouts.pt"],
+    "legacy": ["convert", "legacy.pt"],
+    "dtypes": ["convert", "dtypes.pt", "--max-shard-size", "200B"],
+    "train": ["convert", "train.pt"],
+    "llama": ["convert", "llama", "--max-shard-size", "30KB"],
+    "llama-bf16": ["convert", "llama", "--dtype", "bf16", "--strip-prefix", "model."],
+    "llama-tp2": ["reshard", "llama", "--tp", "2"],
+    "llama-tp4": ["reshard", "llama", "--tp", "4", "--max-shard-size", "20KB"],
+    "grok": ["pickle-to-safetensors", "grok"],
+    "grok-bf16": ["convert", "grok", "--dequantize", "bf16"],
+    "grok-mixtral": ["convert", "grok", "--layout", "mixtral"],
+    "dcp": ["convert", "dcp"],
+}
+
+
+def digests(out: Path) -> dict:
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pinned")
+    make_inputs(root)
+    got = {}
+    for job, (command, src, *extra) in JOBS.items():
+        r = subprocess.run([sys.executable, "-m", "ckptconv.cli", command, src, f"out-{job}", *extra, "--quiet"],
+                           cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, (job, r.stderr)
+        got[job] = digests(root / f"out-{job}")
+    if RECORD:
+        PINS.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    return got
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_outputs_are_byte_identical_to_the_pinned_ones(outputs, job):
+    assert outputs[job] == json.loads(PINS.read_text())[job]
+
+
+def test_pins_cover_every_kind_of_output(outputs):
+    pinned = json.loads(PINS.read_text())
+    assert sorted(pinned) == sorted(JOBS)
+    assert any("rank-00003/" in f for f in pinned["llama-tp4"]) and "mesh.json" in pinned["llama-tp4"]
+    assert all("manifest.json" in files or "mesh.json" in files for files in pinned.values())
+    assert np.all([len(files) >= 4 for files in pinned.values()])
