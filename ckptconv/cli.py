@@ -5,13 +5,18 @@ import gc
 import json
 import os
 from pathlib import Path
+import signal
 import sys
 import traceback
+import warnings
 from collections import Counter
 
 # The command multiplies no matrices: keep numpy's OpenBLAS from starting a thread per core that
 # spins while we start up (0.1 s of CPU here, taken from the cores the hash threads need).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Until a command installs its handlers (signals.py), Ctrl-C just ends the process: nothing is
+# written yet, and Python's KeyboardInterrupt would print a traceback from the middle of an import.
+signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import click
 
@@ -150,6 +155,7 @@ def main():
     # thresholds the cyclic collector rescans them all again and again (measured: 36 s against 12 s to
     # read an 800,000-tensor safetensors header). Collect rarely instead of never.
     gc.set_threshold(10_000, 100, 100)
+    warnings.simplefilter("ignore")  # a library's warning would be a second line on stderr
 
 
 def _allow_many_open_files():
@@ -225,9 +231,9 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
               "model_type, else from tensor names).")
 @click.option("--rules", "rules_file", type=click.Path(exists=True, dir_okay=False),
               help="Partition rules file (TOML, see docs/reshard.md).")
-@click.option("--heads", type=int, help="Query heads (overrides config.json).")
-@click.option("--kv-heads", type=int, help="Key/value heads (overrides config.json).")
-@click.option("--head-dim", type=int, help="Head dimension (overrides config.json).")
+@click.option("--heads", type=click.IntRange(1), help="Query heads (overrides config.json).")
+@click.option("--kv-heads", type=click.IntRange(1), help="Key/value heads (overrides config.json).")
+@click.option("--head-dim", type=click.IntRange(1), help="Head dimension (overrides config.json).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (rule, axis, bytes per rank) and write nothing.")
 @click.option("--pad-vocab", is_flag=True, help="Zero-pad vocab rows (embeddings, lm_head) up to a multiple of "
               "--tp instead of refusing; recorded as padded_shape in mesh.json.")
@@ -265,7 +271,7 @@ def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim,
 def plan_lines(summary) -> list:
     lines = [f"plan: {summary['preset']} rules ({summary['layout']} layout, {summary['params']}), "
              f"tp={summary['tp']} ep={summary['ep']}: {summary['ranks']} ranks"]
-    width = max(len(t["name"]) for t in summary["tensors"])
+    width = min(max(len(t["name"]) for t in summary["tensors"]), 80)  # one long name must not pad every line
     lines.append(f"  {'tensor':<{width}}  {'rule':<34} {'axis':>4}  {'bytes/rank (max)':>16}")
     for t in summary["tensors"]:
         axis = "-" if t["axis"] is None else str(t["axis"])
@@ -333,9 +339,9 @@ def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, q
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file.")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Partition preset for --tp.")
 @click.option("--rules", "rules_file", type=click.Path(exists=True, dir_okay=False), help="Partition rules file.")
-@click.option("--heads", type=int, help="Query heads (overrides config.json).")
-@click.option("--kv-heads", type=int, help="Key/value heads.")
-@click.option("--head-dim", type=int, help="Head dimension.")
+@click.option("--heads", type=click.IntRange(1), help="Query heads (overrides config.json).")
+@click.option("--kv-heads", type=click.IntRange(1), help="Key/value heads.")
+@click.option("--head-dim", type=click.IntRange(1), help="Head dimension.")
 @read_options
 @command
 def plan_cmd(src, tp, ep, hosts, disk_gbps, max_shard_size, preset, rules_file, heads, kv_heads, head_dim, fmt, read,
@@ -387,7 +393,7 @@ def inspect_cmd(path, fmt, read, quiet, as_json):
         return
     say(f"{path}: {info['format']}, {len(ckpt.tensors)} tensors, {format_size(ckpt.total_bytes)}")
     say("dtypes: " + ", ".join(f"{k} {format_size(v)}" for k, v in info["dtypes"].items()))
-    width = max((len(t.name) for t in ckpt.tensors), default=4)
+    width = min(max((len(t.name) for t in ckpt.tensors), default=4), 80)  # one long name must not pad every line
     for t in ckpt.tensors:
         say(f"  {t.name:<{width}}  {t.dtype.code:<7} {str(list(t.shape)):<20} {format_size(t.nbytes)}")
     if ckpt.extras:

@@ -76,6 +76,6 @@ def brief(value, limit: int = 200) -> str:
             parts = [f"{walk(k, depth + 1)}: {walk(x, depth + 1)}" for k, x in itertools.islice(v.items(), 8)]
         else:
             parts = [walk(x, depth + 1) for x in itertools.islice(v, 8)]
-        inner = ", ".join(parts) + (", ..." if len(v) > 8 else "")
+        inner = ", ".join(parts) + (", ..." if len(v) > 8 else "," if type(v) is tuple and len(v) == 1 else "")
         return {dict: "{%s}", list: "[%s]", tuple: "(%s)"}.get(type(v), type(v).__name__ + "({%s})") % inner
     return walk(value, 0)[:limit * 2]

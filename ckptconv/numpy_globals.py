@@ -132,6 +132,8 @@ def numpy_globals(numpy1=True, numpy2=True) -> dict:
 def numpy_source(name, arr: NumpyArray, mapped=None) -> ArraySource:
     """An ArraySource for a pickled ndarray; zero-copy with a file span when its payload is mapped."""
     a = arr.array
+    if a is None:
+        raise BadInput(f"tensor {name!r}: a numpy array whose pickle never set its state (no data)")
     dt = dtypes.from_numpy(a.dtype)
     if arr.payload is not None and mapped is not None:
         span = (mapped, arr.payload.offset, len(arr.payload))

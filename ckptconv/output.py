@@ -14,7 +14,8 @@ import socket
 import time
 from pathlib import Path
 
-from .errors import OutputError
+from . import safejson
+from .errors import BadInput, OutputError
 from .signals import deferred
 
 MARKERS = ("manifest.json", "mesh.json")  # a directory holding one of these is a ckptconv output
@@ -67,9 +68,19 @@ def check_target(out: Path, inputs=(), overwrite=False):
         return  # an empty directory (`mkdir out` first): replaced by the output
     if not overwrite:
         raise OutputError(f"{out}: already exists (use --overwrite to replace a previous ckptconv output)")
-    if not any((out / m).is_file() and not (out / m).is_symlink() for m in MARKERS):
-        raise OutputError(f"{out}: is not a ckptconv output (no {' or '.join(MARKERS)}); --overwrite replaces only "
-                          "those: remove it yourself if it should go")
+    if not any(_ours(out / m) for m in MARKERS):
+        raise OutputError(f"{out}: is not a ckptconv output (no {' or '.join(MARKERS)} of ckptconv's); --overwrite "
+                          "replaces only those: remove it yourself if it should go")
+
+
+def _ours(marker: Path) -> bool:
+    """A ckptconv manifest.json or mesh.json: a regular file holding a JSON object whose format is
+    ckptconv's (a web app's manifest.json is not)."""
+    try:
+        doc = safejson.loads(safejson.read(marker, limit=256 << 20, follow=False), marker)
+    except BadInput:
+        return False
+    return isinstance(doc, dict) and str(doc.get("format", "")).startswith("ckptconv.")
 
 
 def _take_lock(out: Path) -> Path:

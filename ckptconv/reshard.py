@@ -21,7 +21,7 @@ from .errors import BadInput, UsageError
 from .output import atomic_output, temp_path
 from .progress import byte_progress
 from .readers import ReadOptions, open_checkpoint, readers
-from .rules import RuleSet, choose, from_json, read_config
+from .rules import RuleSet, choose, read_config, recorded
 from .tensor import Computed, Concat, as_bytes, sha256_of
 from .hashing import CHUNK, Pipeline, sha256_file
 from .sha256sums import NAME as SUMS, write_sums
@@ -245,7 +245,7 @@ def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=N
     ckpt = open_checkpoint(src, fmt, read or ReadOptions())
     names = [t.name for t in ckpt.tensors]
     if preset is None and rules_file is None and ckpt.source.get("rules"):
-        rules = from_json(ckpt.source["rules"])  # a resharded source: reuse the rules it recorded
+        rules = recorded(ckpt.source["rules"])  # a resharded source: the preset it recorded
     else:
         rules = choose(names, read_config(ckpt.model_files), preset, rules_file, heads or {})
     plans = plan(ckpt.tensors, rules, tp, ep, pad_vocab)
@@ -292,7 +292,7 @@ def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=N
 def _scatters(p: TensorPlan) -> bool:
     """Split on a later axis, with rows small enough to read whole: read each block of rows once and
     hand every rank its columns (instead of every rank gathering its columns from the whole tensor)."""
-    if p.axis is None or _streams_in_order(p) or p.axis == 0:
+    if p.axis is None or _streams_in_order(p) or p.axis == 0 or not math.prod(p.shape):
         return False
     return math.prod(p.shape[1:]) * p.dtype.itemsize <= CHUNK
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import safejson
-from .errors import UsageError
+from .errors import BadInput, UsageError, brief
 
 try:
     import tomllib
@@ -51,12 +51,28 @@ class RuleSet:
 
     def to_json(self) -> dict:
         return {"name": self.name, "layout": self.layout, "params": self.params,
-                "rules": [{k: v for k, v in asdict(r).items() if v not in (None, False)} for r in self.rules]}
+                "rules": [{k: v for k, v in asdict(r).items() if v is not None and v is not False}
+                          for r in self.rules]}
 
 
 def from_json(obj: dict) -> RuleSet:
-    """Rebuild a rule set recorded in mesh.json (so a later reshard reproduces the layout)."""
+    """A rule set recorded in mesh.json, as data (its patterns are compiled, never matched here)."""
     return RuleSet(obj["name"], obj["layout"], [_rule(r, "mesh.json") for r in obj["rules"]], obj.get("params", {}))
+
+
+def recorded(obj: dict) -> RuleSet:
+    """The rules to reshard a reshard output again with. A preset is rebuilt from its name and head
+    counts; regular expressions read from a checkpoint are never run (one can take exponential time on
+    a chosen name), so rules that came from a file must be given again with --rules."""
+    name, params = obj.get("name"), obj.get("params")
+    if name not in PRESETS or not isinstance(params, dict):
+        raise UsageError(f"this reshard output was made with {name!r} rules, which are not a preset: give them "
+                         "again with --rules FILE (mesh.json records them under 'rules')")
+    try:
+        return PRESETS[name]({k: _positive(params, k, "mesh.json rules") for k in ("heads", "kv_heads", "head_dim")
+                              if k in params})
+    except KeyError as e:
+        raise BadInput(f"mesh.json: the recorded {name} rules lack {e.args[0]!r}") from None
 
 
 def _rule(raw: dict, where: str) -> Rule:
@@ -95,13 +111,24 @@ def load_rules_file(path) -> RuleSet:
 # ---------------------------------------------------------------------------------------------
 # Presets
 
+def _positive(cfg: dict, key: str, where="config.json"):
+    """cfg[key] as a positive int, None when absent; anything else is refused (a config.json is input)."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or value <= 0:
+        raise BadInput(f"{where}: {key} must be a positive integer, not {brief(value, 60)}")
+    return value
+
+
 def model_params(cfg: dict, overrides: dict) -> dict:
     """Head counts from a Hugging Face config.json (any family's spelling), then --heads/--kv-heads/--head-dim."""
-    heads = overrides.get("heads") or cfg.get("num_attention_heads") or cfg.get("n_head")
-    hidden = cfg.get("hidden_size") or cfg.get("n_embd")
+    heads = overrides.get("heads") or _positive(cfg, "num_attention_heads") or _positive(cfg, "n_head")
+    hidden = _positive(cfg, "hidden_size") or _positive(cfg, "n_embd")
     out = {"heads": heads,
-           "kv_heads": overrides.get("kv_heads") or cfg.get("num_key_value_heads") or heads,
-           "head_dim": overrides.get("head_dim") or cfg.get("head_dim") or (hidden // heads if hidden and heads else None),
+           "kv_heads": overrides.get("kv_heads") or _positive(cfg, "num_key_value_heads") or heads,
+           "head_dim": overrides.get("head_dim") or _positive(cfg, "head_dim") or (hidden // heads if hidden and heads
+                                                                                   else None),
            "hidden": hidden}
     return {k: v for k, v in out.items() if v}
 
@@ -188,7 +215,8 @@ def choose(names, config: dict | None, preset: str | None, rules_file, heads_ove
         return load_rules_file(rules_file)
     cfg = dict(config or {})
     if preset is None:
-        preset = _MODEL_TYPES.get(cfg.get("model_type", ""))
+        model_type = cfg.get("model_type", "")
+        preset = _MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if preset is None:
         if any(n.startswith("transformer.decoder_layer_") for n in names):
             preset = "grok-1"

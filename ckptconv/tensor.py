@@ -199,7 +199,12 @@ def cast(src: TensorSource, dtype: DType) -> TensorSource:
     """Cast a floating tensor (ml_dtypes rounds to nearest even), computed block by block."""
     if src.dtype == dtype:
         return src
-    return Computed(src.name, dtype, src.shape, lambda index: src.region(index).astype(dtype.numpy), (src,))
+
+    def compute(index):
+        with np.errstate(over="ignore", invalid="ignore"):  # out of range becomes inf: the cast's meaning
+            return src.region(index).astype(dtype.numpy)
+
+    return Computed(src.name, dtype, src.shape, compute, (src,))
 
 
 def iter_blocks(src: TensorSource, limit: int):

@@ -158,7 +158,12 @@ class _StrClass(StandIn):
 
 
 def _as_str(ctx, *args):
-    return ":".join(str(a) for a in args if a is not None)
+    """torch.device("cuda", 0) and layouts: a short text. Only strings and small ints are taken
+    (str() of anything else could be a huge or self-sharing structure)."""
+    if len(args) > 2 or not all(a is None or isinstance(a, str) or (type(a) is int and abs(a) < 2**31)
+                                for a in args):
+        raise ctx.bad(f"torch.device/layout of {brief(args)}")
+    return ":".join(str(a)[:256] for a in args if a is not None)
 
 
 def _size(ctx, dims=()):
@@ -230,6 +235,8 @@ def flatten(obj, path, prefix="", skip_unsupported=False, budget: Budget = None)
         elif isinstance(value, TorchTensor):
             _add(tensors, path, name, value.source(name))
         elif isinstance(value, NumpyArray):
+            if value.array is None:
+                raise BadInput(f"{path}: tensor {name!r} is a numpy array whose pickle never set its state")
             _add(tensors, path, name, numpy_source(name, value))
         else:
             if name in extras or name in tensors:

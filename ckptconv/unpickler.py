@@ -12,12 +12,14 @@ import hashlib
 import json
 import math
 import struct
+import sys
 from dataclasses import dataclass
 
-from .errors import BadInput, UnsafePickle, brief, encodable, printable
+from .errors import BadInput, UnsafePickle, brief, printable
 from .limits import MAX_DEPTH, Budget
 
 PAYLOAD_MIN = 64 * 1024  # payloads this large stay views of the mapped file
+_MODULUS = sys.hash_info.modulus  # 2**61 - 1 on 64-bit builds
 
 
 @dataclass
@@ -77,10 +79,19 @@ class InertClass(StandIn):
         self.qualname = qualname
 
     def call(self, args, ctx):
-        return InertObject(self.qualname, list(args))
+        return InertObject(self.qualname, list(_args(ctx, args, self.qualname)))
 
     def new(self, args, kwargs, ctx):
-        return InertObject(self.qualname, list(args), dict(kwargs or {}))
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ctx.bad(f"{self.qualname} instantiated with keyword arguments in a {type(kwargs).__name__}")
+        return InertObject(self.qualname, list(_args(ctx, args, self.qualname)), dict(kwargs or {}))
+
+
+def _args(ctx, args, qualname):
+    """Constructor arguments are a tuple (a string would become one record field per character)."""
+    if not isinstance(args, tuple):
+        raise ctx.bad(f"{qualname} called with a {type(args).__name__} instead of a tuple of arguments")
+    return args
 
 
 class InertObject:
@@ -249,13 +260,31 @@ class Context:
         return self._made(frozenset(items), items, "frozenset")
 
     def hashing(self, keys):
-        """Charge for hashing `keys` (a tuple's hash walks all of it, every time); returns them."""
+        """Charge for hashing `keys` (a tuple's hash walks all of it, every time) and refuse keys
+        chosen to collide; returns them."""
         self.credit(self.pos)
         cost = 0
         for k in keys:
             cost += self._size(k)[1]
         self.budget.spend(cost, "hashing its keys")
+        for k in keys:
+            self._unsalted(k)
         return keys
+
+    def _unsalted(self, key):
+        """Python hashes numbers by their value modulo 2**61 - 1, with no random salt (strings and
+        bytes have one): numbers an attacker picks to be equal modulo it would make every insertion
+        into a dict or set scan all the others, quadratic in the file's size. Such numbers cannot be
+        keys, nor parts of tuple keys (walked once each; their size was charged above)."""
+        todo, seen = [key], set()
+        while todo:
+            x = todo.pop()
+            if isinstance(x, (int, float)) and not isinstance(x, bool) and not -_MODULUS < x < _MODULUS:
+                raise self.bad(f"a dict key or set member holds the number {brief(x, 40)}, beyond the 2**61 - 1 "
+                               "that Python can hash without collisions")
+            if type(x) is tuple and id(x) not in seen:
+                seen.add(id(x))
+                todo.extend(x)
 
 
 def load(data, allowlist: dict, path, base_offset=0, persistent_load=None, budget: Budget = None):
@@ -589,6 +618,8 @@ def key_text(key) -> str:
     """A dict key as a name part: scalars as str(), anything else as a short, deterministic repr."""
     if isinstance(key, str):
         return key
+    if isinstance(key, int) and key.bit_length() > 1024:
+        return hex(key)  # str() of a 40,000-digit number is refused by Python itself
     if key is None or isinstance(key, (bool, int, float)):
         return str(key)
     return brief(key, 100)
@@ -618,7 +649,7 @@ def _jsonable(value, path, depth, seen, budget):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, str):
         budget.spend(len(value) >> 6, "non-tensor state")
-        return value if value.isascii() or encodable(value) else value.encode("utf-8", "backslashreplace").decode()
+        return value  # (text UTF-8 cannot spell is written as its JSON escape: writer.write_json)
     if isinstance(value, (bytes, bytearray, Payload)):
         raw = value.view if isinstance(value, Payload) else value
         budget.spend(len(raw) >> 16, "non-tensor state")

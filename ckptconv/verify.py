@@ -23,7 +23,7 @@ from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint
 from .safetensors_format import parse_header
 from .sha256sums import NAME as SUMS, is_digest, parse_sums, unsafe_name
 from .tensor import as_bytes, cast, iter_blocks, sha256_of
-from . import dtypes
+from . import dtypes, transforms
 from .writer import INDEX_NAME, MANIFEST_FORMAT
 
 
@@ -507,20 +507,34 @@ def _checked_manifest(d: Path) -> dict:
 
 def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report, mine=lambda kind, key: True):
     """Every tensor (global tensor, for a reshard output) equal to the source, bit for bit, streaming."""
-    out = open_checkpoint(out_path, None, ReadOptions())
+    is_mesh = (out_path / "mesh.json").is_file()
+    # what OUT holds is read as what ckptconv writes, never by detection: a .pt or .metadata slipped
+    # into OUT (and listed in its sums) must not become "the output" that matches the source
+    out = open_checkpoint(out_path, "mesh" if is_mesh else "safetensors", ReadOptions())
     source = open_checkpoint(src, fmt, read)
     manifest = {}
-    first = out_path / "rank-00000" if (out_path / "mesh.json").is_file() else out_path
+    first = out_path / "rank-00000" if is_mesh else out_path
     if (first / "manifest.json").is_file():
         manifest = _checked_manifest(first).get("source", {})
         manifest = manifest if isinstance(manifest, dict) else {}
-    src_tensors = {t.name: t for t in source.tensors}
-    prefix = manifest.get("strip_prefix")
-    if prefix and isinstance(prefix, str):
-        src_tensors = {(n[len(prefix):] if n.startswith(prefix) and len(n) > len(prefix) else n): t
-                       for n, t in src_tensors.items()}
-    cast_to = manifest.get("cast")
-    target = dtypes.BY_CODE.get(cast_to) if isinstance(cast_to, str) else None
+    src_list = source.tensors
+    prefix, cast_to = manifest.get("strip_prefix"), manifest.get("cast")
+    if prefix is not None:  # convert's own transforms, with their own checks (a name clash is refused)
+        try:
+            src_list = transforms.strip_prefix(src_list, prefix if isinstance(prefix, str) and prefix else None)
+        except UsageError as e:
+            report.add(out_path / "manifest.json", f"source.strip_prefix {brief(prefix)}: {e}")
+            return
+        if not isinstance(prefix, str) or not prefix:
+            report.add(out_path / "manifest.json", f"source.strip_prefix {brief(prefix)} is not a prefix")
+            return
+    target = None
+    if cast_to is not None:
+        target = next((d for d in dtypes.CAST_TARGETS.values() if d.code == cast_to), None)
+        if target is None:
+            report.add(out_path / "manifest.json", f"source.cast {brief(cast_to)} is not a --dtype ckptconv casts to")
+            return
+    src_tensors = {t.name: t for t in src_list}
     for t in out.tensors:
         s = src_tensors.pop(t.name, None)
         if not mine("tensor", t.name):

@@ -83,7 +83,7 @@ def source_id(paths, description) -> str:
     h = hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode())
     for p in sorted({os.path.realpath(p) for p in paths}):
         st = os.stat(p)
-        h.update(f"{p}\0{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}\n".encode())
+        h.update(os.fsencode(p) + f"\0{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}\n".encode())
     return h.hexdigest()
 
 
@@ -218,12 +218,19 @@ def write_tensor(f, file_h, t, pipeline, progress, tap):
             with mapped.reader() as fill_at:
                 pipeline.push_range(f, file_h, tensor_h, fill_at, offset, t.nbytes, tap, progress)
         else:
+            pushed = 0
             for block in iter_blocks(t, CHUNK):
                 data = as_bytes(block)
+                pushed += len(data)
+                if pushed > t.nbytes:
+                    break
                 pipeline.push(f, file_h, tensor_h, data, tap)
                 t.release()  # the bytes are in the staging buffers now
                 if progress:
                     progress(len(data))
+            if pushed != t.nbytes:  # the header promised nbytes: never publish a file that lies
+                raise BadInput(f"tensor {t.name!r}: its source gave {pushed} bytes where its shape {list(t.shape)} "
+                               f"needs {t.nbytes}")
     except (ValueError, IndexError) as e:
         raise BadInput(f"tensor {t.name!r}: cannot read its data: {e}") from None
     finally:
@@ -263,7 +270,9 @@ def copy_files(out_dir, files, written: Written):
 
 
 def write_json(out_dir, name, obj, written: Written = None) -> bytes:
-    data = (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+    """Pretty, sorted JSON in UTF-8. Text UTF-8 cannot spell (a file name that is not UTF-8, read by
+    Python as unpaired surrogates) is written as its JSON escape, which reads back the same."""
+    data = (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
     with open(os.path.join(out_dir, name), "wb") as f:
         write_all(f, data)
     if written is not None:

@@ -566,3 +566,170 @@ def test_a_run_refused_by_the_lock_leaves_the_other_runs_files_alone(tmp_path):
     assert r.exit_code == 2 and f"pid {os.getpid()}" in r.stderr
     assert (tmp_path / ".out.ckptconv-tmp" / "model-00001-of-00002.safetensors").read_text() == "the other run's work"
     assert (tmp_path / ".out.ckptconv-lock").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Found by an outside attack on the classes above (each was a way through before it was fixed)
+
+
+def _forge(out: Path, manifest_edit, add=()):
+    """Edit an output's manifest (and add files to it) and re-sign everything, as a careful forger."""
+    import hashlib
+    from ckptconv.sha256sums import format_sums
+
+    def sha(p):
+        return hashlib.sha256(p.read_bytes()).hexdigest()
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    for name in add:
+        manifest["files"][name] = {"sha256": sha(out / name), "size": (out / name).stat().st_size}
+    manifest_edit(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    (out / "SHA256SUMS").write_bytes(format_sums({p.name: sha(p) for p in out.iterdir() if p.name != "SHA256SUMS"}))
+
+
+def test_verify_against_reads_the_output_as_ckptconv_wrote_it(tmp_path):
+    """A genuine .pt slipped into a forged OUT and listed in its sums must not be what --against
+    compares with the source."""
+    torch.save({"w": torch.zeros(4)}, tmp_path / "genuine.pt")
+    torch.save({"w": torch.full((4,), 666.0)}, tmp_path / "evil.pt")
+    out = tmp_path / "forged"
+    assert run("convert", tmp_path / "evil.pt", out).exit_code == 0
+    (out / "zz.pt").write_bytes((tmp_path / "genuine.pt").read_bytes())
+    _forge(out, lambda m: None, add=["zz.pt"])
+    assert run("verify", out).exit_code == 0  # consistent in itself: only --against can tell
+    r = run("verify", out, "--against", tmp_path / "genuine.pt")
+    assert r.exit_code == 1 and "differs from the source" in r.stdout, r.stdout
+
+
+def test_verify_against_applies_the_recorded_prefix_as_convert_does(tmp_path):
+    src = safetensors_file(tmp_path / "src.safetensors", {"x": F4, "a.x": F4_2}, b"\0" * 8)
+    out = tmp_path / "out"
+    assert run("convert", tmp_path / "src.safetensors", out, "--only", "x").exit_code == 0
+    _forge(out, lambda m: m["source"].update(strip_prefix="a."))  # would fold "a.x" onto "x", hiding it
+    r = run("verify", out, "--against", src)
+    assert r.exit_code == 1 and "makes 'x' and 'a.x' both 'x'" in r.stdout, r.stdout
+
+
+def test_numbers_chosen_to_collide_cannot_be_keys(tmp_path):
+    """Ints hash modulo 2**61 - 1 with no salt: 160,000 keys equal modulo it took minutes (quadratic)."""
+    keys = b"".join(b"\x8a\x10" + ((2**61 - 1) * (i + 1)).to_bytes(16, "little", signed=True) + b"N"
+                    for i in range(1000))
+    src = torch_file(tmp_path / "m.pt", _u("d") + b"}(" + keys + b"u")
+    r = cli("convert", src, tmp_path / "out", timeout=60)
+    assert_refused(r, tmp_path / "out", "beyond the 2**61 - 1", src=src)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (_u("dev") + b"ctorch\ndevice\n(]" + b"(" + b"K\x01" * 1000 + b"l" + b"tR", "torch.device/layout of"),
+    (_u("ns") + b"cargparse\nNamespace\n" + _u("x" * 100000) + b"R", "instead of a tuple of arguments"),
+    (_u("arr") + b"cnumpy.core.multiarray\n_reconstruct\n(cnumpy\nndarray\nK\x00\x85C\x01btR",
+     "never set its state"),
+])
+def test_records_and_stand_ins_take_only_what_they_should(tmp_path, body, fragment):
+    src = torch_file(tmp_path / "m.pt", body)
+    assert_refused(cli("convert", src, tmp_path / "out"), tmp_path / "out", fragment, src=src)
+
+
+def test_extras_names_of_any_key_can_be_written(tmp_path):
+    """A key Python will not print in decimal, and one UTF-8 cannot spell, still name extras."""
+    src = torch_file(tmp_path / "m.pt", _u("d") + b"}(" + _u("\udcff") + b"K\x02" + b"\x8a\x02\x00\x01\x85K\x03u")
+    assert run("convert", src, tmp_path / "out").exit_code == 0
+    extras = json.loads((tmp_path / "out" / "manifest.json").read_text())["extras"]
+    assert extras == {"d.\udcff": 2, "d.(256,)": 3}
+    assert b'"d.\\udcff"' in (tmp_path / "out" / "manifest.json").read_bytes()  # valid UTF-8: the JSON escape
+
+
+def test_views_may_not_describe_far_more_bytes_than_the_file(tmp_path):
+    src = torch_file(tmp_path / "m.pt", _u("big") + _tensor().replace(b"(J\x04\x00\x00\x00t(K\x01t",
+                                                                        b"(J\x00\x00\x00\x02t(K\x00t"))
+    assert_refused(cli("convert", src, tmp_path / "out"), tmp_path / "out", "describe 134217744 bytes", src=src)
+
+
+@pytest.mark.parametrize("config", ['{"model_type": []}', '{"num_attention_heads": "2"}',
+                                    '{"model_type": "llama", "hidden_size": [4], "num_attention_heads": 2}',
+                                    '{"model_type": "llama", "num_attention_heads": 2.0, "hidden_size": 8}',
+                                    '{"model_type": "llama", "num_attention_heads": 2, "num_key_value_heads": 0.5,'
+                                    ' "hidden_size": 8}'])
+def test_config_values_are_checked(tmp_path, config):
+    src = hf_dir(tmp_path / "hf", config=config)
+    r = cli("reshard", src, tmp_path / "out", "--tp", "2")
+    assert_refused(r, tmp_path / "out", src=src)
+
+
+@pytest.mark.parametrize("description", ['{"tensors": [{"name": "a", "shape": [2], "dtype": "__builtins__"}]}',
+                                         '{"tensors": [{"name": "a", "shape": "x", "dtype": "F32"}]}',
+                                         '{"tensors": [{"name": 5, "shape": [2], "dtype": "F32"}]}',
+                                         '{"tensors": [], "config": [1]}',
+                                         '{"tensors": [{"name": "a", "dtype": "F32", "shape": ' + str([2**62] * 40)
+                                         + '}]}'])
+def test_shapes_descriptions_are_checked(tmp_path, description):
+    (tmp_path / "shapes.json").write_text(description)
+    r = cli("plan", tmp_path / "shapes.json", "--tp", "2", "--from", "shapes")
+    assert_refused(r, tmp_path / "out", "shapes.json")
+
+
+def test_overwrite_needs_a_manifest_of_ckptconvs(tmp_path):
+    torch.save({"w": torch.ones(3)}, tmp_path / "m.pt")
+    app = tmp_path / "webapp"
+    app.mkdir()
+    (app / "manifest.json").write_text('{"name": "My PWA"}')
+    (app / "index.html").write_text("<html>")
+    assert_refused(cli("convert", tmp_path / "m.pt", app, "--overwrite"), app, "is not a ckptconv output")
+    assert (app / "index.html").read_text() == "<html>"
+
+
+def test_a_cast_that_overflows_prints_nothing(tmp_path):
+    src = safetensors_file(tmp_path / "a.safetensors", {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+                           struct.pack("<2f", 1e30, -1e30))
+    r = cli("convert", src, tmp_path / "out", "--dtype", "f16", "--quiet")
+    assert r.returncode == 0 and r.stderr == ""
+    r = cli("verify", tmp_path / "out", "--against", src, "--quiet")
+    assert r.returncode == 0 and r.stderr == ""
+
+
+def test_grok_hosts_must_agree(tmp_path):
+    params = grok_fixtures.make_params(layers=1)
+    grok_fixtures.write_dir(tmp_path / "g", params, hosts=2, axes=lambda path: 0)
+    r = cli("convert", tmp_path / "g", tmp_path / "out", "--host-axis", "5")
+    assert_refused(r, tmp_path / "out", "cannot join the hosts'", src=tmp_path / "g")
+    one = tmp_path / "one"
+    grok_fixtures.write_dir(one, params)
+    (one / "ckpt-0" / "tensor\u0660\u0660\u0660\u0660\u0660_\u0660\u0660\u0660").write_bytes(b"not a pickle")
+    assert run("convert", one, tmp_path / "out").exit_code == 0  # Arabic-Indic digits do not make a shard name
+
+
+def test_empty_tensors_split_on_a_later_axis(tmp_path):
+    d = tmp_path / "src"
+    d.mkdir()
+    torch.save({"model.layers.0.self_attn.o_proj.weight": torch.zeros(4, 0),
+                "model.layers.0.self_attn.q_proj.weight": torch.zeros(4, 4)}, d / "m.pt")
+    (d / "config.json").write_text('{"model_type": "llama", "num_attention_heads": 2, "hidden_size": 4}')
+    assert run("reshard", d, tmp_path / "out", "--tp", "2").exit_code == 0
+
+
+def test_recorded_rules_from_a_file_are_not_run_again(tmp_path):
+    torch.save({"w": torch.ones(4, 2)}, tmp_path / "m.pt")
+    (tmp_path / "rules.toml").write_text('[[rule]]\npattern = "(a|a)+b|w"\naxis = 0\n')
+    assert run("reshard", tmp_path / "m.pt", tmp_path / "tp2", "--tp", "2", "--rules", tmp_path / "rules.toml",
+               "--quiet").exit_code == 0
+    r = run("reshard", tmp_path / "tp2", tmp_path / "again", "--tp", "1")
+    assert r.exit_code == 2 and "give them again with --rules FILE" in r.stderr
+    assert run("reshard", tmp_path / "tp2", tmp_path / "again", "--tp", "1", "--rules", tmp_path / "rules.toml",
+               "--quiet").exit_code == 0
+    assert json.loads((tmp_path / "tp2" / "mesh.json").read_text())["rules"]["rules"][0]["axis"] == 0
+
+
+def test_the_writer_refuses_a_source_that_gives_the_wrong_number_of_bytes(tmp_path):
+    from ckptconv import dtypes
+    from ckptconv.hashing import Pipeline
+    from ckptconv.tensor import Computed
+    from ckptconv.writer import plan_shards, write_shards
+    from ckptconv.errors import BadInput
+    liar = Computed("t", dtypes.BY_CODE["F32"], (1024,), lambda index: np.zeros(3, np.float32))
+    pipeline = Pipeline()
+    try:
+        with pytest.raises(BadInput, match="gave 12 bytes where its shape"):
+            write_shards(tmp_path, plan_shards([liar], 10**9), pipeline)
+    finally:
+        pipeline.close()

@@ -326,6 +326,7 @@ class DCPReader:
         self.path, self.allow, self.root = path, allow, source_root(path)
         self.files = {}
         self._blobs = {}                 # (file, offset) -> ({name: source}, DCP_SHARDING_INFO)
+        self._members = {}               # (file, blob offset, name) -> offsets of the chunk it backs
         self._inflated = OrderedDict()   # id(chunk) -> source over its inflated bytes, most recent last
         self._spill = None               # the unlinked temporary file inflated items go to
         self._spill_end = 0
@@ -499,6 +500,11 @@ class DCPReader:
         if src is None or (saved is not None and (not isinstance(saved, list) or tuple(saved) != chunk.offsets)):
             raise BadInput(f"{m.path}: chunk of {chunk.fqn!r} at {list(chunk.offsets)} is not in the safetensors blob "
                            f"at offset {offset}")
+        # a blob holds one tensor per name: a second chunk naming it would repeat its bytes
+        first = self._members.setdefault((m.path, offset, chunk.fqn), chunk.offsets)
+        if first != chunk.offsets:
+            raise BadInput(f"{m.path}: chunks of {chunk.fqn!r} at {list(first)} and {list(chunk.offsets)} both name "
+                           f"its one tensor in the safetensors blob at offset {offset}")
         return src
 
     def _blob(self, m, offset):

@@ -26,7 +26,7 @@ NAME = "grok"
 PICKLE = True
 DESCRIPTION = "Grok-1-style pickle shard directories (ckpt-0/tensor00000_000 ...)"
 
-FILE_RE = re.compile(r"tensor(\d{5})_(\d{3})")
+FILE_RE = re.compile(r"tensor([0-9]{5})_([0-9]{3})")  # ASCII digits: "\d" also matches "٠"
 LAYER_PARAMS = ["moe/linear/w", "moe/linear_1/w", "moe/linear_v/w", "multi_head_attention/key/w",
                 "multi_head_attention/linear/w", "multi_head_attention/query/w", "multi_head_attention/value/w",
                 "rms_norm/scale", "rms_norm_1/scale", "rms_norm_2/scale", "rms_norm_3/scale", "router/w"]
@@ -159,6 +159,8 @@ def _parse(path: Path, allow):
 
 
 def _check_dtype(m, what, arr, allowed):
+    if not isinstance(arr, NumpyArray) or arr.array is None:
+        raise BadInput(f"{m.path}: {what} is not an array with data (its pickle never set its state)")
     if arr.array.dtype.newbyteorder("<") not in allowed:
         raise BadInput(f"{m.path}: {what} has dtype {arr.array.dtype}, expected "
                        f"{' or '.join(str(a) for a in allowed)}")
@@ -224,17 +226,21 @@ def _join(name, index, parts, host_axis):
         return numpy_source(name.replace("/", ".") + suffix, arr, m)
 
     quantized = isinstance(parts[0][1], Quantized)
-    if any(isinstance(obj, Quantized) != quantized for _, obj in parts):
-        raise BadInput(f"index {index} ({name}): hosts disagree on whether the tensor is quantized")
     m, obj = parts[0]
+    if any(isinstance(o, Quantized) != quantized for _, o in parts):
+        raise BadInput(f"{m.path}: index {index} ({name}): hosts disagree on whether the tensor is quantized")
     host0 = _Leaf(src(m, obj.weight), src(m, obj.scales)) if quantized else _Leaf(src(m, obj))
     if len(parts) == 1:
         return host0
     axis = host_axis(name)
+    ndim = len(host0.value.shape)
+    if axis is not None and not 0 <= axis < ndim:
+        raise BadInput(f"{m.path}: index {index} ({name}): cannot join the hosts' {ndim}-d slices on axis {axis}")
     if axis is None:  # replicated by the partition rules: every host holds the whole tensor
         shapes = {tuple(o.array.shape) if not quantized else tuple(o.weight.array.shape) for _, o in parts}
         if len(shapes) != 1:
-            raise BadInput(f"index {index} ({name}): replicated tensor has different shapes on different hosts")
+            raise BadInput(f"{m.path}: index {index} ({name}): replicated tensor has different shapes on different "
+                           "hosts")
         return host0
     try:
         if not quantized:
@@ -244,10 +250,14 @@ def _join(name, index, parts, host_axis):
         if all(s.shape[axis] == 1 for s in scale_parts) and weight.shape[axis] != len(parts):
             scales = scale_parts[0]  # one group along the joined axis: every host holds the same scales
         else:
+            cuts = [(o.weight.array.shape[axis], s.shape[axis]) for (_, o), s in zip(parts, scale_parts)]
+            if any(w * cuts[0][1] != cuts[0][0] * g for w, g in cuts):  # rows per group, host by host
+                raise BadInput(f"hosts cut axis {axis} into quantization groups of different sizes "
+                               f"({cuts}: rows, groups)")
             scales = Concat(name.replace("/", ".") + ".scales", scale_parts, axis)
         return _Leaf(weight, scales)
     except BadInput as e:
-        raise BadInput(f"index {index} ({name}): host files do not join on axis {axis}: {e}") from None
+        raise BadInput(f"{m.path}: index {index} ({name}): host files do not join on axis {axis}: {e}") from None
 
 
 def dequantized(name, weight, scales, dtype) -> Computed:

@@ -13,7 +13,8 @@ import numpy as np
 
 from .. import dtypes
 from .. import safejson
-from ..errors import BadInput
+from ..errors import BadInput, brief
+from ..limits import shape_problem
 from ..tensor import Checkpoint, TensorSource
 from . import ReadOptions, wanted
 
@@ -31,13 +32,25 @@ class ShapeOnly(TensorSource):
         raise BadInput(f"tensor {self.name!r} comes from a shapes-only description and has no data")
 
 
-def _dtype(text):
+def _dtype(text, path):
+    if not isinstance(text, str) or not text.isidentifier():  # a name like "float32" or "BF16", not a spec
+        raise BadInput(f"{path}: dtype {brief(text, 60)} is not a dtype name")
     if text in dtypes.BY_CODE:
         return dtypes.BY_CODE[text]
     try:
         return dtypes.from_numpy(np.dtype(getattr(ml_dtypes, text, text)))
-    except TypeError:
-        raise BadInput(f"unknown dtype {text!r} in a shapes description") from None
+    except (TypeError, ValueError, BadInput):
+        raise BadInput(f"{path}: unknown dtype {text!r} in a shapes description") from None
+
+
+def _tensor(name, dtype, shape, path) -> "ShapeOnly":
+    if not isinstance(name, str) or not name:
+        raise BadInput(f"{path}: a tensor name {brief(name, 60)} is not text")
+    dt = _dtype(dtype, path)
+    problem = shape_problem(shape, dt.itemsize)  # before anything multiplies its sizes
+    if problem:
+        raise BadInput(f"{path}: tensor {name!r}: {problem}")
+    return ShapeOnly(name, dt, shape)
 
 
 def detect(path: Path) -> bool:
@@ -53,19 +66,23 @@ def detect(path: Path) -> bool:
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
     data = safejson.load_file(path, "shapes description", limit=64 << 20)
+    config = data.get("config", {}) if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("tensors"), list) or not isinstance(config, dict):
+        raise BadInput(f"{path}: not a shapes description (an object with a 'tensors' list and an optional "
+                       "'config' object)")
     try:
         tensors = []
         for t in data["tensors"]:
-            name = t.get("name") or t["path"].replace("/", ".")
+            name = t.get("name") or (t["path"].replace("/", ".") if isinstance(t["path"], str) else t["path"])
             if t.get("quantized"):
-                tensors.append(ShapeOnly(name + ".weight", _dtype(t["weight"]["dtype"]), t["weight"]["shape"]))
-                tensors.append(ShapeOnly(name + ".scales", _dtype(t["scales"]["dtype"]), t["scales"]["shape"]))
+                tensors.append(_tensor(f"{name}.weight", t["weight"]["dtype"], t["weight"]["shape"], path))
+                tensors.append(_tensor(f"{name}.scales", t["scales"]["dtype"], t["scales"]["shape"], path))
             else:
-                tensors.append(ShapeOnly(name, _dtype(t["dtype"]), t["shape"]))
+                tensors.append(_tensor(name, t["dtype"], t["shape"], path))
     except (KeyError, TypeError, AttributeError) as e:
-        raise BadInput(f"{path}: not a shapes description (each tensor needs name/path, shape, dtype): {e}") \
-            from None
+        raise BadInput(f"{path}: not a shapes description (each tensor needs name/path, shape, dtype): "
+                       f"{type(e).__name__}") from None
     tensors = [t for t in tensors if wanted(t.name, options.only)]
-    source = {"format": NAME, "path": str(path), "config": data.get("config", {}),
+    source = {"format": NAME, "path": str(path), "config": config,
               "bytes": sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)}
     return Checkpoint(tensors, {}, source, [], [])

@@ -20,6 +20,7 @@ NAME = "torch"
 PICKLE = True
 DESCRIPTION = "torch.save files (.pt/.pth/.bin/.ckpt, zip or legacy) and HF .bin shard directories"
 
+AMPLIFICATION = 16  # the most bytes of tensors a file's bytes may describe (beyond 64 MiB)
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_HEAD = b"\x80\x02\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little")
 
@@ -84,6 +85,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         t, e, s = flatten(obj, shard, skip_unsupported=options.skip_unsupported, budget=budget)
         if listed is not None:
             check_listed(target, shard.name, listed[shard.name], set(t) | {x["name"] for x in s})
+        _justified(m, t.values())
         for name, src in t.items():
             if wanted(name, options.only):
                 tensors.append(src)
@@ -96,6 +98,15 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     consumed = shards + ([target] if target not in shards else [])
     files = model_files(path, consumed) if path.is_dir() else []
     return Checkpoint(tensors, extras, source, files, mapped)
+
+
+def _justified(m: MappedFile, tensors):
+    """Views may repeat bytes (tied weights) or stretch them (a stride-0 `expand`), but the tensors of
+    a file may not describe far more bytes than it holds: a 620-byte file is not 2 GB of output."""
+    described = sum(t.nbytes for t in tensors)
+    if described > AMPLIFICATION * m.size + (64 << 20):
+        raise BadInput(f"{m.path}: its tensors describe {described} bytes from a file of {m.size} (views that "
+                       f"repeat or stretch the same bytes over {AMPLIFICATION}x); refused")
 
 
 def _load_file(m: MappedFile, allow, budget):
@@ -166,7 +177,8 @@ def _load_legacy(m: MappedFile, allow, budget):
         root = storages.setdefault(key, Storage(key, dtype, m, -1, numel * item))
         if view is None:
             return root
-        if not (isinstance(view, tuple) and len(view) == 3):
+        if not (isinstance(view, tuple) and len(view) == 3 and isinstance(view[0], str)
+                and all(type(v) is int and v >= 0 for v in view[1:])):
             raise ctx.bad(f"malformed storage view {brief(view)}")
         vkey, voffset, vsize = view
         sub = Storage(vkey, dtype, m, -1, vsize * item)
@@ -177,7 +189,7 @@ def _load_legacy(m: MappedFile, allow, budget):
     pos += length
     keys, length = unpickler.load_prefix(m.view[pos:], {}, m.path, pos)
     pos += length
-    if not isinstance(keys, list) or set(keys) != set(storages):
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or set(keys) != set(storages):
         raise BadInput(f"{m.path}: legacy storage key list does not match the storages the pickle uses")
     for key in keys:
         m.check(pos, 8, f"storage {key!r} header")
