@@ -60,6 +60,24 @@ def read_entries(mapped, base=0, length=None) -> dict:
     if count > cd_size // 46 + 1:
         raise bad(f"central directory claims {count} entries in {cd_size} bytes")
 
+    with mapped.reader() as fill_at:
+        entries = _directory(view, base, length, cd_offset, cd_size, count, fill_at, bad)
+    first = min(tail_start, cd_offset)
+    mapped.release(base + first, length - first)  # the directory and the end record: read, let go
+
+    ordered = sorted(entries.values(), key=lambda e: e.offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if a.offset + a.size > b.offset - 30:
+            raise bad(f"entries {a.name!r} and {b.name!r} overlap")
+    if ordered and ordered[-1].offset + ordered[-1].size > base + cd_offset:
+        raise bad(f"entry {ordered[-1].name!r} overlaps the central directory")
+    return entries
+
+
+def _directory(view, base, length, cd_offset, cd_size, count, fill_at, bad) -> dict:
+    """The central directory's entries, each checked against its local header. Local headers lie one
+    before each entry's data, all over the file: they are read with pread, not through the mapping
+    (touching one page of a mapping can map a whole 2 MiB folio of the page cache: one per tensor)."""
     entries, pos, end = {}, cd_offset, cd_offset + cd_size
     for _ in range(count):
         if pos + 46 > end or struct.unpack_from("<I", view, pos)[0] != _CEN:
@@ -88,24 +106,21 @@ def read_entries(mapped, base=0, length=None) -> dict:
                       "only - was this archive repacked?")
         if csize != usize:
             raise bad(f"entry {name!r} is stored but its sizes differ ({csize} != {usize})")
-        if hdr + 30 > length or struct.unpack_from("<I", view, hdr)[0] != _LOC:
+        local = bytearray(30 + nlen)
+        if hdr + len(local) > length:
             raise bad(f"entry {name!r}: local header at offset {base + hdr} is missing")
-        lnlen, lxlen = struct.unpack_from("<HH", view, hdr + 26)
-        lmethod = struct.unpack_from("<H", view, hdr + 8)[0]
-        if bytes(view[hdr + 30:hdr + 30 + lnlen]) != raw_name or lmethod != method:
+        fill_at(memoryview(local), base + hdr)
+        signature, lmethod = struct.unpack_from("<IxxxxH", local, 0)
+        lnlen, lxlen = struct.unpack_from("<HH", local, 26)
+        if signature != _LOC:
+            raise bad(f"entry {name!r}: local header at offset {base + hdr} is missing")
+        if lnlen != nlen or bytes(local[30:]) != raw_name or lmethod != method:
             raise bad(f"entry {name!r}: local header disagrees with the central directory")
         data = hdr + 30 + lnlen + lxlen
         if data + usize > length:
             raise bad(f"entry {name!r} claims {usize} bytes at offset {base + data}, beyond the end of the file "
                       "(truncated?)")
         entries[name] = Entry(name, base + data, usize, crc)
-
-    ordered = sorted(entries.values(), key=lambda e: e.offset)
-    for a, b in zip(ordered, ordered[1:]):
-        if a.offset + a.size > b.offset - 30:
-            raise bad(f"entries {a.name!r} and {b.name!r} overlap")
-    if ordered and ordered[-1].offset + ordered[-1].size > base + cd_offset:
-        raise bad(f"entry {ordered[-1].name!r} overlaps the central directory")
     return entries
 
 

@@ -67,6 +67,11 @@ def open_checkpoint(path, fmt=None, options=None):
         mod = detect(path)
     ckpt = mod.load(Path(path), options)
     ckpt.model_files, ckpt.skipped_files = carried(ckpt.model_files, source_root(Path(path)), options.max_extra_size)
+    for m in ckpt.mapped:
+        # Reading headers touched a page of the mapping per tensor, and the kernel may map a whole 2 MiB
+        # folio of the page cache for each (measured: 290 MB of RSS after opening a 2 GB .pt of 165
+        # tensors). Let them go; the data is read later, block by block, and released as it goes.
+        m.release(0, m.size)
     return ckpt
 
 

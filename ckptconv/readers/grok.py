@@ -142,7 +142,10 @@ def _names(count, options: ReadOptions):
 
 def _parse(path: Path, allow):
     m = MappedFile(path)
-    obj = unpickler.load(m.view, allow, m.path)
+    try:
+        obj = unpickler.load(m.view, allow, m.path)
+    finally:
+        m.release(0, m.size)  # the opcodes around the payloads were read; the payloads are views
     if isinstance(obj, NumpyArray):
         _check_dtype(m, "array", obj, (F32, BF16))
     elif isinstance(obj, Quantized):

@@ -68,6 +68,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
 
 def file_tensors(m: MappedFile) -> list:
     header = parse_header(m.view, m.size, m.path)
+    m.release(0, header.data_start)
     if header.problems:
         raise BadInput(f"{m.path}: {header.problems[0]}")
     return [_source(m, e) for e in header.entries]

@@ -147,7 +147,10 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None):
 
     entry = entries[pkl[0]]
     data = ziparchive.read_small(m, entry)
-    return unpickler.load(data, allow, m.path, entry.offset, persistent_load, budget)
+    try:
+        return unpickler.load(data, allow, m.path, entry.offset, persistent_load, budget)
+    finally:
+        m.release(entry.offset, entry.size)  # parsed: its pages go (a DCP checkpoint has one per chunk)
 
 
 def _load_legacy(m: MappedFile, allow, budget):
