@@ -24,6 +24,7 @@ from .cluster import join
 from .convert import ConvertOptions, convert
 from . import mapped, signals
 from .errors import BadInput, CkptError, UsageError, printable
+from .formats.manifest import STEM, stem_problem
 from .plan import plan_run
 from .progress import byte_progress
 from .reshard import reshard
@@ -57,16 +58,22 @@ def command(fn):
         try:
             return fn(*args, **kwargs)
         except signals.Interrupted as e:
-            _fail(f"interrupted by {e.name}; no output was published", e.exit_code)
+            _interrupted(e)
         except BrokenPipeError:  # stdout closed early (`| head`): not an error of ours
             sys.stderr.close()
             sys.exit(0)
         except Exception as e:
             if debug:
                 traceback.print_exc()
+            if signals.received():
+                _interrupted(signals.received())
             _fail(*_reason(e))
 
     return wrapper
+
+
+def _interrupted(e: signals.Interrupted):
+    _fail(f"interrupted by {e.name}; no output was published", e.exit_code)
 
 
 def _reason(e: Exception) -> tuple:
@@ -137,8 +144,18 @@ OVERWRITE_HELP = ("Replace OUT if it is a previous ckptconv output (anything els
                   "SRC or a directory holding it). An empty directory needs no --overwrite.")
 
 
+def _stem(ctx, param, value):
+    problem = stem_problem(value)
+    if problem:
+        raise click.BadParameter(problem)
+    return value
+
+
 def write_options(fn):
-    """How shard files are written (convert, reshard)."""
+    """How shard files are written and named (convert, reshard)."""
+    fn = click.option("--name", "stem", default=STEM, show_default=True, callback=_stem, metavar="STEM",
+                      help="Name the files of a sharded output STEM-00001-of-0000N.safetensors and "
+                      "STEM.safetensors.index.json (adapter_model, diffusion_pytorch_model ...).")(fn)
     fn = click.option("--buffered-io", is_flag=True,
                       help="Write shards through the page cache instead of O_DIRECT (to read OUT back from memory "
                       "right away, or where direct writes are slow, as on some network filesystems).")(fn)
@@ -186,11 +203,11 @@ def _convert_command(name, pickle_only, help_text):
     @cluster_options
     @command
     def run(src, out, fmt, read, max_shard_size, strip_prefix, dtype, overwrite, no_copy_extras, fsync, buffered_io,
-            resume, cluster, quiet, as_json):
+            stem, resume, cluster, quiet, as_json):
         opts = ConvertOptions(fmt=fmt, read=read, strip_prefix=strip_prefix, dtype=dtype,
                               max_shard_size=parse_size(max_shard_size), overwrite=overwrite,
                               copy_extras=not no_copy_extras, pickle_only=pickle_only, quiet=quiet,
-                              fsync=fsync, direct=not buffered_io, resume=resume)
+                              fsync=fsync, direct=not buffered_io, resume=resume, stem=stem)
         summary = convert(src, out, opts, cluster())
         if as_json:
             click.echo(json.dumps(summary, indent=2))
@@ -214,9 +231,10 @@ def _convert_command(name, pickle_only, help_text):
 
 _convert_command("convert", False, """Convert SRC (any supported format) to sharded safetensors in OUT.
 
-OUT gets model-0000k-of-0000n.safetensors shards, model.safetensors.index.json, manifest.json
-(file and per-tensor SHA-256) and SHA256SUMS. OUT is published atomically; nothing from SRC is
-executed. Example: ckptconv convert pytorch_model.bin out/ --max-shard-size 2GB""")
+OUT gets model-0000k-of-0000n.safetensors shards (--name renames them), model.safetensors.index.json,
+manifest.json (file and per-tensor SHA-256) and SHA256SUMS; OUT ending in .safetensors is one file
+instead, its manifest in __metadata__. OUT is published atomically; nothing from SRC is executed.
+Example: ckptconv convert pytorch_model.bin out/ --max-shard-size 2GB""")
 _convert_command("pickle-to-safetensors", True, """Convert a pickle-based SRC (torch .pt/.bin, DCP, Grok-1
 pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing non-pickle sources.""")
 
@@ -244,7 +262,7 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @cluster_options
 @command
 def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim, dry_run, pad_vocab, max_shard_size,
-                overwrite, fsync, buffered_io, fmt, read, cluster, quiet, as_json):
+                overwrite, fsync, buffered_io, stem, fmt, read, cluster, quiet, as_json):
     """Slice SRC for a tensor-parallel (and expert-parallel) mesh: OUT/mesh.json and OUT/rank-XXXXX/.
 
     Each rank directory is a complete sharded-safetensors output holding exactly what that rank
@@ -256,7 +274,7 @@ def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim,
     summary = reshard(src, out, tp, ep, preset, rules_file, {"heads": heads, "kv_heads": kv_heads,
                                                              "head_dim": head_dim},
                       read, fmt, parse_size(max_shard_size), overwrite, dry_run, quiet, fsync,
-                      None if dry_run else cluster(), pad_vocab, not buffered_io)
+                      None if dry_run else cluster(), pad_vocab, not buffered_io, stem)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     elif dry_run:
@@ -295,13 +313,15 @@ def plan_lines(summary) -> list:
 @cluster_options
 @command
 def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, quiet, as_json):
-    """Check an output of convert or reshard: digests, structure, the source, and a device load.
+    """Check an output of convert or reshard (a directory, or one .safetensors file convert wrote):
+    digests, structure, the source, and a device load.
 
     Prints every problem found, one per line naming the file and the tensor; exits 0 when clean,
     1 when problems were found, 2 when it could not verify. Example: ckptconv verify out/ --against model/
     """
     cluster = cluster()
-    with byte_progress(total_bytes(path) if Path(path).is_dir() else 0, "verify", quiet) as progress:
+    size = total_bytes(path) if Path(path).is_dir() else Path(path).stat().st_size if Path(path).is_file() else 0
+    with byte_progress(size, "verify", quiet) as progress:
         report = verify(path, against, read, fmt, device, allow_fewer_devices, progress, cluster)
     changed = mapped.changed_files()
     if changed:

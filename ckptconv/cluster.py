@@ -41,6 +41,20 @@ class Cluster:
                               "nothing was published") from None
 
 
+class Solo(Cluster):
+    """A job of one process: the same steps as several, its messages kept in memory."""
+
+    def __init__(self):
+        super().__init__(0, 1, None, 0)
+        self._messages = {}
+
+    def put(self, key: str, value) -> None:
+        self._messages[key] = value
+
+    def get(self, key: str, who: str):
+        return self._messages[key]
+
+
 def assign(sizes, processes: int) -> list:
     """Owner process of each unit: balanced by bytes, deterministic."""
     load = [0] * processes
@@ -137,14 +151,14 @@ def finish(cluster: Cluster, ok: bool, message: str = ""):
         raise OutputError(f"the run failed: {outcome['message']}")
 
 
-def on_cluster(cluster, out, overwrite, publish, work, inputs=()):
+def on_cluster(cluster, out, overwrite, publish, work, inputs=(), resume=False, single_file=False):
     """Process 0: lock, make the shared temporary directory, let the others start, run `publish(tmp)`
     (its own work and the merge), publish, announce. Others: wait for the start, `work()`, wait for
     the outcome. Any failure anywhere means nothing is published and every process exits non-zero."""
     if cluster.is_main:
         started = False
         try:
-            with atomic_output(out, overwrite, inputs=inputs) as tmp:
+            with atomic_output(out, overwrite, resume, inputs, single_file) as tmp:
                 cluster.put("ready", {"ok": True})
                 started = True
                 publish(tmp)

@@ -1,16 +1,17 @@
-"""convert: any supported source -> sharded safetensors (reader -> transforms -> writer), atomically."""
+"""convert: any supported source -> sharded safetensors, or one .safetensors file (reader ->
+transforms -> writer), atomically, on one process or several (runner.py)."""
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import dtypes, transforms
-from .cluster import assign, on_cluster, run_guarded
+from . import dtypes, runner, transforms
 from .errors import BadInput, UsageError
-from .hashing import Pipeline
-from .output import atomic_output, temp_path
+from .formats.manifest import STEM
 from .progress import byte_progress
 from .readers import ReadOptions, open_checkpoint, readers
-from .writer import Written, copy_files, finish, plan_shards, source_id, write_output, write_shards
+from .writers.base import Content, WriteOptions
+from .writers.sharded import ShardedWriter, source_id
+from .writers.single import SingleWriter
 
 
 @dataclass
@@ -27,6 +28,12 @@ class ConvertOptions:
     fsync: bool = False
     direct: bool = True     # shards bypass the page cache (outfile.py)
     resume: bool = False
+    stem: str = STEM        # --name
+
+
+def single_file(out) -> bool:
+    """OUT ending in .safetensors asks for one file instead of a directory."""
+    return str(out).endswith(".safetensors")
 
 
 def convert(src, out, opts: ConvertOptions, cluster=None) -> dict:
@@ -40,6 +47,9 @@ def convert(src, out, opts: ConvertOptions, cluster=None) -> dict:
                          "use `ckptconv convert` for it")
     if not ckpt.tensors:
         raise BadInput(f"{src}: no tensors to convert" + (" (after --only)" if opts.read.only else ""))
+    one_file = single_file(out)
+    if one_file and opts.resume:
+        raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
     tensors = transforms.strip_prefix(ckpt.tensors, opts.strip_prefix)
     target = None if opts.dtype == "keep" else dtypes.CAST_TARGETS[opts.dtype]
     tensors = transforms.cast_floats(tensors, target)
@@ -48,62 +58,28 @@ def convert(src, out, opts: ConvertOptions, cluster=None) -> dict:
         source["cast"] = target.code
     if opts.strip_prefix:
         source["strip_prefix"] = opts.strip_prefix
-    if ckpt.skipped_files and opts.copy_extras:
-        source["skipped_files"] = ckpt.skipped_files
+    carry = opts.copy_extras and not one_file  # one file carries no model files
+    content = Content(source, ckpt.extras, ckpt.manifest, ckpt.model_files if carry else [],
+                      ckpt.skipped_files if carry else [])
+    content.identity = source_id(ckpt.inputs(src), [{**source, **content.skipped()}, ckpt.extras, ckpt.manifest,
+                                                    [rel for rel, _ in content.model_files]])
+    options = WriteOptions(opts.max_shard_size, opts.fsync, opts.direct, opts.overwrite, opts.resume, opts.stem)
+    writer = SingleWriter(options, content, Path(out).name) if one_file else ShardedWriter(options, content)
+    facts = runner.run(writer, tensors, out, options, ckpt.inputs(src), ckpt.check_unchanged, cluster,
+                       lambda total: byte_progress(total, "convert", opts.quiet))
+    seconds = time.perf_counter() - started
     total = sum(t.nbytes for t in tensors)
     if cluster is not None:
-        return _convert_on_cluster(ckpt, tensors, source, src, out, opts, cluster, started)
-    carried = ckpt.model_files if opts.copy_extras else ()
-    job = source_id(ckpt.inputs(src), [source, ckpt.extras, ckpt.manifest, [rel for rel, _ in carried]])
-    with atomic_output(out, opts.overwrite, opts.resume, ckpt.inputs(src)) as tmp, \
-            byte_progress(total, "convert", opts.quiet) as progress:
-        manifest, reused, note = write_output(tmp, tensors, source, ckpt.extras, carried, opts.max_shard_size,
-                                              progress, ckpt.manifest, opts.fsync, job=job, resume=opts.resume,
-                                              direct=opts.direct)
-        ckpt.check_unchanged()
-    seconds = time.perf_counter() - started
+        mine = facts["unit_bytes"]
+        return {"out": str(out), "format": ckpt.source["format"], "tensors": len(tensors), "bytes": total,
+                "files": sorted(facts["units"]), "seconds": round(seconds, 3), "resumed_bytes": 0,
+                "process": cluster.process_id, "processes": cluster.num_processes,
+                "gb_per_s": round(mine / seconds / 1e9, 3) if seconds else None}
     summary = {"out": str(out), "format": ckpt.source["format"], "tensors": len(tensors), "bytes": total,
-               "files": sorted(manifest["files"]), "seconds": round(seconds, 3), "resumed_bytes": reused,
+               "files": facts["files"], "seconds": round(seconds, 3), "resumed_bytes": facts.get("resumed_bytes", 0),
                "gb_per_s": round(total / seconds / 1e9, 3) if seconds else None}
-    if note:
-        summary["resume_note"] = note
-    if "skipped_files" in source:
-        summary["skipped_files"] = source["skipped_files"]
+    if facts.get("resume_note"):
+        summary["resume_note"] = facts["resume_note"]
+    if content.skipped_files:
+        summary["skipped_files"] = content.skipped_files
     return summary
-
-
-def _convert_on_cluster(ckpt, tensors, source, src, out, opts, cluster, started) -> dict:
-    """This process writes the shards `assign` gives it; process 0 merges the digests and publishes.
-    The plan, and so the output, is the same as a single-process run's, byte for byte."""
-    shards = plan_shards(tensors, opts.max_shard_size)
-    owner = assign([s.size for s in shards], cluster.num_processes)
-    mine = [s for s, o in zip(shards, owner) if o == cluster.process_id]
-
-    def write_mine():
-        pipeline = Pipeline()
-        try:
-            written = write_shards(temp_path(Path(out)), mine, pipeline, fsync=opts.fsync, direct=opts.direct)
-        finally:
-            pipeline.close()
-        ckpt.check_unchanged()
-        return {"files": written.files, "tensors": written.tensors}
-
-    def publish(tmp):
-        results = run_guarded(cluster, "shards", write_mine)
-        written = Written()
-        for shard, o in zip(shards, owner):  # merge in plan order: the manifest is what one process writes
-            result = results[o]
-            written.files[shard.name] = result["files"][shard.name]
-            written.tensors.update({t.name: result["tensors"][t.name] for t in shard.tensors})
-        copy_files(tmp, ckpt.model_files if opts.copy_extras else (), written)
-        finish(tmp, shards, written, source, ckpt.extras, ckpt.manifest)
-
-    on_cluster(cluster, out, opts.overwrite, publish, lambda: run_guarded(cluster, "shards", write_mine),
-               ckpt.inputs(src))
-    seconds = time.perf_counter() - started
-    mine_bytes = sum(s.size for s in mine)
-    return {"out": str(out), "format": ckpt.source["format"], "tensors": len(tensors),
-            "bytes": sum(t.nbytes for t in tensors), "files": sorted(s.name for s in mine),
-            "seconds": round(seconds, 3), "resumed_bytes": 0, "process": cluster.process_id,
-            "processes": cluster.num_processes, "gb_per_s": round(mine_bytes / seconds / 1e9, 3) if seconds else None}
-

@@ -14,6 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UsageError
+from .formats import manifest as manifest_format
+from .formats.manifest import MANIFEST
+from .formats.safetensors import parse_header
+from .formats.mesh import MESH, rank_dir
 from .readers import ReadOptions, safetensors as st_reader
 
 CUDA_HINT = "pip install 'ckptconv[cuda]'"
@@ -30,6 +34,7 @@ def import_jax(platform: str, ranks: int):
     except ImportError:
         hint = CUDA_HINT if platform == "cuda" else "pip install 'ckptconv[jax]'"
         raise UsageError(f"--device {platform} needs JAX, which is not installed: {hint}") from None
+    jax.config.update("jax_enable_x64", True)  # else int64/float64 tensors would arrive as 32-bit
     try:
         devices = jax.devices(platform)
     except RuntimeError as e:
@@ -40,15 +45,21 @@ def import_jax(platform: str, ranks: int):
 
 
 def _rank_tensors(d: Path):
-    manifest = json.loads((d / "manifest.json").read_text())["tensors"]
-    return {t.name: (t, manifest[t.name]["sha256"]) for t in st_reader.load(d, ReadOptions()).tensors}
+    """{name: (tensor, recorded sha256)} of a rank dir, an output dir or a single-file output."""
+    ckpt = st_reader.load(d, ReadOptions())
+    if d.is_file():
+        header = parse_header(ckpt.mapped[0].view, ckpt.mapped[0].size, d)
+        digests = manifest_format.check_single(manifest_format.single_document(header.metadata, d))[0]
+    else:
+        digests = {n: e["sha256"] for n, e in json.loads((d / MANIFEST).read_text())["tensors"].items()}
+    return {t.name: (t, digests[t.name]) for t in ckpt.tensors}
 
 
 def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=None) -> dict:
     """Place and check every piece on its device. With several processes (jax.distributed), the mesh
     spans every process's devices; each process places the ranks whose device is local to it, and
     global arrays are assembled over the global mesh from each process's local pieces."""
-    mesh = json.loads((path / "mesh.json").read_text()) if (path / "mesh.json").is_file() else None
+    mesh = json.loads((path / MESH).read_text()) if (path / MESH).is_file() else None
     ranks = mesh["ranks"] if mesh else 1
     jax, devices = import_jax(platform, ranks // (cluster.num_processes if cluster else 1))
     if len(devices) < ranks and not allow_fewer:
@@ -58,7 +69,7 @@ def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=N
     local = [d.process_index == jax.process_index() for d in placement]
     use_global = mesh is not None and len(devices) >= ranks and mesh.get("ep", 1) == 1
     n_devices = len(devices)
-    dirs = [path / f"rank-{r:05d}" for r in range(ranks)] if mesh else [path]
+    dirs = [path / rank_dir(r) for r in range(ranks)] if mesh else [path]
     pieces = [_rank_tensors(d) if local[r] else {} for r, d in enumerate(dirs)]
     devices = [d for d in devices if d.process_index == jax.process_index()]
     live = {d.id: 0 for d in devices}

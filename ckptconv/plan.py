@@ -1,15 +1,18 @@
 """plan: what a run would do, as data, without reading tensor data.
 
-The output files of a conversion (shards) or a reshard (rank directories) are the units of work;
-`cluster.assign` balances them over processes by bytes, exactly as a multi-process run splits them. Peak memory and time are
-estimates from ckptconv's measured behaviour (../docs/benchmarks.md), stated as such.
+A run's units (shard files of a conversion, rank directories of a reshard) come from the same
+writer's `plan` the run uses, and `cluster.assign` balances them over processes by bytes, exactly as
+the job runner splits them (runner.py): the plan printed is the plan run. Peak memory and time are
+estimates from ckptconv's measured behaviour (docs/benchmarks.md), stated as such.
 """
 import math
 
 from .cluster import assign
 from .reshard import plan as reshard_plan
 from .rules import choose, read_config
-from .writer import plan_shards
+from .writers.base import Content, WriteOptions
+from .writers.mesh import MeshWriter
+from .writers.sharded import ShardedWriter
 
 BASE_RSS = 110 * 2**20        # interpreter, numpy, jax-free import: measured peak of a 2 GB convert
 IN_FLIGHT = 6 * 8 * 2**20 + 2 * 16 * 2**20  # the staging pool (outfile.py) + gathered chunks being hashed
@@ -17,12 +20,13 @@ IN_FLIGHT = 6 * 8 * 2**20 + 2 * 16 * 2**20  # the staging pool (outfile.py) + ga
 
 def units(ckpt, tp=None, ep=1, max_shard_size=5 * 10**9, preset=None, rules_file=None, heads=None):
     """(name, bytes) of every output file (convert) or rank directory (reshard), in output order."""
+    options, content = WriteOptions(max_shard_size), Content(ckpt.source)
     if not tp:
-        return [(s.name, s.size) for s in plan_shards(ckpt.tensors, max_shard_size)], None
+        return [(u.name, u.size) for u in ShardedWriter(options, content).plan(ckpt.tensors)], None
     rules = choose([t.name for t in ckpt.tensors], read_config(ckpt.model_files) or ckpt.source.get("config"),
                    preset, rules_file, heads or {})
-    plans = reshard_plan(ckpt.tensors, rules, tp, ep)
-    return [(f"rank-{r:05d}", sum(p.piece_bytes(r) for p in plans)) for r in range(tp * ep)], rules
+    writer = MeshWriter(options, content, reshard_plan(ckpt.tensors, rules, tp, ep), rules, tp, ep, {})
+    return [(u.name, u.size) for u in writer.plan(ckpt.tensors)], rules
 
 
 def plan_run(ckpt, hosts=1, disk_gbps=2.0, **kw) -> dict:

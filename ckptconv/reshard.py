@@ -1,34 +1,24 @@
 """reshard: per-rank tensor-parallel (and expert-parallel) output for a target mesh.
 
 Planning is pure data: for every tensor, the rule that matched, the split axis and, per rank, the
-intervals of the global tensor along that axis that make up the rank's piece (`plan`). Execution
-hands each rank's writer lazy slices of the source (`rank_pieces`), so only what a rank needs is
-read, and a source that is itself sliced (a previous reshard, DCP chunks) is read the same way.
-Layout of the output, mesh.json and `ranges`: DESIGN.md.
+intervals of the global tensor along that axis that make up the rank's piece (`plan`). The mesh
+writer (writers/mesh.py) then hands each rank lazy slices of the source, so only what a rank needs
+is read, and a source that is itself sliced (a previous reshard, DCP chunks) is read the same way.
+Layout of the output, mesh.json and `ranges`: docs/output.md.
 """
 import math
-import os
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
-
-from . import sha256
-from .cluster import assign, on_cluster, run_guarded
+from . import runner
 from .errors import BadInput, UsageError
-from .output import atomic_output, temp_path
+from .formats.manifest import STEM
 from .progress import byte_progress
 from .readers import ReadOptions, open_checkpoint, readers
 from .rules import RuleSet, choose, read_config, recorded
-from .tensor import Computed, Concat, as_bytes, sha256_of
-from .hashing import CHUNK, Pipeline, sha256_file
-from .sha256sums import NAME as SUMS, write_sums
-from .writer import OutputStream, check_space, copy_files, finish, plan_shards, write_json, write_tensor
-
-MESH_FORMAT = "ckptconv.mesh/1"
-
+from .writers.base import Content, WriteOptions
+from .writers.mesh import MeshWriter
 
 @dataclass
 class TensorPlan:
@@ -201,46 +191,9 @@ def _scales_plan(t, w: TensorPlan) -> TensorPlan:
     return TensorPlan(t.name, t.shape, t.dtype, f"scales by group ({ss} groups)", w.axis, ranges, even)
 
 
-def rank_pieces(sources: dict, plans, rank) -> list:
-    """Rank `rank`'s pieces as lazy sources: slices of the global tensors, joined in range order."""
-    out = []
-    for p in plans:
-        src = sources[p.name] if p.padded is None else zero_padded(sources[p.name], p.axis, p.padded)
-        if p.axis is None:
-            out.append(src)
-            continue
-        if not p.ranges[rank]:
-            continue
-        parts = [src.sliced(p.axis, a, b) for a, b in p.ranges[rank]]
-        out.append(parts[0].renamed(p.name) if len(parts) == 1 else Concat(p.name, parts, p.axis))
-    return out
-
-
-def _streams_in_order(p: TensorPlan) -> bool:
-    """Pieces written rank by rank give the global bytes in order (so the global digest is a tap)."""
-    return p.axis is not None and p.even and p.padded is None and all(n == 1 for n in p.shape[:p.axis])
-
-
-def zero_padded(src, axis, size) -> Computed:
-    """`src` with zero rows appended along `axis` up to `size` (--pad-vocab)."""
-    n = src.shape[axis]
-    shape = src.shape[:axis] + (size,) + src.shape[axis + 1:]
-
-    def compute(index):
-        out = np.zeros(tuple(s.stop - s.start for s in index), src.dtype.numpy)
-        start, stop = index[axis].start, min(index[axis].stop, n)
-        if start < stop:  # the part of the region that lies inside the real tensor
-            dest, real = [slice(None)] * len(index), list(index)
-            dest[axis], real[axis] = slice(0, stop - start), slice(start, stop)
-            out[tuple(dest)] = src.region(tuple(real))
-        return out
-
-    return Computed(src.name, src.dtype, shape, compute, (src,))
-
-
 def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=None, fmt=None,
             max_shard_size=5 * 10**9, overwrite=False, dry_run=False, quiet=False, fsync=False, cluster=None,
-            pad_vocab=False, direct=True):
+            pad_vocab=False, direct=True, stem=STEM):
     started = time.perf_counter()
     ckpt = open_checkpoint(src, fmt, read or ReadOptions())
     names = [t.name for t in ckpt.tensors]
@@ -257,188 +210,16 @@ def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=N
         return summary
     if not getattr(readers()[ckpt.source["format"]], "DATA", True):
         raise UsageError(f"{src}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
-    sources = {t.name: t for t in ckpt.tensors}
-    ranks = tp * ep
-    total = sum(p.piece_bytes(r) for p in plans for r in range(ranks))
-
-    def write(tmp, my_ranks, progress=None, taps=None):
-        """Write the rank directories `my_ranks`; returns rank 0's piece digests if it is among them."""
-        check_space(tmp, sum(p.piece_bytes(r) for p in plans for r in my_ranks), ckpt.model_files, len(my_ranks))
-        streams = write_ranks(tmp, my_ranks, plans, sources, max_shard_size, progress, fsync, taps, direct)
-        for rank, stream in streams.items():
-            source = {**ckpt.source, "resharded": {"tp": tp, "ep": ep, "rank": rank},
-                      **({"skipped_files": ckpt.skipped_files} if ckpt.skipped_files else {})}
-            copy_files(stream.out_dir, ckpt.model_files, stream.written)
-            finish(stream.out_dir, stream.shards, stream.written, source, ckpt.extras)
-        return {n: v["sha256"] for n, v in streams[0].written.tensors.items()} if 0 in streams else None
-
-    if cluster is not None:
-        _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write, ckpt.inputs(src))
-    else:
-        taps = {p.name: sha256.new() for p in plans if _streams_in_order(p) or _scatters(p)}
-        with atomic_output(out, overwrite, inputs=ckpt.inputs(src)) as tmp, \
-                byte_progress(total, "reshard", quiet) as progress:
-            rank0 = write(tmp, list(range(ranks)), progress, taps)
-            mesh = mesh_json(plans, rules, tp, ep, ckpt.source, global_digests(plans, sources, taps, rank0))
-            write_json(tmp, "mesh.json", mesh)
-            write_top_sums(tmp)
-            ckpt.check_unchanged()
+    options = WriteOptions(max_shard_size, fsync, direct, overwrite, stem=stem)
+    content = Content(ckpt.source, ckpt.extras, {}, ckpt.model_files, ckpt.skipped_files)
+    writer = MeshWriter(options, content, plans, rules, tp, ep, {t.name: t for t in ckpt.tensors})
+    total = sum(p.piece_bytes(r) for p in plans for r in range(tp * ep))
+    runner.run(writer, ckpt.tensors, out, options, ckpt.inputs(src), ckpt.check_unchanged, cluster,
+               lambda n: byte_progress(n, "reshard", quiet))
     seconds = time.perf_counter() - started
     summary.update({"out": str(out), "seconds": round(seconds, 3), "bytes_written": total,
                     "gb_per_s": round(total / seconds / 1e9, 3) if seconds else None})
     return summary
-
-
-def _scatters(p: TensorPlan) -> bool:
-    """Split on a later axis, with rows small enough to read whole: read each block of rows once and
-    hand every rank its columns (instead of every rank gathering its columns from the whole tensor)."""
-    if p.axis is None or _streams_in_order(p) or p.axis == 0 or not math.prod(p.shape):
-        return False
-    return math.prod(p.shape[1:]) * p.dtype.itemsize <= CHUNK
-
-
-def write_ranks(tmp, ranks, plans, sources, max_shard_size, progress=None, fsync=False, taps=None,
-                direct=True) -> dict:
-    """Every rank directory's shards written side by side, tensor by tensor: a tensor split on a later
-    axis is read once for all ranks; the others are sliced per rank. Returns {rank: finished OutputStream}."""
-    taps = taps or {}
-    pieces = {r: {t.name: t for t in rank_pieces(sources, plans, r)} for r in ranks}
-    pipeline = Pipeline()
-    streams = {}
-    try:
-        for r in ranks:
-            rank_dir = Path(tmp) / f"rank-{r:05d}"
-            rank_dir.mkdir()
-            streams[r] = OutputStream(rank_dir, plan_shards(list(pieces[r].values()), max_shard_size), pipeline, fsync,
-                                      direct=direct)
-        for p in plans:
-            holders = [r for r in ranks if p.name in pieces[r]]
-            if _scatters(p):
-                _scatter(p, sources[p.name], holders, pieces, streams, pipeline, progress, taps.get(p.name))
-                continue
-            for r in holders:
-                f, file_h = streams[r].file_for(p.name)
-                piece = pieces[r][p.name]
-                streams[r].record(piece, write_tensor(f, file_h, piece, pipeline, progress, taps.get(p.name)))
-        for stream in streams.values():
-            stream.finish()
-        return streams
-    except BaseException:
-        for stream in streams.values():
-            stream.abandon()
-        raise
-    finally:
-        pipeline.close()
-
-
-def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
-    rows = max(1, CHUNK // (math.prod(p.shape[1:]) * p.dtype.itemsize))
-    digests = {r: sha256.new() for r in holders}
-    lead = (slice(None),) * p.axis
-    try:
-        for a in range(0, p.shape[0], rows):
-            block = np.ascontiguousarray(src.region((slice(a, min(a + rows, p.shape[0])),)))
-            pending = pipeline.hashes.feed(as_bytes(block), tap=global_h)
-            for r in holders:
-                parts = [block[lead + (slice(lo, hi),)] for lo, hi in p.ranges[r]]
-                f, file_h = streams[r].file_for(p.name)
-                fill_at, nbytes = _gather(parts, p.axis)
-                pipeline.push_range(f, file_h, digests[r], fill_at, 0, nbytes, progress=progress)
-            for f in pending:
-                f.result()
-            src.release()
-    except (ValueError, IndexError) as e:
-        raise BadInput(f"tensor {p.name!r}: cannot read its data: {e}") from None
-    for r in holders:
-        streams[r].record(pieces[r][p.name], pipeline.hashes.digest("tensor", digests[r]))
-
-
-def _gather(parts, axis):
-    """One rank's columns of a block as (`fill_at`, byte count): gathered straight into the staging
-    buffer when it holds the whole piece, else gathered once and copied a byte range at a time."""
-    shape = list(parts[0].shape)
-    shape[axis] = sum(x.shape[axis] for x in parts)
-    nbytes = math.prod(shape) * parts[0].itemsize
-    whole = None
-
-    def fill_at(view, offset):
-        nonlocal whole
-        if offset == 0 and len(view) == nbytes:
-            np.concatenate(parts, axis=axis, out=np.frombuffer(view, parts[0].dtype).reshape(shape))
-            return
-        if whole is None:
-            whole = as_bytes(np.concatenate(parts, axis=axis))
-        view[:] = whole[offset:offset + len(view)]
-
-    return fill_at, nbytes
-
-
-def _reshard_on_cluster(cluster, out, overwrite, plans, rules, tp, ep, ckpt, sources, write, inputs):
-    """Rank directories are split among processes by bytes, and so are the global digests of split
-    tensors; process 0 writes mesh.json from everyone's digests and publishes."""
-    ranks = tp * ep
-    owner = assign([sum(p.piece_bytes(r) for p in plans) for r in range(ranks)], cluster.num_processes)
-    split = [p for p in plans if p.axis is not None]
-    digest_owner = assign([math.prod(p.shape) * p.dtype.itemsize for p in split], cluster.num_processes)
-    tmp = temp_path(Path(out))
-
-    def work():
-        rank0 = write(tmp, [r for r in range(ranks) if owner[r] == cluster.process_id])
-        mine = [p for p, o in zip(split, digest_owner) if o == cluster.process_id]
-        glob = global_digests(mine, sources, {}, {})
-        ckpt.check_unchanged()
-        return {"rank0": rank0, "global": glob}
-
-    def publish(tmp_dir):
-        results = run_guarded(cluster, "ranks", work)
-        rank0 = next(r["rank0"] for r in results if r["rank0"] is not None)
-        digests = {p.name: rank0[p.name] for p in plans if p.axis is None}
-        for r in results:
-            digests.update(r["global"])
-        write_json(tmp_dir, "mesh.json", mesh_json(plans, rules, tp, ep, ckpt.source, digests))
-        write_top_sums(tmp_dir)
-
-    on_cluster(cluster, out, overwrite, publish, lambda: run_guarded(cluster, "ranks", work), inputs)
-
-
-def write_top_sums(out_dir):
-    """OUT/SHA256SUMS over mesh.json and every other top-level regular file (the rank directories
-    carry their own), so nothing in a reshard output is unhashed."""
-    digests = {}
-    with os.scandir(out_dir) as it:
-        for entry in it:
-            if entry.name != SUMS and entry.is_file(follow_symlinks=False):
-                digests[entry.name] = sha256_file(entry.path)
-    write_sums(out_dir, digests)
-
-
-def global_digests(plans, sources, taps, rank0) -> dict:
-    """Each global tensor's SHA-256: rank 0's piece when replicated, the tap when pieces streamed in
-    order, else one bounded streaming pass over the source tensor."""
-    out = {}
-    for p in plans:
-        if p.axis is None:
-            out[p.name] = rank0[p.name]
-        elif p.name in taps:
-            out[p.name] = taps[p.name].hexdigest()
-        else:
-            out[p.name] = sha256_of(sources[p.name])
-    return out
-
-
-def mesh_json(plans, rules, tp, ep, source, digests) -> dict:
-    tensors = {}
-    for p in plans:
-        entry = {"shape": list(p.shape), "dtype": p.dtype.code, "axis": p.axis, "rule": p.rule,
-                 "sha256": digests[p.name]}
-        if p.axis is not None and not p.even:
-            entry["ranges"] = [[list(iv) for iv in r] for r in p.ranges]
-        if p.padded is not None:
-            entry["padded_shape"] = list(p.shape[:p.axis] + (p.padded,) + p.shape[p.axis + 1:])
-        tensors[p.name] = entry
-    return {"format": MESH_FORMAT, "tp": tp, "ep": ep, "ranks": tp * ep,
-            "rank_order": "rank = expert_group * tp + tp_rank", "rules": rules.to_json(),
-            "source": {k: v for k, v in source.items() if k != "rules"}, "tensors": tensors}
 
 
 def plan_summary(plans, rules, tp, ep) -> dict:

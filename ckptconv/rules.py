@@ -57,7 +57,17 @@ class RuleSet:
 
 def from_json(obj: dict) -> RuleSet:
     """A rule set recorded in mesh.json, as data (its patterns are compiled, never matched here)."""
-    return RuleSet(obj["name"], obj["layout"], [_rule(r, "mesh.json") for r in obj["rules"]], obj.get("params", {}))
+    return RuleSet(obj["name"], obj["layout"], [_rule(r, "recorded rules") for r in obj["rules"]], obj.get("params", {}))
+
+
+def check_recorded(mesh: dict, where):
+    """The rules a mesh.json records must be rules (patterns compile, kinds and fields are known):
+    BadInput naming `where` otherwise. They are checked as data; `recorded` never runs them."""
+    try:
+        from_json(mesh["rules"])
+    except UsageError as e:
+        raise BadInput(f"{where}: its rules: {e}") from None
+    return mesh
 
 
 def recorded(obj: dict) -> RuleSet:

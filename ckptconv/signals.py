@@ -77,6 +77,12 @@ def install():
             continue
 
 
+def received():
+    """The `Interrupted` for the signal received in this run, or None. An error raised while a signal
+    unwinds the threads (a lock half-released by the handler's exception) is reported as the signal."""
+    return None if _state.received is None else Interrupted(_state.received)
+
+
 @contextlib.contextmanager
 def deferred():
     """Run a step that must not be cut in half; a signal received meanwhile is raised after it (unless

@@ -20,11 +20,14 @@ from .errors import BadInput, UsageError, brief, printable
 from .hashing import CHUNK, HashLanes
 from .mapped import MappedFile
 from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint
-from .safetensors_format import parse_header
-from .sha256sums import NAME as SUMS, is_digest, parse_sums, unsafe_name
+from .formats.safetensors import parse_header
+from .formats.sums import NAME as SUMS, parse_sums
+from .rules import check_recorded
 from .tensor import as_bytes, cast, iter_blocks, sha256_of
 from . import dtypes, transforms
-from .writer import INDEX_NAME, MANIFEST_FORMAT
+from .formats import manifest as manifest_format
+from .formats.manifest import MANIFEST
+from .formats.mesh import MESH, intervals, parse_mesh, rank_dir, rank_dirs, rank_number, read_regular
 
 
 @dataclass
@@ -41,7 +44,7 @@ class Report:
 
 
 # What an output directory may hold is decided from lstat: nothing in it is followed or opened unless
-# it is a regular file named by the output's own metadata, by a plain name (sha256sums.unsafe_name).
+# it is a regular file named by the output's own metadata, by a plain name (sums.unsafe_name).
 
 def _scan(d: Path, report: Report) -> dict:
     """{name: lstat result} of every entry of `d` (symlinks not followed)."""
@@ -82,7 +85,7 @@ def _read(d: Path, name: str, entries: dict, report: Report, what: str):
     if not _regular(entries, name):
         return None
     try:
-        return mesh_reader.read_regular(d / name)
+        return read_regular(d / name)
     except BadInput as e:
         report.add(d / name, f"{what} cannot be read: {str(e).split(': ', 1)[-1]}")
         return None
@@ -128,77 +131,25 @@ def _sha256_regular(path: Path) -> str | None:
         os.close(fd)
 
 
-def _index(d: Path, raw, report: Report):
-    """(valid {tensor: shard}, every tensor name the index lists), or (None, None) without an index."""
-    where = d / INDEX_NAME
-    if raw is None:
-        return None, None
-    if not isinstance(raw, dict) or not isinstance(raw.get("weight_map"), dict):
-        report.add(where, "the index has no 'weight_map' object")
-        return None, None
-    weight_map = {}
-    for name, file in raw["weight_map"].items():
-        why = unsafe_name(file)
-        if why is not None:
-            report.add(where, f"tensor {name!r} is listed in {brief(file)}, which is not a plain file name in this "
-                              f"directory ({why}); not opened")
-        else:
-            weight_map[name] = file
-    return weight_map, set(raw["weight_map"])
-
-
-def _manifest(d: Path, raw, report: Report):
-    """(files {name: {"sha256", "size"} or None if malformed}, tensors {name: entry or None if malformed}),
-    checked for types; (None, None) without a usable manifest."""
-    where = d / "manifest.json"
-    if raw is None:
-        return None, None
-    if not isinstance(raw, dict):
-        report.add(where, "manifest.json is not a JSON object")
-        return None, None
-    if raw.get("format") != MANIFEST_FORMAT:
-        report.add(where, f"format is {brief(raw.get('format'))}, not {MANIFEST_FORMAT}")
-    files, tensors = {}, {}
-    raw_files, raw_tensors = raw.get("files", {}), raw.get("tensors", {})
-    if not isinstance(raw_files, dict):
-        report.add(where, "'files' is not an object")
-        raw_files = {}
-    if not isinstance(raw_tensors, dict):
-        report.add(where, "'tensors' is not an object")
-        raw_tensors = {}
-    for name, info in raw_files.items():
-        why = unsafe_name(name)
-        if why is not None:
-            report.add(where, f"files lists {name!r}, which is not a plain file name in this directory ({why}); "
-                              "not opened")
-            continue
-        ok = (isinstance(info, dict) and is_digest(info.get("sha256")) and type(info.get("size")) is int
-              and info["size"] >= 0)
-        if not ok:
-            report.add(where, f"files entry {name!r} is {brief(info)}, not {{\"sha256\": digest, \"size\": bytes}}")
-        files[name] = info if ok else None
-    for name, entry in raw_tensors.items():
-        ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
-              and all(type(n) is int and n >= 0 for n in entry["shape"]) and isinstance(entry.get("file"), str)
-              and is_digest(entry.get("sha256")))
-        if not ok:
-            report.add(where, f"tensor {name!r}: entry {brief(entry)} is not {{dtype, shape, file, sha256}}")
-            tensors[name] = None
-            continue
-        why = unsafe_name(entry["file"])
-        if why is not None:
-            report.add(where, f"tensor {name!r}: file {entry['file']!r} is not a plain file name in this directory "
-                              f"({why})")
-        tensors[name] = entry
-    return files, tensors
+def _index_name(entries: dict) -> str:
+    """The index of a directory: the one `STEM.safetensors.index.json` (`--name STEM`), model's by default."""
+    found = sorted(n for n in entries if n.endswith(manifest_format.INDEX_SUFFIX))
+    return found[0] if len(found) == 1 else manifest_format.index_name()
 
 
 def _read_meta(d: Path, entries: dict, report: Report):
     """Index, manifest and SHA256SUMS of an output directory, type-checked."""
-    weight_map, index_names = _index(d, _json(d, INDEX_NAME, entries, report, "the index"), report)
-    m_files, m_tensors = _manifest(d, _json(d, "manifest.json", entries, report, "manifest.json"), report)
+    index = _index_name(entries)
+    raw = _json(d, index, entries, report, "the index")
+    weight_map, index_names, problems = manifest_format.check_index(raw) if raw is not None else (None, None, [])
+    for p in problems:
+        report.add(d / index, p)
+    raw = _json(d, MANIFEST, entries, report, MANIFEST)
+    m_files, m_tensors, problems = manifest_format.check_manifest(raw) if raw is not None else (None, None, [])
+    for p in problems:
+        report.add(d / MANIFEST, p)
     sums = _sums(d, entries, report)
-    return weight_map, index_names, m_files, m_tensors, sums
+    return index, weight_map, index_names, m_files, m_tensors, sums
 
 
 def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structural=True) -> dict:
@@ -207,7 +158,7 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
     else (another process of a multi-process run does it)."""
     found = report if structural else Report()  # what every process would find alike: reported once
     entries = _scan(d, found)
-    weight_map, index_names, m_files, m_tensors, sums = _read_meta(d, entries, found)
+    index, weight_map, index_names, m_files, m_tensors, sums = _read_meta(d, entries, found)
     manifest_ok = m_files is not None
     m_files, m_tensors, sums_ok = m_files or {}, m_tensors or {}, sums is not None
     sums = sums or {}
@@ -244,9 +195,9 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
 
     for name, file in (weight_map or {}).items():
         if name not in located:
-            report.add(d / INDEX_NAME, f"tensor {name!r} is listed in the index (in {file}) but is in no shard")
+            report.add(d / index, f"tensor {name!r} is listed in the index (in {file}) but is in no shard")
         elif located[name][0] != file:
-            report.add(d / INDEX_NAME, f"tensor {name!r} is listed in {file} but is in {located[name][0]}")
+            report.add(d / index, f"tensor {name!r} is listed in {file} but is in {located[name][0]}")
     for name, (file, _) in located.items():
         if index_names is not None and name not in index_names:
             report.add(d / file, f"tensor {name!r} is in the shard but missing from the index")
@@ -254,7 +205,7 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
             report.add(d / file, f"tensor {name!r} is in the shard but missing from manifest.json")
     for name, entry in m_tensors.items():
         if name not in located:
-            report.add(d / "manifest.json", f"tensor {name!r} is in the manifest but in no shard")
+            report.add(d / MANIFEST, f"tensor {name!r} is in the manifest but in no shard")
             continue
         if entry is None:
             continue  # malformed: reported
@@ -280,12 +231,12 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
         if name in sums and sums[name] != digest:
             report.add(path, "sha256 differs from SHA256SUMS")
     if sums_ok:
-        if "manifest.json" not in sums:
+        if MANIFEST not in sums:
             report.add(d / SUMS, "does not list manifest.json")
         for name in sorted(set(m_files) - set(sums)):
             report.add(d / name, "listed in manifest.json but not in SHA256SUMS")
         if manifest_ok:
-            for name in sorted(set(sums) - set(m_files) - {"manifest.json"}):
+            for name in sorted(set(sums) - set(m_files) - {MANIFEST}):
                 report.add(d / name, "listed in SHA256SUMS but not in manifest.json")
     for name, st in sorted(entries.items()):
         if not stat.S_ISREG(st.st_mode):
@@ -323,7 +274,8 @@ def _library_view(path: Path, header, report: Report):
 
 def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
     """Digest the file and each tensor in one streaming pass (hashing.HashLanes), while this thread
-    maps the next chunk's pages in; pages are dropped once the hashes are done with them."""
+    maps the next chunk's pages in; pages are dropped once the hashes are done with them. `m_files`
+    is None for a single-file output (no file digest to compare)."""
     path = Path(m.path)
     hashes, file_h, chunks, digests = HashLanes(), sha256.new(), deque(), []
     try:
@@ -360,8 +312,10 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
         hashes.close()
         m.release(0, m.size)
     report.bytes += m.size
-    info = m_files.get(shard)
-    if shard not in m_files:
+    info = (m_files or {}).get(shard)
+    if m_files is None:
+        pass  # a single-file output: it cannot record its own digest
+    elif shard not in m_files:
         report.add(path, "shard is not listed in manifest.json files")
     elif info is not None:  # (a malformed entry is reported with the manifest)
         if info.get("size") != m.size:
@@ -377,6 +331,41 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
                              f"{entry.begin}..{entry.end} are corrupted)")
 
 
+def verify_file(path: Path, report: Report, progress=None):
+    """A single-file output: its header, the safetensors library's view, `format: pt`, and every
+    tensor's digest against the manifest facts in its `__metadata__` (a file cannot hold its own
+    digest; `sha256sum` it apart)."""
+    try:
+        m = MappedFile(path)
+        header = parse_header(m.view, m.size, path)
+        raw = manifest_format.single_document(header.metadata, path)
+    except BadInput as e:
+        report.add(path, str(e).split(": ", 1)[-1])
+        return
+    if raw is None and not header.problems:
+        raise UsageError(f"{path}: its __metadata__ holds no {manifest_format.SINGLE_KEY!r}; not a ckptconv output")
+    for p in header.problems:
+        report.add(path, p)
+    if header.problems:
+        return
+    _library_view(path, header, report)
+    if header.metadata.get("format") != "pt":
+        report.add(path, f"__metadata__ format is {brief(header.metadata.get('format'))}, not 'pt'")
+    tensors, problems = manifest_format.check_single(raw)
+    for p in problems:
+        report.add(path, f"__metadata__ {manifest_format.SINGLE_KEY!r}: {p}")
+    present = {e.name for e in header.entries}
+    for name in tensors:
+        if name not in present:
+            report.add(path, f"tensor {name!r} is in the manifest but not in the file")
+    for name in sorted(present - set(tensors)):
+        report.add(path, f"tensor {name!r} is in the file but missing from the manifest")
+    _hash_shard(m, header, path.name, None, {n: {"sha256": d} for n, d in tensors.items() if d}, {}, report,
+                progress)
+    report.files += 1
+    report.tensors += len(present)
+
+
 def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key: True):
     """A reshard output: its top level (SHA256SUMS over mesh.json and every other file, exactly the
     rank directories mesh.json counts, nothing else), then every rank dir on its own. `mine(kind, key)`
@@ -385,10 +374,10 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
     found = report if mine("structure", None) else Report()
     entries = _scan(path, found)
     sums = _sums(path, entries, found)
-    data = _read(path, "mesh.json", entries, found, "mesh.json")
+    data = _read(path, MESH, entries, found, MESH)
     dirs = {}  # every rank-XXXXX directory on disk
     for name, st in sorted(entries.items()):
-        r = mesh_reader.rank_number(name)
+        r = rank_number(name)
         if r is not None and stat.S_ISDIR(st.st_mode):
             dirs[r] = name
         elif not stat.S_ISREG(st.st_mode):
@@ -399,11 +388,11 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
     mesh = None
     if data is not None:
         try:  # its rank count must be the number of rank directories before anything loops over it
-            mesh = mesh_reader.parse_mesh(data, path / "mesh.json", len(dirs))
+            mesh = check_recorded(parse_mesh(data, path / MESH, len(dirs)), path / MESH)
         except BadInput as e:
-            found.add(path / "mesh.json", str(e).split(": ", 1)[-1])
+            found.add(path / MESH, str(e).split(": ", 1)[-1])
     if sums is not None:
-        if "mesh.json" not in sums:
+        if MESH not in sums:
             found.add(path / SUMS, "does not list mesh.json")
         for name in sorted(sums):
             if name not in entries:
@@ -411,7 +400,7 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
             elif stat.S_ISDIR(entries[name].st_mode):
                 found.add(path / name, "listed in SHA256SUMS but is a directory")
             elif _regular(entries, name):
-                digest = hashlib.sha256(data).hexdigest() if name == "mesh.json" and data is not None \
+                digest = hashlib.sha256(data).hexdigest() if name == MESH and data is not None \
                     else _sha256_regular(path / name)
                 if digest is not None and digest != sums[name]:
                     found.add(path / name, "sha256 differs from SHA256SUMS")
@@ -424,7 +413,7 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
                 found.add(path / name, f"rank directory beyond the {ranks} ranks of mesh.json")
         for r in range(ranks):
             if r not in dirs:
-                found.add(path / f"rank-{r:05d}", "rank directory is missing")
+                found.add(path / rank_dir(r), "rank directory is missing")
     for r, name in sorted(present.items()):
         if mine("rank", r):
             verify_dir(path / name, report, progress)
@@ -435,16 +424,16 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
     """With every rank dir intact: the same tensors as mesh.json, replicas equal, shared intervals
     equal, pieces where mesh.json puts them, reassembled digests right."""
     ranks = mesh["ranks"]
-    per_rank = [_checked_manifest(path / f"rank-{r:05d}")["tensors"] for r in range(ranks)]
+    per_rank = [_checked_manifest(path / rank_dir(r))["tensors"] for r in range(ranks)]
     held = {}
     for r, tensors in enumerate(per_rank):
         for name in tensors:
             held.setdefault(name, []).append(r)
     if mine("structure", None):
         for name in sorted(set(held) - set(mesh["tensors"])):
-            report.add(path / "mesh.json", f"tensor {name!r} is on ranks {_ranks(held[name])} but not in mesh.json")
+            report.add(path / MESH, f"tensor {name!r} is on ranks {_ranks(held[name])} but not in mesh.json")
         for name in sorted(set(mesh["tensors"]) - set(held)):
-            report.add(path / "mesh.json", f"tensor {name!r} is in mesh.json but in no rank directory")
+            report.add(path / MESH, f"tensor {name!r} is in mesh.json but in no rank directory")
     pieces, _ = mesh_reader.rank_pieces(path, ranks)  # headers parsed once, for every check below
     for name, entry in mesh["tensors"].items():
         if not mine("tensor", name) or name not in held:
@@ -453,24 +442,24 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
         if entry["axis"] is None:
             digests = {per_rank[r][name]["sha256"] for r in holders}
             if len(holders) != ranks:
-                report.add(path / "mesh.json", f"replicated tensor {name!r} is missing on ranks "
+                report.add(path / MESH, f"replicated tensor {name!r} is missing on ranks "
                                                f"{_ranks(sorted(set(range(ranks)) - set(holders)))}")
             if len(digests) > 1:
-                report.add(path / "mesh.json", f"replicated tensor {name!r} differs between ranks")
+                report.add(path / MESH, f"replicated tensor {name!r} differs between ranks")
         else:
-            expected = [r for r in range(ranks) if mesh_reader.intervals(entry, ranks, r, name)]
+            expected = [r for r in range(ranks) if intervals(entry, ranks, r, name)]
             if holders != expected:
-                report.add(path / "mesh.json", f"tensor {name!r} has pieces on ranks {_ranks(holders)}, mesh.json "
+                report.add(path / MESH, f"tensor {name!r} has pieces on ranks {_ranks(holders)}, mesh.json "
                                                f"puts them on ranks {_ranks(expected)}")
                 continue
             _check_shared_intervals(name, entry, pieces, path, report)
         try:
             if sha256_of(mesh_reader.assemble(name, entry, pieces, ranks)) != entry["sha256"]:
-                report.add(path / "mesh.json", f"tensor {name!r}: the global tensor reassembled from the rank "
+                report.add(path / MESH, f"tensor {name!r}: the global tensor reassembled from the rank "
                                                "pieces does not match its sha256 (a piece is on the wrong rank "
                                                "or cut on the wrong axis)")
         except BadInput as e:
-            report.add(path / "mesh.json", str(e))
+            report.add(path / MESH, str(e))
 
 
 def _ranks(rs, limit=16) -> str:
@@ -488,7 +477,7 @@ def _check_shared_intervals(name, entry, pieces, path, report):
         if name not in pieces[r]:
             continue
         at = 0
-        for a, b in mesh_reader.intervals(entry, ranks, r, name):
+        for a, b in intervals(entry, ranks, r, name):
             seen.setdefault((a, b), []).append((r, at))
             at += b - a
     for (a, b), holders in seen.items():
@@ -496,43 +485,53 @@ def _check_shared_intervals(name, entry, pieces, path, report):
             continue
         digests = {sha256_of(pieces[r][name].sliced(axis, at, at + b - a)) for r, at in holders}
         if len(digests) > 1:
-            report.add(path / "mesh.json", f"tensor {name!r}: interval {a}..{b} of axis {axis} differs between "
+            report.add(path / MESH, f"tensor {name!r}: interval {a}..{b} of axis {axis} differs between "
                                            f"ranks {[r for r, _ in holders]}")
 
 
 def _checked_manifest(d: Path) -> dict:
     """manifest.json of a directory verify already checked (a regular file, a JSON object)."""
-    return safejson.loads(mesh_reader.read_regular(d / "manifest.json"), d / "manifest.json", "manifest.json")
+    return safejson.loads(read_regular(d / MANIFEST), d / MANIFEST, MANIFEST)
+
+
+def _recorded_source(out_path: Path, is_mesh: bool) -> tuple:
+    """(where the manifest is, its "source" entry) of an output verify already checked: what convert
+    did to the source (prefix stripped, cast) is applied again before comparing."""
+    if out_path.is_file():
+        m = MappedFile(out_path)
+        raw = manifest_format.single_document(parse_header(m.view, m.size, out_path).metadata, out_path)
+        where = out_path
+    else:
+        first = out_path / rank_dir(0) if is_mesh else out_path
+        where, raw = first / MANIFEST, _checked_manifest(first) if (first / MANIFEST).is_file() else {}
+    source = raw.get("source", {}) if isinstance(raw, dict) else {}
+    return where, source if isinstance(source, dict) else {}
 
 
 def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report, mine=lambda kind, key: True):
     """Every tensor (global tensor, for a reshard output) equal to the source, bit for bit, streaming."""
-    is_mesh = (out_path / "mesh.json").is_file()
+    is_mesh = (out_path / MESH).is_file()
     # what OUT holds is read as what ckptconv writes, never by detection: a .pt or .metadata slipped
     # into OUT (and listed in its sums) must not become "the output" that matches the source
     out = open_checkpoint(out_path, "mesh" if is_mesh else "safetensors", ReadOptions())
     source = open_checkpoint(src, fmt, read)
-    manifest = {}
-    first = out_path / "rank-00000" if is_mesh else out_path
-    if (first / "manifest.json").is_file():
-        manifest = _checked_manifest(first).get("source", {})
-        manifest = manifest if isinstance(manifest, dict) else {}
+    recorded, manifest = _recorded_source(out_path, is_mesh)
     src_list = source.tensors
     prefix, cast_to = manifest.get("strip_prefix"), manifest.get("cast")
     if prefix is not None:  # convert's own transforms, with their own checks (a name clash is refused)
         try:
             src_list = transforms.strip_prefix(src_list, prefix if isinstance(prefix, str) and prefix else None)
         except UsageError as e:
-            report.add(out_path / "manifest.json", f"source.strip_prefix {brief(prefix)}: {e}")
+            report.add(recorded, f"source.strip_prefix {brief(prefix)}: {e}")
             return
         if not isinstance(prefix, str) or not prefix:
-            report.add(out_path / "manifest.json", f"source.strip_prefix {brief(prefix)} is not a prefix")
+            report.add(recorded, f"source.strip_prefix {brief(prefix)} is not a prefix")
             return
     target = None
     if cast_to is not None:
         target = next((d for d in dtypes.CAST_TARGETS.values() if d.code == cast_to), None)
         if target is None:
-            report.add(out_path / "manifest.json", f"source.cast {brief(cast_to)} is not a --dtype ckptconv casts to")
+            report.add(recorded, f"source.cast {brief(cast_to)} is not a --dtype ckptconv casts to")
             return
     src_tensors = {t.name: t for t in src_list}
     for t in out.tensors:
@@ -573,11 +572,14 @@ def verify(path, against=None, read=None, fmt=None, device=None, allow_fewer=Fal
     """Every check, in order; each stage runs only if the one before found nothing. On several
     processes each checks its share (shards, rank dirs, tensors) and process 0 gathers the report."""
     path = Path(path)
+    if path.name.endswith(".safetensors") and path.is_file():
+        return _verify_single(path, against, read, fmt, device, allow_fewer, progress, cluster)
     if not path.is_dir():
-        raise UsageError(f"{path}: not an output directory")
-    is_mesh = os.path.lexists(path / "mesh.json")
-    if not is_mesh and not (os.path.lexists(path / INDEX_NAME) or os.path.lexists(path / "manifest.json")):
-        raise UsageError(f"{path}: holds neither {INDEX_NAME} nor mesh.json; not a ckptconv output")
+        raise UsageError(f"{path}: neither an output directory nor a .safetensors file")
+    is_mesh = os.path.lexists(path / MESH)
+    if not is_mesh and not (os.path.lexists(path / MANIFEST) or any(
+            n.endswith(manifest_format.INDEX_SUFFIX) for n in os.listdir(path))):
+        raise UsageError(f"{path}: holds neither an index, {MANIFEST} nor {MESH}; not a ckptconv output")
     mine = _share(path, is_mesh, cluster)
     report = Report()
     if is_mesh:
@@ -600,10 +602,24 @@ def verify(path, against=None, read=None, fmt=None, device=None, allow_fewer=Fal
     return report
 
 
+def _verify_single(path, against, read, fmt, device, allow_fewer, progress, cluster) -> Report:
+    """One file is checked whole by process 0; the others wait for its report."""
+    report = Report()
+    if cluster is None or cluster.is_main:
+        verify_file(path, report, progress)
+        if against is not None and not report.problems:
+            compare_against(path, against, read or ReadOptions(), fmt, report)
+        if device is not None and not report.problems:
+            from .device import device_check
+            report.device = device_check(path, device, allow_fewer, report)
+    _merge(cluster, "totals", report)
+    return report
+
+
 def _shard_sizes(path: Path) -> dict:
     """{shard: size} of the regular shard files the output's (valid) metadata names, for sharing work."""
     entries = _scan(path, Report())
-    weight_map, _, m_files, _, sums = _read_meta(path, entries, Report())
+    _, weight_map, _, m_files, _, sums = _read_meta(path, entries, Report())
     names = sorted(set((weight_map or {}).values())
                    | {f for f in (*(m_files or {}), *(sums or {})) if f.endswith(".safetensors")})
     return {n: entries[n].st_size if _regular(entries, n) else 0 for n in names}
@@ -621,8 +637,8 @@ def _share(path: Path, is_mesh: bool, cluster):
             mesh = mesh_reader.read_mesh(path)
         except BadInput:
             mesh = None
-        ranks = sorted(r for r in mesh_reader.rank_dirs(path) if mesh is not None and r < mesh["ranks"])
-        sizes = [sum(_shard_sizes(path / f"rank-{r:05d}").values()) for r in ranks]
+        ranks = sorted(r for r in rank_dirs(path) if mesh is not None and r < mesh["ranks"])
+        sizes = [sum(_shard_sizes(path / rank_dir(r)).values()) for r in ranks]
         owners.update({("rank", r): o for r, o in zip(ranks, assign(sizes, cluster.num_processes))})
         tensors = mesh["tensors"] if mesh is not None else {}
         names = list(tensors)
@@ -630,7 +646,7 @@ def _share(path: Path, is_mesh: bool, cluster):
     else:
         shards = _shard_sizes(path)
         owners.update({("shard", n): o for n, o in zip(shards, assign(list(shards.values()), cluster.num_processes))})
-        _, _, _, m_tensors, _ = _read_meta(path, _scan(path, Report()), Report())
+        _, _, _, _, m_tensors, _ = _read_meta(path, _scan(path, Report()), Report())
         tensors = {n: e for n, e in (m_tensors or {}).items() if e is not None}
         names = list(tensors)
         tsizes = [math.prod(tensors[n]["shape"]) for n in names]

@@ -12,7 +12,7 @@ from ckptconv import unpickler
 from ckptconv.errors import CkptError
 from ckptconv.mapped import MemoryFile
 from ckptconv.readers import ReadOptions, dcp, grok, torch_pickle
-from ckptconv.safetensors_format import parse_header
+from ckptconv.formats.safetensors import parse_header
 from ckptconv.torch_globals import torch_globals
 
 _TORCH, _DCP, _GROK = torch_globals(), dcp.allowlist(), grok.allowlist()

@@ -575,7 +575,7 @@ def test_a_run_refused_by_the_lock_leaves_the_other_runs_files_alone(tmp_path):
 def _forge(out: Path, manifest_edit, add=()):
     """Edit an output's manifest (and add files to it) and re-sign everything, as a careful forger."""
     import hashlib
-    from ckptconv.sha256sums import format_sums
+    from ckptconv.formats.sums import format_sums
 
     def sha(p):
         return hashlib.sha256(p.read_bytes()).hexdigest()
@@ -724,7 +724,7 @@ def test_the_writer_refuses_a_source_that_gives_the_wrong_number_of_bytes(tmp_pa
     from ckptconv import dtypes
     from ckptconv.hashing import Pipeline
     from ckptconv.tensor import Computed
-    from ckptconv.writer import plan_shards, write_shards
+    from ckptconv.writers.files import plan_shards, write_shards
     from ckptconv.errors import BadInput
     liar = Computed("t", dtypes.BY_CODE["F32"], (1024,), lambda index: np.zeros(3, np.float32))
     pipeline = Pipeline()

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from ckptconv.safetensors_format import parse_header
+from ckptconv.formats.safetensors import parse_header
 from ckptconv.mapped import MappedFile
 from tests.conftest import ROOT, run
 

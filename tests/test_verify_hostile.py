@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import torch
 
-from ckptconv.sha256sums import format_sums, parse_sums, unsafe_name
+from ckptconv.formats.sums import format_sums, parse_sums, unsafe_name
 from ckptconv.verify import total_bytes
 from tests.conftest import run
 from tests.hostile import assert_clean as clean, assert_refused, cli

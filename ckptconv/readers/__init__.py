@@ -11,7 +11,9 @@ from pathlib import Path
 
 from .. import safejson
 from ..errors import BadInput, UsageError, brief, encodable
-from ..sha256sums import unsafe_name
+from ..formats.manifest import MANIFEST
+from ..formats.mesh import MESH
+from ..formats.sums import NAME as SUMS, unsafe_name
 
 
 @dataclass
@@ -76,7 +78,7 @@ def open_checkpoint(path, fmt=None, options=None):
 
 
 WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".safetensors", ".distcp", ".index.json", ".msgpack", ".h5")
-OUTPUT_METADATA = ("manifest.json", "SHA256SUMS", "mesh.json")
+OUTPUT_METADATA = (MANIFEST, SUMS, MESH)
 
 
 def model_files(directory: Path, consumed=()) -> list:

@@ -29,7 +29,7 @@ from .. import dtypes, safejson, unpickler
 from ..errors import BadInput, OutputError, UnsafePickle, UsageError
 from ..limits import MAX_NDIM, Budget, shape_problem
 from ..mapped import MappedFile, MemoryFile
-from ..safetensors_format import parse_header
+from ..formats.safetensors import parse_header
 from ..tensor import Checkpoint, Concat, TensorSource
 from ..torch_globals import TorchTensor, flatten, torch_globals
 from ..unpickler import Function, InertClass, InertObject, Marker

@@ -9,17 +9,18 @@ import numpy as np
 
 from ..errors import BadInput
 from ..mapped import MappedFile
-from ..safetensors_format import parse_header
+from ..formats.manifest import INDEX_SUFFIX
+from ..formats.safetensors import parse_header
 from ..tensor import ArraySource, Checkpoint
 from . import ReadOptions, by_shard, check_listed, confined, model_files, source_root, wanted, weight_map
 
 NAME = "safetensors"
 PICKLE = False
-DESCRIPTION = "safetensors files and directories with model.safetensors.index.json"
+DESCRIPTION = "safetensors files and directories with an index (STEM.safetensors.index.json)"
 
 
 def _dir_target(path: Path):
-    index = sorted(path.glob("*.safetensors.index.json"))
+    index = sorted(path.glob("*" + INDEX_SUFFIX))
     if index:
         return index[0]
     files = sorted(path.glob("*.safetensors"))
@@ -29,7 +30,7 @@ def _dir_target(path: Path):
 def detect(path: Path) -> bool:
     if path.is_dir():
         return _dir_target(path) is not None
-    if path.name.endswith(".safetensors.index.json"):
+    if path.name.endswith(INDEX_SUFFIX):
         return True
     try:
         with open(path, "rb") as f:

@@ -10,9 +10,9 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from . import dtypes, safejson
-from .errors import BadInput, brief
-from .limits import shape_problem
+from .. import dtypes, safejson
+from ..errors import BadInput, brief
+from ..limits import shape_problem
 
 MAX_HEADER = 100 * 1000 * 1000  # the safetensors library's own limit
 

@@ -9,7 +9,7 @@ such a name is never returned (so never opened).
 import os
 import re
 
-from .errors import BadInput
+from ..errors import BadInput
 
 NAME = "SHA256SUMS"
 _DIGEST = re.compile(r"[0-9a-f]{64}")

@@ -1,0 +1,162 @@
+"""An output directory's metadata, both ways: shard and index names, the index, manifest.json, the
+resume journal, and the checks verify applies to what it reads back. Layout: docs/output.md."""
+import json
+import os
+
+from .. import safejson
+from ..errors import brief
+from .sums import is_digest, unsafe_name
+
+MANIFEST = "manifest.json"
+FORMAT = "ckptconv.manifest/1"
+JOURNAL = ".ckptconv-journal.json"   # inside the temporary directory of a run, for --resume
+SINGLE_KEY = "ckptconv.manifest"      # a single-file output: the __metadata__ entry holding the manifest facts
+STEM = "model"                        # default `--name`
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def stem_problem(stem: str) -> str | None:
+    """Why `--name STEM` cannot name output files, or None: a plain name in the directory."""
+    if not stem or len(stem) > 128 or stem.startswith(".") or any(c in stem for c in "/\\\0") \
+            or not stem.isprintable():
+        return "must be a plain file-name stem (1-128 printable characters, no '/', not starting with '.')"
+    return None
+
+
+def index_name(stem: str = STEM) -> str:
+    return stem + INDEX_SUFFIX
+
+
+def shard_name(stem: str, i: int, n: int) -> str:
+    """The i-th (from 0) of n shards: `STEM-00001-of-0000n.safetensors`, even for one shard."""
+    return f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def dumps(obj) -> bytes:
+    """Our JSON files: pretty, sorted, UTF-8. Text UTF-8 cannot spell (a file name that is not UTF-8,
+    read by Python as unpaired surrogates) is written as its JSON escape, which reads back the same."""
+    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
+
+
+def index_document(shards) -> dict:
+    """{"metadata": {"total_size"}, "weight_map": {tensor: shard}} for planned shards (name, tensors)."""
+    return {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s.tensors)},
+            "weight_map": {t.name: s.name for s in shards for t in s.tensors}}
+
+
+def manifest_document(source: dict, files: dict, tensors: dict, extras: dict, extra=None) -> dict:
+    manifest = {"format": FORMAT, "source": source, "files": dict(sorted(files.items())), "tensors": tensors,
+                "extras": extras}
+    manifest.update(extra or {})
+    return manifest
+
+
+# --- the resume journal
+
+
+def write_journal(out_dir, job: dict, files: dict, tensors: dict):
+    """Record the shards finished so far (atomically), bound to the job (source identity, plan)."""
+    tmp = os.path.join(out_dir, JOURNAL + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({**job, "files": files, "tensors": tensors}, f)
+    os.replace(tmp, os.path.join(out_dir, JOURNAL))
+
+
+def read_journal(out_dir) -> dict | None:
+    """A killed run's journal, or None when there is none or it is not one (it is never trusted
+    beyond the shards re-hashed against it)."""
+    try:
+        with open(os.path.join(out_dir, JOURNAL)) as f:
+            journal = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(journal, dict) and isinstance(journal.get("files"), dict) and isinstance(journal.get("tensors"), dict)
+    return journal if ok else None
+
+
+# --- reading back (verify): what the files say, checked for types; problems as sentences
+
+
+def check_index(raw) -> tuple:
+    """(valid {tensor: shard}, every tensor name listed, problems); (None, None, problems) when it is
+    not an index. A shard that is not a plain file name in the directory is never returned."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("weight_map"), dict):
+        return None, None, ["the index has no 'weight_map' object"]
+    weight_map, problems = {}, []
+    for name, file in raw["weight_map"].items():
+        why = unsafe_name(file)
+        if why is not None:
+            problems.append(f"tensor {name!r} is listed in {brief(file)}, which is not a plain file name in this "
+                            f"directory ({why}); not opened")
+        else:
+            weight_map[name] = file
+    return weight_map, set(raw["weight_map"]), problems
+
+
+def check_manifest(raw) -> tuple:
+    """(files {name: {"sha256", "size"} or None if malformed}, tensors {name: entry or None},
+    problems); (None, None, problems) when it is not a JSON object."""
+    if not isinstance(raw, dict):
+        return None, None, [f"{MANIFEST} is not a JSON object"]
+    problems = []
+    if raw.get("format") != FORMAT:
+        problems.append(f"format is {brief(raw.get('format'))}, not {FORMAT}")
+    files, tensors = {}, {}
+    raw_files, raw_tensors = raw.get("files", {}), raw.get("tensors", {})
+    if not isinstance(raw_files, dict):
+        problems.append("'files' is not an object")
+        raw_files = {}
+    if not isinstance(raw_tensors, dict):
+        problems.append("'tensors' is not an object")
+        raw_tensors = {}
+    for name, info in raw_files.items():
+        why = unsafe_name(name)
+        if why is not None:
+            problems.append(f"files lists {name!r}, which is not a plain file name in this directory ({why}); "
+                            "not opened")
+            continue
+        ok = (isinstance(info, dict) and is_digest(info.get("sha256")) and type(info.get("size")) is int
+              and info["size"] >= 0)
+        if not ok:
+            problems.append(f"files entry {name!r} is {brief(info)}, not {{\"sha256\": digest, \"size\": bytes}}")
+        files[name] = info if ok else None
+    for name, entry in raw_tensors.items():
+        ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+              and all(type(n) is int and n >= 0 for n in entry["shape"]) and isinstance(entry.get("file"), str)
+              and is_digest(entry.get("sha256")))
+        if not ok:
+            problems.append(f"tensor {name!r}: entry {brief(entry)} is not {{dtype, shape, file, sha256}}")
+            tensors[name] = None
+            continue
+        why = unsafe_name(entry["file"])
+        if why is not None:
+            problems.append(f"tensor {name!r}: file {entry['file']!r} is not a plain file name in this directory "
+                            f"({why})")
+        tensors[name] = entry
+    return files, tensors, problems
+
+
+def single_document(metadata: dict, where):
+    """The manifest facts a single-file output keeps in its `__metadata__`, parsed (BadInput if it is
+    not JSON), or None when the file has none (it was not written by ckptconv)."""
+    if SINGLE_KEY not in metadata:
+        return None
+    return safejson.loads(metadata[SINGLE_KEY], where, f"__metadata__ {SINGLE_KEY!r}")
+
+
+def check_single(raw) -> tuple:
+    """({tensor: sha256 or None if malformed}, problems) of a single-file output's manifest facts."""
+    if not isinstance(raw, dict):
+        return {}, [f"__metadata__ {SINGLE_KEY!r} is not a JSON object"]
+    problems = []
+    if raw.get("format") != FORMAT:
+        problems.append(f"format is {brief(raw.get('format'))}, not {FORMAT}")
+    if not isinstance(raw.get("tensors"), dict):
+        return {}, problems + ["'tensors' is not an object"]
+    tensors = {}
+    for name, entry in raw["tensors"].items():
+        ok = isinstance(entry, dict) and is_digest(entry.get("sha256"))
+        if not ok:
+            problems.append(f"tensor {name!r}: entry {brief(entry)} is not {{sha256}}")
+        tensors[name] = entry["sha256"] if ok else None
+    return tensors, problems

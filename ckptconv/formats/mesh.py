@@ -1,0 +1,172 @@
+"""A reshard output's own files: mesh.json (format tag, validation, building it) and the rank
+directories beside it. Layout and meaning: docs/output.md ("Reshard outputs")."""
+import os
+import re
+from pathlib import Path
+
+from .. import dtypes, safejson
+from ..errors import BadInput
+from ..hashing import sha256_file
+from .sums import NAME as SUMS, is_digest, write_sums
+
+MESH = "mesh.json"
+FORMAT = "ckptconv.mesh/1"
+MAX_METADATA = 256 * 2**20  # mesh.json, manifests, indexes, SHA256SUMS: read whole, so bounded
+_RANK_DIR = re.compile(r"rank-([0-9]{5,})")
+_RULE_KEYS = {"pattern": str, "kind": str, "axis": int, "heads": int, "kv_heads": int, "head_dim": int,
+              "experts": bool}
+
+
+def rank_dir(rank: int) -> str:
+    """The directory name of rank `rank`: rank-00000, rank-00001 ..."""
+    return f"rank-{rank:05d}"
+
+
+def read_regular(path, limit=MAX_METADATA) -> bytes:
+    """The bytes of `path` in an output: a regular file, not followed if it is a link (safejson.read)."""
+    return safejson.read(path, limit=limit, follow=False)
+
+
+def parse_mesh(data: bytes, where, on_disk: int | None = None) -> dict:
+    """Validate everything the readers, reshard and verify rely on (types, ranges, sizes); any fault
+    is a BadInput naming mesh.json and what is wrong, never a crash later on. With `on_disk` (how
+    many rank directories are on disk), the rank count must be that: a count read from a file is
+    never looped over unchecked."""
+    mesh = safejson.loads(data, where, MESH)
+    if not isinstance(mesh, dict) or mesh.get("format") != FORMAT:
+        raise BadInput(f"{where}: not a {FORMAT} description")
+
+    def bad(what):
+        return BadInput(f"{where}: {what}")
+
+    for key in ("ranks", "tp", "ep"):
+        if not _count(mesh.get(key)):
+            raise bad(f"{key!r} must be a whole number of at least 1, not {mesh.get(key)!r}")
+    ranks = mesh["ranks"]
+    if on_disk is not None and ranks != on_disk:
+        raise bad(f"mesh.json says {ranks} ranks, {Path(where).parent} holds {on_disk} rank directories")
+    if mesh["tp"] * mesh["ep"] != ranks:
+        raise bad(f"ranks is {ranks}, not tp x ep = {mesh['tp']} x {mesh['ep']}")
+    _check_rules(mesh.get("rules"), bad)
+    if not isinstance(mesh.get("tensors"), dict):
+        raise bad("'tensors' must be an object")
+    for name, entry in mesh["tensors"].items():
+        _check_entry(name, entry, ranks, bad)
+    return mesh
+
+
+def _count(v) -> bool:
+    return type(v) is int and v >= 1
+
+
+def _dims(v) -> bool:
+    return isinstance(v, list) and all(type(d) is int and 0 <= d < 2**62 for d in v)
+
+
+def _check_rules(rules, bad):
+    if not (isinstance(rules, dict) and isinstance(rules.get("name"), str) and rules.get("layout") in ("torch", "jax")
+            and isinstance(rules.get("rules"), list) and isinstance(rules.get("params", {}), dict)):
+        raise bad("'rules' must be {name, layout: torch|jax, rules: [...], params: {...}}")
+    for i, rule in enumerate(rules["rules"]):
+        if not isinstance(rule, dict) or not isinstance(rule.get("pattern"), str):
+            raise bad(f"rule {i} must be an object with a 'pattern' string")
+        for key, value in rule.items():
+            want = _RULE_KEYS.get(key)
+            if want is None or type(value) is not want:
+                raise bad(f"rule {i}: {key!r} = {value!r} is not a valid rule field")
+
+
+def _check_entry(name, e, ranks, bad):
+    if not isinstance(e, dict):
+        raise bad(f"tensor {name!r}: entry must be an object")
+    if not _dims(e.get("shape")):
+        raise bad(f"tensor {name!r}: shape {e.get('shape')!r} is not a list of sizes")
+    if not isinstance(e.get("dtype"), str) or e["dtype"] not in dtypes.BY_CODE:
+        raise bad(f"tensor {name!r}: dtype {e.get('dtype')!r} is not a safetensors dtype code")
+    if not is_digest(e.get("sha256")):
+        raise bad(f"tensor {name!r}: sha256 {e.get('sha256')!r} is not a SHA-256 hex digest")
+    if "rule" in e and not isinstance(e["rule"], str):
+        raise bad(f"tensor {name!r}: rule must be a string")
+    if "axis" not in e:
+        raise bad(f"tensor {name!r}: no axis (null for a replicated tensor)")
+    shape, axis = e["shape"], e["axis"]
+    if axis is None:
+        if "ranges" in e or "padded_shape" in e:
+            raise bad(f"tensor {name!r}: a replicated tensor (axis null) has no ranges or padded_shape")
+        return
+    if type(axis) is not int or not 0 <= axis < len(shape):
+        raise bad(f"tensor {name!r}: axis {axis!r} is not null or an axis of its {len(shape)}-d shape")
+    full = shape
+    if "padded_shape" in e:
+        full = e["padded_shape"]
+        if not (_dims(full) and len(full) == len(shape) and full[axis] >= shape[axis]
+                and all(a == b for i, (a, b) in enumerate(zip(full, shape)) if i != axis)):
+            raise bad(f"tensor {name!r}: padded_shape {full!r} is not its shape {shape} padded along axis {axis}")
+    n = full[axis]
+    if "ranges" not in e:
+        if n % ranks:
+            raise bad(f"tensor {name!r}: recorded as an even split of {n} over {ranks} ranks")
+        return
+    ranges = e["ranges"]
+    if not isinstance(ranges, list) or len(ranges) != ranks:
+        raise bad(f"tensor {name!r}: ranges must list the intervals of each of the {ranks} ranks")
+    for r, ivs in enumerate(ranges):
+        if not isinstance(ivs, list) or not all(
+                isinstance(iv, list) and len(iv) == 2 and all(type(x) is int for x in iv) and 0 <= iv[0] < iv[1] <= n
+                for iv in ivs):
+            raise bad(f"tensor {name!r}: ranges of rank {r} are not [start, stop) intervals within 0..{n}")
+
+
+def rank_number(name: str):
+    """r for a directory name `rank_dir(r)` (exactly that spelling), else None."""
+    m = _RANK_DIR.fullmatch(name)
+    return int(m.group(1)) if m and name == rank_dir(int(m.group(1))) else None
+
+
+def rank_dirs(path: Path) -> dict:
+    """{rank: name} of the rank directories in `path` (real directories, not symlinks)."""
+    found = {}
+    with os.scandir(path) as it:
+        for entry in it:
+            r = rank_number(entry.name)
+            if r is not None and entry.is_dir(follow_symlinks=False):
+                found[r] = entry.name
+    return found
+
+
+def intervals(entry: dict, ranks: int, rank: int, name: str):
+    """The [start, stop) intervals along the split axis that rank `rank` holds (docs/output.md)."""
+    if "ranges" in entry:
+        return [tuple(iv) for iv in entry["ranges"][rank]]
+    n = entry.get("padded_shape", entry["shape"])[entry["axis"]]
+    if n % ranks:
+        raise BadInput(f"{MESH}: tensor {name!r} is recorded as an even split of {n} over {ranks} ranks")
+    k = n // ranks
+    return [(rank * k, (rank + 1) * k)]
+
+
+def document(plans, rules, tp, ep, source, digests) -> dict:
+    """mesh.json for a reshard's TensorPlans (reshard.py), its RuleSet and the global digests."""
+    tensors = {}
+    for p in plans:
+        entry = {"shape": list(p.shape), "dtype": p.dtype.code, "axis": p.axis, "rule": p.rule,
+                 "sha256": digests[p.name]}
+        if p.axis is not None and not p.even:
+            entry["ranges"] = [[list(iv) for iv in r] for r in p.ranges]
+        if p.padded is not None:
+            entry["padded_shape"] = list(p.shape[:p.axis] + (p.padded,) + p.shape[p.axis + 1:])
+        tensors[p.name] = entry
+    return {"format": FORMAT, "tp": tp, "ep": ep, "ranks": tp * ep,
+            "rank_order": "rank = expert_group * tp + tp_rank", "rules": rules.to_json(),
+            "source": {k: v for k, v in source.items() if k != "rules"}, "tensors": tensors}
+
+
+def write_top_sums(out_dir):
+    """OUT/SHA256SUMS over mesh.json and every other top-level regular file (the rank directories
+    carry their own), so nothing in a reshard output is unhashed."""
+    digests = {}
+    with os.scandir(out_dir) as it:
+        for entry in it:
+            if entry.name != SUMS and entry.is_file(follow_symlinks=False):
+                digests[entry.name] = sha256_file(entry.path)
+    write_sums(out_dir, digests)

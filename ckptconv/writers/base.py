@@ -1,0 +1,72 @@
+"""The writer interface: planning is pure data, writing is I/O, finishing is metadata.
+
+In the spirit of torch DCP's planner / storage split, a writer turns the tensor stream into an
+output in three steps, and the job runner (runner.py) drives them the same way on one process or
+several:
+
+- `plan(tensors) -> units`: which tensor bytes go to which file or directory, with their sizes.
+  Pure data: `ckptconv plan` prints exactly what a run will do.
+- `write(units, tmp, progress, share) -> result`: write the units this process was given into the
+  temporary output directory. The result is JSON-able (digests): it crosses processes.
+- `finish(tmp, results) -> facts`: on process 0, once every process's result is in (in process
+  order): the index, manifest, SHA256SUMS, mesh.json ...; returns facts for the summary.
+
+A writer is one module with one registration (`@register("name")`).
+"""
+from dataclasses import dataclass, field
+
+from ..formats.manifest import STEM
+
+WRITERS = {}
+
+
+def register(name: str):
+    def add(cls):
+        cls.name = name
+        WRITERS[name] = cls
+        return cls
+    return add
+
+
+@dataclass
+class WriteOptions:
+    """How files are written (convert, reshard)."""
+
+    max_shard_size: int = 5 * 10**9
+    fsync: bool = False
+    direct: bool = True       # shards bypass the page cache (outfile.py)
+    overwrite: bool = False
+    resume: bool = False
+    stem: str = STEM          # --name: STEM-00001-of-0000n.safetensors, STEM.safetensors.index.json
+
+
+@dataclass
+class Content:
+    """What an output holds besides its tensors, from the checkpoint."""
+
+    source: dict                                          # manifest's "source"
+    extras: dict = field(default_factory=dict)
+    manifest: dict = field(default_factory=dict)          # more top-level manifest entries (quantization)
+    model_files: list = field(default_factory=list)       # (name, path) carried into OUT
+    skipped_files: list = field(default_factory=list)     # model files not carried: {"name", "reason"}
+    identity: str | None = None                           # what the run reads (writers.sharded.source_id)
+
+    def skipped(self) -> dict:
+        """The manifest's source entry listing the model files not carried, when there are any."""
+        return {"skipped_files": self.skipped_files} if self.skipped_files else {}
+
+
+class Writer:
+    """Base class (see the module docstring). A unit has at least `name` and `size`."""
+
+    name = "?"
+    single_file = False   # the output is one file, not a directory
+
+    def plan(self, tensors) -> list:
+        raise NotImplementedError
+
+    def write(self, units, tmp, progress=None, share=(0, 1)):
+        raise NotImplementedError
+
+    def finish(self, tmp, results) -> dict:
+        raise NotImplementedError

@@ -1,0 +1,239 @@
+"""What every writer shares: shard files planned as pure data, streamed through one pipeline, and
+an output directory's metadata written once every shard is hashed.
+
+Every chunk is written once and hashed twice (file, tensor), see hashing.py. Sources that are one
+contiguous file range are read straight into the output's staging buffers and hashed there; others
+are gathered block by block from the mapping, whose pages are released as we go. Shards bypass the
+page cache (outfile.py). The directory contract: docs/output.md.
+"""
+import contextlib
+import hashlib
+import os
+import shutil
+import stat
+from dataclasses import dataclass, field
+
+from .. import sha256
+from ..errors import BadInput, OutputError
+from ..formats import manifest as fmt
+from ..formats.safetensors import build_header
+from ..formats.sums import write_sums
+from ..hashing import CHUNK, Pipeline, write_all
+from ..outfile import OutFile
+from ..tensor import as_bytes, iter_blocks
+
+
+@dataclass
+class ShardFile:
+    name: str
+    tensors: list   # TensorSources, in data order
+    header: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(t.nbytes for t in self.tensors)
+
+
+def plan_shards(tensors, max_shard_size: int, stem: str = fmt.STEM) -> list:
+    """Hugging Face's rule: fill shards in order up to `max_shard_size`; a tensor never spans files
+    (one larger than the limit gets a shard of its own). Always `STEM-0000k-of-0000n` names."""
+    groups, current, size = [], [], 0
+    for t in tensors:
+        if current and size + t.nbytes > max_shard_size:
+            groups.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current or not groups:
+        groups.append(current)
+    n = len(groups)
+    return [ShardFile(fmt.shard_name(stem, i, n), g, build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in g]))
+            for i, g in enumerate(groups)]
+
+
+@dataclass
+class Written:
+    """What writing produced: digests for the manifest (JSON-able: it crosses processes)."""
+
+    files: dict = field(default_factory=dict)     # name -> {"sha256", "size"}
+    tensors: dict = field(default_factory=dict)   # name -> {"dtype", "shape", "file", "sha256"}
+
+    def add(self, other: "Written"):
+        self.files.update(other.files)
+        self.tensors.update(other.tensors)
+
+
+class OutputStream:
+    """One output directory's shards, written tensor by tensor in plan order; it owns the file and
+    tensor digests. Several can be open at once (reshard writes every rank's files side by side);
+    they share one hashing pipeline."""
+
+    def __init__(self, out_dir, shards, pipeline: Pipeline, fsync=False, on_close=None, direct=True):
+        self.out_dir, self.shards, self.pipeline, self.fsync, self.direct = out_dir, shards, pipeline, fsync, direct
+        self.on_close = on_close
+        self.where = {t.name: i for i, s in enumerate(shards) for t in s.tensors}
+        self.written = Written()
+        self._current, self._file, self._file_h, self._digests = None, None, None, []
+
+    def add(self, t, progress=None, tap=None):
+        """Write all of tensor `t` into the shard the plan puts it in; `tap` (a sha256 state) is fed
+        the same bytes."""
+        f, file_h = self.file_for(t.name)
+        self.record(t, write_tensor(f, file_h, t, self.pipeline, progress, tap))
+
+    def file_for(self, name):
+        """(file, file hash) of the shard that holds tensor `name`, opening it (and closing the one
+        before) when the plan moves on to it."""
+        index = self.where[name]
+        if index != self._current:
+            self._close()
+            shard = self.shards[index]
+            path = os.path.join(self.out_dir, shard.name)
+            self._file = OutFile(path, self.pipeline.staging, self.direct)
+            self._current, self._file_h = index, sha256.new()
+            self.pipeline.push(self._file, self._file_h, None, shard.header)
+        return self._file, self._file_h
+
+    def record(self, t, digest):
+        """A tensor of the current shard is fully pushed; `digest` is its future SHA-256."""
+        self._digests.append((t, digest))
+
+    def _close(self):
+        if self._file is None:
+            return
+        shard = self.shards[self._current]
+        self.pipeline.drain()
+        self._file.close(self.fsync)  # on failure, the caller abandons the stream (and this file)
+        self._file = None
+        for t, digest in self._digests:
+            self.written.tensors[t.name] = {"dtype": t.dtype.code, "shape": list(t.shape), "file": shard.name,
+                                            "sha256": digest.result()}
+        self.written.files[shard.name] = {"sha256": self._file_h.hexdigest(), "size": shard.size}
+        self._digests = []
+        if self.on_close is not None:
+            self.on_close(self.written)
+
+    def finish(self) -> Written:
+        self._close()
+        return self.written
+
+    def abandon(self):
+        """After a failure: let go of the open shard's descriptors, writing nothing more."""
+        if self._file is not None:
+            self._file.abandon()
+            self._file = None
+
+
+def write_tensor(f, file_h, t, pipeline, progress, tap):
+    """Push all of `t` into `f`; returns the future of its SHA-256."""
+    tensor_h = sha256.new()
+    span = t.file_span()
+    try:
+        if span is not None:
+            # One contiguous range of a file: read straight into the output's staging buffers.
+            mapped, offset = span
+            mapped.check(offset, t.nbytes, f"tensor {t.name!r}")
+            with mapped.reader() as fill_at:
+                pipeline.push_range(f, file_h, tensor_h, fill_at, offset, t.nbytes, tap, progress)
+        else:
+            pushed = 0
+            for block in iter_blocks(t, CHUNK):
+                data = as_bytes(block)
+                pushed += len(data)
+                if pushed > t.nbytes:
+                    break
+                pipeline.push(f, file_h, tensor_h, data, tap)
+                t.release()  # the bytes are in the staging buffers now
+                if progress:
+                    progress(len(data))
+            if pushed != t.nbytes:  # the header promised nbytes: never publish a file that lies
+                raise BadInput(f"tensor {t.name!r}: its source gave {pushed} bytes where its shape {list(t.shape)} "
+                               f"needs {t.nbytes}")
+    except (ValueError, IndexError) as e:
+        raise BadInput(f"tensor {t.name!r}: cannot read its data: {e}") from None
+    finally:
+        t.release()
+    return pipeline.hashes.digest("tensor", tensor_h)
+
+
+def copy_files(out_dir, files, written: Written):
+    """Carry model files (config.json, tokenizer...) into OUT unchanged, hashed for the manifest. The
+    paths were resolved and checked by `readers.carried`; they are opened without following a link
+    (one swapped in since is refused), a copy never gets wider permissions than its source, and a file
+    that changes while it is copied stops the run."""
+    for rel, src in files:
+        dst = os.path.join(out_dir, rel)
+        h = hashlib.sha256()
+        try:
+            fi = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise BadInput(f"{src}: cannot read: {e.strerror}") from None
+        try:
+            before = os.fstat(fi)
+            if not stat.S_ISREG(before.st_mode):
+                raise BadInput(f"{src}: is no longer a regular file")
+            with open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, before.st_mode & 0o666),
+                      "wb") as fo:
+                left = before.st_size
+                while left > 0 and (chunk := os.read(fi, min(CHUNK, left))):
+                    h.update(chunk)
+                    write_all(fo, chunk)
+                    left -= len(chunk)
+            after = os.fstat(fi)
+        finally:
+            os.close(fi)
+        if left or (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            raise BadInput(f"{src}: changed while it was being read; nothing was written")
+        written.files[rel] = {"sha256": h.hexdigest(), "size": before.st_size}
+
+
+def write_json(out_dir, name, obj, written: Written = None) -> bytes:
+    data = fmt.dumps(obj)
+    with open(os.path.join(out_dir, name), "wb") as f:
+        write_all(f, data)
+    if written is not None:
+        written.files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    return data
+
+
+def finish_dir(out_dir, shards, written: Written, source: dict, extras: dict, extra_manifest=None,
+               stem: str = fmt.STEM) -> dict:
+    """Write a directory's index, manifest and SHA256SUMS once every shard is written and hashed."""
+    write_json(out_dir, fmt.index_name(stem), fmt.index_document(shards), written)
+    manifest = fmt.manifest_document(source, written.files, written.tensors, extras, extra_manifest)
+    data = write_json(out_dir, fmt.MANIFEST, manifest)
+    sums = {name: info["sha256"] for name, info in written.files.items()}
+    sums[fmt.MANIFEST] = hashlib.sha256(data).hexdigest()
+    write_sums(out_dir, sums)
+    return manifest
+
+
+def check_space(out_dir, shard_bytes: int, model_files=(), copies: int = 1):
+    """Refuse to start when the shards and `copies` of the carried model files cannot fit."""
+    needed = shard_bytes + copies * sum(os.path.getsize(p) for _, p in model_files)
+    if shutil.disk_usage(out_dir).free < needed:
+        raise OutputError(f"{out_dir}: not enough free disk space for {needed} bytes")
+
+
+def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False, reuse: Written = None,
+                 journal: dict = None, direct=True) -> Written:
+    """Write `shards` into `out_dir`, skipping those in `reuse`; with `journal` (the job's identity
+    and plan), record each finished shard for --resume."""
+    reuse = reuse or Written()
+    on_close = (lambda w: fmt.write_journal(out_dir, journal, w.files, w.tensors)) if journal else None
+    stream = OutputStream(out_dir, shards, pipeline, fsync, on_close, direct)
+    try:
+        for shard in shards:
+            if shard.name in reuse.files:
+                stream.written.files[shard.name] = reuse.files[shard.name]
+                stream.written.tensors.update({t.name: reuse.tensors[t.name] for t in shard.tensors})
+                continue
+            for t in shard.tensors:
+                stream.add(t, progress)
+        written = stream.finish()
+    except BaseException:
+        stream.abandon()
+        raise
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(out_dir, fmt.JOURNAL))
+    return written

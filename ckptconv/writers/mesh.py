@@ -1,0 +1,189 @@
+"""A reshard output (docs/output.md, "Reshard outputs"): one complete sharded directory per rank,
+`rank-XXXXX/`, holding exactly that rank's pieces, and mesh.json with the global digests.
+
+The layout (which rank holds which intervals of which tensor) is decided before, as pure data
+(reshard.py's TensorPlans); the units of this writer are rank directories. The ranks a process owns
+are written side by side, tensor by tensor: a tensor split on a later axis is read once for all
+ranks and scattered (each rank gathers its columns of each block); the others are sliced per rank,
+so only what a rank needs is read. A process that writes every rank also gets the global digests
+as taps of the bytes it streams; the rest are one bounded pass over the source, split among the
+processes by bytes.
+"""
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import sha256
+from ..cluster import assign
+from ..errors import BadInput
+from ..formats import mesh as fmt
+from ..hashing import CHUNK, Pipeline
+from ..tensor import Computed, Concat, as_bytes, sha256_of
+from .base import Content, WriteOptions, Writer, register
+from .files import OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json
+
+
+@dataclass
+class RankDir:
+    rank: int
+    name: str
+    size: int
+
+
+def rank_pieces(sources: dict, plans, rank) -> list:
+    """Rank `rank`'s pieces as lazy sources: slices of the global tensors, joined in range order."""
+    out = []
+    for p in plans:
+        src = sources[p.name] if p.padded is None else zero_padded(sources[p.name], p.axis, p.padded)
+        if p.axis is None:
+            out.append(src)
+            continue
+        if not p.ranges[rank]:
+            continue
+        parts = [src.sliced(p.axis, a, b) for a, b in p.ranges[rank]]
+        out.append(parts[0].renamed(p.name) if len(parts) == 1 else Concat(p.name, parts, p.axis))
+    return out
+
+
+def zero_padded(src, axis, size) -> Computed:
+    """`src` with zero rows appended along `axis` up to `size` (--pad-vocab)."""
+    n = src.shape[axis]
+    shape = src.shape[:axis] + (size,) + src.shape[axis + 1:]
+
+    def compute(index):
+        out = np.zeros(tuple(s.stop - s.start for s in index), src.dtype.numpy)
+        start, stop = index[axis].start, min(index[axis].stop, n)
+        if start < stop:  # the part of the region that lies inside the real tensor
+            dest, real = [slice(None)] * len(index), list(index)
+            dest[axis], real[axis] = slice(0, stop - start), slice(start, stop)
+            out[tuple(dest)] = src.region(tuple(real))
+        return out
+
+    return Computed(src.name, src.dtype, shape, compute, (src,))
+
+
+def _streams_in_order(p) -> bool:
+    """Pieces written rank by rank give the global bytes in order (so the global digest is a tap)."""
+    return p.axis is not None and p.even and p.padded is None and all(n == 1 for n in p.shape[:p.axis])
+
+
+def _scatters(p) -> bool:
+    """Split on a later axis, with rows small enough to read whole: read each block of rows once and
+    hand every rank its columns (instead of every rank gathering its columns from the whole tensor)."""
+    if p.axis is None or _streams_in_order(p) or p.axis == 0 or not math.prod(p.shape):
+        return False
+    return math.prod(p.shape[1:]) * p.dtype.itemsize <= CHUNK
+
+
+@register("mesh")
+class MeshWriter(Writer):
+    def __init__(self, options: WriteOptions, content: Content, layout, rules, tp: int, ep: int, sources: dict):
+        self.options, self.content, self.layout, self.rules = options, content, layout, rules
+        self.tp, self.ep, self.sources = tp, ep, sources
+        self.ranks = tp * ep
+
+    def plan(self, tensors=None) -> list:
+        return [RankDir(r, fmt.rank_dir(r), sum(p.piece_bytes(r) for p in self.layout)) for r in range(self.ranks)]
+
+    def write(self, units, tmp, progress=None, share=(0, 1)):
+        mine = [u.rank for u in units]
+        check_space(tmp, sum(u.size for u in units), self.content.model_files, len(units))
+        every_rank = len(mine) == self.ranks
+        taps = {p.name: sha256.new() for p in self.layout if every_rank and (_streams_in_order(p) or _scatters(p))}
+        streams = self._write_ranks(tmp, mine, progress, taps)
+        for rank, stream in streams.items():
+            source = {**self.content.source, "resharded": {"tp": self.tp, "ep": self.ep, "rank": rank},
+                      **self.content.skipped()}
+            copy_files(stream.out_dir, self.content.model_files, stream.written)
+            finish_dir(stream.out_dir, stream.shards, stream.written, source, self.content.extras,
+                       stem=self.options.stem)
+        # the global digests of split tensors: taps where this process streamed them whole, else its
+        # share (by bytes) of one bounded pass over the source each
+        split = [p for p in self.layout if p.axis is not None]
+        owner = assign([math.prod(p.shape) * p.dtype.itemsize for p in split], share[1])
+        digests = {p.name: taps[p.name].hexdigest() if p.name in taps else sha256_of(self.sources[p.name])
+                   for p, o in zip(split, owner) if p.name in taps or o == share[0]}
+        rank0 = {n: v["sha256"] for n, v in streams[0].written.tensors.items()} if 0 in streams else None
+        return {"rank0": rank0, "global": digests}
+
+    def finish(self, tmp, results) -> dict:
+        rank0 = next(r["rank0"] for r in results if r["rank0"] is not None)
+        digests = {p.name: rank0[p.name] for p in self.layout if p.axis is None}
+        for r in results:
+            digests.update(r["global"])
+        write_json(tmp, fmt.MESH, fmt.document(self.layout, self.rules, self.tp, self.ep, self.content.source, digests))
+        fmt.write_top_sums(tmp)
+        return {}
+
+    def _write_ranks(self, tmp, ranks, progress, taps) -> dict:
+        """Every rank directory's shards written side by side, tensor by tensor. Returns {rank: stream}."""
+        pieces = {r: {t.name: t for t in rank_pieces(self.sources, self.layout, r)} for r in ranks}
+        pipeline = Pipeline()
+        streams = {}
+        try:
+            for r in ranks:
+                rank_dir = Path(tmp) / fmt.rank_dir(r)
+                rank_dir.mkdir()
+                streams[r] = OutputStream(rank_dir, plan_shards(list(pieces[r].values()), self.options.max_shard_size,
+                                                                self.options.stem),
+                                          pipeline, self.options.fsync, direct=self.options.direct)
+            for p in self.layout:
+                holders = [r for r in ranks if p.name in pieces[r]]
+                if _scatters(p):
+                    _scatter(p, self.sources[p.name], holders, pieces, streams, pipeline, progress, taps.get(p.name))
+                    continue
+                for r in holders:
+                    streams[r].add(pieces[r][p.name], progress, taps.get(p.name))
+            for stream in streams.values():
+                stream.finish()
+            return streams
+        except BaseException:
+            for stream in streams.values():
+                stream.abandon()
+            raise
+        finally:
+            pipeline.close()
+
+
+def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
+    rows = max(1, CHUNK // (math.prod(p.shape[1:]) * p.dtype.itemsize))
+    digests = {r: sha256.new() for r in holders}
+    lead = (slice(None),) * p.axis
+    try:
+        for a in range(0, p.shape[0], rows):
+            block = np.ascontiguousarray(src.region((slice(a, min(a + rows, p.shape[0])),)))
+            pending = pipeline.hashes.feed(as_bytes(block), tap=global_h)
+            for r in holders:
+                parts = [block[lead + (slice(lo, hi),)] for lo, hi in p.ranges[r]]
+                f, file_h = streams[r].file_for(p.name)
+                fill_at, nbytes = _gather(parts, p.axis)
+                pipeline.push_range(f, file_h, digests[r], fill_at, 0, nbytes, progress=progress)
+            for f in pending:
+                f.result()
+            src.release()
+    except (ValueError, IndexError) as e:
+        raise BadInput(f"tensor {p.name!r}: cannot read its data: {e}") from None
+    for r in holders:
+        streams[r].record(pieces[r][p.name], pipeline.hashes.digest("tensor", digests[r]))
+
+
+def _gather(parts, axis):
+    """One rank's columns of a block as (`fill_at`, byte count): gathered straight into the staging
+    buffer when it holds the whole piece, else gathered once and copied a byte range at a time."""
+    shape = list(parts[0].shape)
+    shape[axis] = sum(x.shape[axis] for x in parts)
+    nbytes = math.prod(shape) * parts[0].itemsize
+    whole = None
+
+    def fill_at(view, offset):
+        nonlocal whole
+        if offset == 0 and len(view) == nbytes:
+            np.concatenate(parts, axis=axis, out=np.frombuffer(view, parts[0].dtype).reshape(shape))
+            return
+        if whole is None:
+            whole = as_bytes(np.concatenate(parts, axis=axis))
+        view[:] = whole[offset:offset + len(view)]
+
+    return fill_at, nbytes

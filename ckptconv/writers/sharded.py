@@ -1,0 +1,102 @@
+"""The sharded safetensors directory (docs/output.md): `STEM-0000k-of-0000n.safetensors` filled in
+order up to the shard size, `STEM.safetensors.index.json`, `manifest.json` with file and per-tensor
+SHA-256, a coreutils `SHA256SUMS`, and the model files carried over. A single process keeps a
+journal after every shard so that `--resume` can reuse what a killed run finished."""
+import hashlib
+import json
+import os
+
+from ..formats import manifest as fmt
+from ..hashing import Pipeline, sha256_file
+from .base import Content, WriteOptions, Writer, register
+from .files import Written, check_space, copy_files, finish_dir, plan_shards, write_shards
+
+
+def source_id(paths, description) -> str:
+    """Identifies what a run reads, for --resume: for every input file its device, inode, size,
+    modification and change times (any write to a file, or another file put in its place, changes
+    them; the change time cannot be set back), and the digest of what the reader made of them
+    (`description`: the source, extras and other facts that go into the manifest)."""
+    h = hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode())
+    for p in sorted({os.path.realpath(p) for p in paths}):
+        st = os.stat(p)
+        h.update(os.fsencode(p) + f"\0{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _plan_id(shards) -> str:
+    """Identifies a shard plan: names, headers (names, dtypes, shapes, offsets) in order."""
+    h = hashlib.sha256()
+    for s in shards:
+        h.update(s.name.encode() + b"\0" + s.header)
+    return h.hexdigest()
+
+
+def reusable(out_dir, shards, identity: str, progress=None):
+    """Shards a killed run of the same job finished, re-hashed and checked against its journal; the
+    rest is redone. Returns (Written, why nothing or not everything could be reused, or None)."""
+    journal = fmt.read_journal(out_dir)
+    if journal is None:
+        return Written(), "no interrupted run of this output to resume; started afresh"
+    done = Written()
+    if journal.get("source") != identity:
+        return done, "the interrupted run read a different or changed source; started over"
+    if journal.get("plan") != _plan_id(shards):
+        return done, "the interrupted run wrote other tensors or used other options; started over"
+    files, tensors, redone = journal["files"], journal["tensors"], 0
+    for shard in shards:
+        info = files.get(shard.name)
+        path = os.path.join(out_dir, shard.name)
+        if not isinstance(info, dict) or not os.path.isfile(path) or os.path.getsize(path) != info.get("size"):
+            continue
+        if sha256_file(path, progress=progress) != info.get("sha256") or not all(
+                isinstance(tensors.get(t.name), dict) for t in shard.tensors):
+            redone += 1
+            continue
+        done.files[shard.name] = info
+        done.tensors.update({t.name: tensors[t.name] for t in shard.tensors})
+    return done, (f"{redone} finished shard(s) failed their re-check and were rewritten" if redone else None)
+
+
+@register("sharded")
+class ShardedWriter(Writer):
+    def __init__(self, options: WriteOptions, content: Content):
+        self.options, self.content = options, content
+        self.shards = []
+
+    def plan(self, tensors) -> list:
+        self.shards = plan_shards(tensors, self.options.max_shard_size, self.options.stem)
+        return self.shards
+
+    def write(self, units, tmp, progress=None, share=(0, 1)):
+        solo = share[1] == 1  # the journal (and --resume) belong to a run of one process
+        reuse, note = Written(), None
+        if solo and self.options.resume and self.content.identity:
+            reuse, note = reusable(tmp, self.shards, self.content.identity)
+        check_space(tmp, sum(s.size for s in units if s.name not in reuse.files),
+                    self.content.model_files if share[0] == 0 else ())
+        journal = {"plan": _plan_id(self.shards), "source": self.content.identity} if solo and self.content.identity \
+            else None
+        pipeline = Pipeline()
+        try:
+            written = write_shards(tmp, units, pipeline, progress, self.options.fsync, reuse, journal,
+                                   self.options.direct)
+        finally:
+            pipeline.close()
+        return {"files": written.files, "tensors": written.tensors,
+                "reused": sum(v["size"] for v in reuse.files.values()), "note": note}
+
+    def finish(self, tmp, results) -> dict:
+        written, by_name = Written(), {}
+        for r in results:
+            by_name.update({name: r for name in r["files"]})
+        for shard in self.shards:  # merged in plan order: the manifest is what one process writes
+            r = by_name[shard.name]
+            written.files[shard.name] = r["files"][shard.name]
+            written.tensors.update({t.name: r["tensors"][t.name] for t in shard.tensors})
+        copy_files(tmp, self.content.model_files, written)
+        manifest = finish_dir(tmp, self.shards, written, {**self.content.source, **self.content.skipped()},
+                              self.content.extras, self.content.manifest, self.options.stem)
+        notes = [r["note"] for r in results if r.get("note")]
+        return {"files": sorted(manifest["files"]), "resumed_bytes": sum(r["reused"] for r in results),
+                **({"resume_note": notes[0]} if notes else {})}

@@ -1,0 +1,66 @@
+"""One safetensors file (`ckptconv convert model.ckpt model.safetensors`, the habit of diffusion and
+LoRA users): `__metadata__` holds `"format": "pt"` and, under `ckptconv.manifest`, the manifest
+facts as a JSON string (format tag, source, every tensor's SHA-256, extras), so that
+`ckptconv verify FILE [--against SRC]` works on the file alone (docs/output.md).
+
+The header comes first but the digests are known last: it is written with placeholder digests of
+the same length, the data streams after it, and the header is rewritten in place at the end.
+"""
+import json
+import os
+
+from ..formats import manifest as fmt
+from ..formats.safetensors import build_header
+from ..hashing import Pipeline
+from .base import Content, WriteOptions, Writer, register
+from .files import ShardFile, check_space, write_shards
+
+
+def metadata(content: Content, digests: dict) -> dict:
+    facts = {"format": fmt.FORMAT, "source": content.source, "extras": content.extras,
+             "tensors": {name: {"sha256": d} for name, d in digests.items()}, **content.manifest}
+    return {"format": "pt", fmt.SINGLE_KEY: json.dumps(facts, sort_keys=True, separators=(",", ":"))}
+
+
+@register("single")
+class SingleWriter(Writer):
+    single_file = True
+
+    def __init__(self, options: WriteOptions, content: Content, file_name: str):
+        self.options, self.content, self.file_name = options, content, file_name
+        self.unit = None
+
+    def _header(self, tensors, digests) -> bytes:
+        return build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], metadata(self.content, digests))
+
+    def plan(self, tensors) -> list:
+        placeholder = {t.name: "0" * 64 for t in tensors}  # real digests have the same length
+        self.unit = ShardFile(self.file_name, list(tensors), self._header(tensors, placeholder))
+        return [self.unit]
+
+    def write(self, units, tmp, progress=None, share=(0, 1)):
+        if not units:
+            return {"tensors": {}}
+        unit = units[0]
+        check_space(tmp, unit.size)
+        pipeline = Pipeline()
+        try:
+            written = write_shards(tmp, [unit], pipeline, progress, self.options.fsync, direct=self.options.direct)
+        finally:
+            pipeline.close()
+        header = self._header(unit.tensors, {name: e["sha256"] for name, e in written.tensors.items()})
+        if len(header) != len(unit.header):
+            raise AssertionError("the header changed length when its digests were filled in")
+        fd = os.open(os.path.join(tmp, unit.name), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            view = memoryview(header)
+            while view:
+                view = view[os.pwrite(fd, view, len(header) - len(view)):]
+            if self.options.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return {"tensors": written.tensors}
+
+    def finish(self, tmp, results) -> dict:
+        return {"files": [self.file_name]}
