@@ -22,15 +22,17 @@ import click
 
 from .cluster import join
 from .convert import ConvertOptions, convert
-from . import mapped, signals
+from . import signals
+from .io import mapped
 from .errors import BadInput, CkptError, UsageError, printable
 from .formats.manifest import STEM, stem_problem
 from .plan import plan_run
 from .progress import byte_progress
 from .reshard import reshard
 from .verify import total_bytes, verify
-from .rules import PRESETS
-from .readers import ReadOptions, open_checkpoint, readers
+from .tp.presets import PRESETS, MeshSpec
+from .writers.base import WriteOptions
+from .readers import ReadOptions, Source, open_source, reader_for, readers
 from .sizes import format_size, parse_size
 
 
@@ -90,6 +92,14 @@ def _reason(e: Exception) -> tuple:
 
 
 def read_options(fn):
+    """How to read a source (every command): the common options and those each reader declares."""
+    for reader in reversed(list(readers().values())):
+        for opt in reversed(reader.options):
+            kind = (click.Path(exists=True, dir_okay=False) if opt.path else click.Choice(list(opt.choices))
+                    if opt.choices else opt.type)
+            fn = click.option(opt.flag, opt.dest, type=kind, help=opt.help)(fn)
+    declared = [opt.dest for reader in readers().values() for opt in reader.options]
+
     @click.option("--from", "fmt", type=click.Choice(sorted(readers())), help="Force the input format.")
     @click.option("--only", multiple=True, metavar="PREFIX",
                   help="Keep only tensors whose name starts with PREFIX (repeatable); skips unread items.")
@@ -97,24 +107,18 @@ def read_options(fn):
                   help="Accept one more pickled class as inert data (never imported or called).")
     @click.option("--skip-unsupported", is_flag=True,
                   help="Leave out tensors safetensors cannot store (complex, quantized) and list them.")
-    @click.option("--names", type=click.Path(exists=True, dir_okay=False),
-                  help="Grok-style directories: JSON list (or {index: name}) naming the tensor files.")
-    @click.option("--dequantize", type=click.Choice(["bf16", "f32"]),
-                  help="Grok-style int8 weights: write one dense tensor (bf16 rounds to nearest even).")
-    @click.option("--layout", type=click.Choice(["mixtral"]),
-                  help="Grok-style directories: export under Mixtral-style names, dense, [out, in].")
-    @click.option("--host-axis", type=int, help="Axis to join several hosts' files on, for unknown layouts.")
     @click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True,
                   help="Files parsed in parallel.")
     @click.option("--max-extra-size", default="256MB", show_default=True, metavar="SIZE",
                   help="Largest model file (config, tokenizer, README ...) carried into OUT; larger ones are "
                   "skipped and listed.")
     @functools.wraps(fn)
-    def wrapper(*args, only, allow_global, skip_unsupported, names, dequantize, layout, host_axis, workers,
-                max_extra_size, **kwargs):
+    def wrapper(*args, only, allow_global, skip_unsupported, workers, max_extra_size, **kwargs):
         kwargs["read"] = ReadOptions(allow_globals=list(allow_global), skip_unsupported=skip_unsupported,
-                                     only=list(only), names=names, dequantize=dequantize, layout=layout,
-                                     host_axis=host_axis, workers=workers, max_extra_size=parse_size(max_extra_size))
+                                     only=list(only), workers=workers, max_extra_size=parse_size(max_extra_size),
+                                     declared={d: kwargs.pop(d) for d in declared if kwargs.get(d) is not None})
+        for d in declared:
+            kwargs.pop(d, None)
         return fn(*args, **kwargs)
 
     return wrapper
@@ -151,16 +155,56 @@ def _stem(ctx, param, value):
     return value
 
 
-def write_options(fn):
-    """How shard files are written and named (convert, reshard)."""
-    fn = click.option("--name", "stem", default=STEM, show_default=True, callback=_stem, metavar="STEM",
+def write_options(resume: bool):
+    """How output files are written and named (convert, reshard): a WriteOptions as `write`."""
+    def decorate(fn):
+        @click.option("--max-shard-size", default="5GB", show_default=True,
+                      help="Largest shard file, e.g. 500MB, 5GB, 1GiB. A tensor never spans files.")
+        @click.option("--name", "stem", default=STEM, show_default=True, callback=_stem, metavar="STEM",
                       help="Name the files of a sharded output STEM-00001-of-0000N.safetensors and "
-                      "STEM.safetensors.index.json (adapter_model, diffusion_pytorch_model ...).")(fn)
-    fn = click.option("--buffered-io", is_flag=True,
+                      "STEM.safetensors.index.json (adapter_model, diffusion_pytorch_model ...).")
+        @click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
+        @click.option("--fsync", is_flag=True, help="fsync every file before OUT is published (durable on power loss).")
+        @click.option("--buffered-io", is_flag=True,
                       help="Write shards through the page cache instead of O_DIRECT (to read OUT back from memory "
-                      "right away, or where direct writes are slow, as on some network filesystems).")(fn)
-    return click.option("--fsync", is_flag=True,
-                        help="fsync every file before OUT is published (durable on power loss).")(fn)
+                      "right away, or where direct writes are slow, as on some network filesystems).")
+        @functools.wraps(fn)
+        def wrapper(*args, max_shard_size, stem, overwrite, fsync, buffered_io, **kwargs):
+            kwargs["write"] = WriteOptions(parse_size(max_shard_size), fsync, not buffered_io, overwrite,
+                                           kwargs.pop("resume", False), stem)
+            return fn(*args, **kwargs)
+
+        if resume:
+            wrapper = click.option("--resume", is_flag=True, help="Reuse the shards a killed run of the same "
+                                   "conversion finished (re-verified against its journal).")(wrapper)
+        return wrapper
+    return decorate
+
+
+def mesh_options(tp_required: bool):
+    """The target mesh and its rules (reshard, plan --tp): a MeshSpec as `mesh` (None without --tp)."""
+    def decorate(fn):
+        @click.option("--tp", type=click.IntRange(1), required=tp_required,
+                      help="Tensor-parallel size of the target mesh." + ("" if tp_required else
+                                                                        " Without it: plan a convert."))
+        @click.option("--ep", type=click.IntRange(1), default=1, show_default=True,
+                      help="Expert-parallel groups for MoE models (ranks = tp x ep, rank = group x tp + tp rank).")
+        @click.option("--preset", type=click.Choice(sorted(PRESETS)),
+                      help="Partition preset (default: from config.json model_type, else from tensor names).")
+        @click.option("--rules", "rules_file", type=click.Path(exists=True, dir_okay=False),
+                      help="Partition rules file (TOML, see docs/reshard.md).")
+        @click.option("--heads", type=click.IntRange(1), help="Query heads (overrides config.json).")
+        @click.option("--kv-heads", type=click.IntRange(1), help="Key/value heads (overrides config.json).")
+        @click.option("--head-dim", type=click.IntRange(1), help="Head dimension (overrides config.json).")
+        @click.option("--pad-vocab", is_flag=True, help="Zero-pad vocab rows (embeddings, lm_head) up to a multiple "
+                      "of --tp instead of refusing; recorded as padded_shape in mesh.json.")
+        @functools.wraps(fn)
+        def wrapper(*args, tp, ep, preset, rules_file, heads, kv_heads, head_dim, pad_vocab, **kwargs):
+            kwargs["mesh"] = None if tp is None else MeshSpec(tp, ep, preset, rules_file, {
+                "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab)
+            return fn(*args, **kwargs)
+        return wrapper
+    return decorate
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -190,41 +234,39 @@ def _convert_command(name, pickle_only, help_text):
     @click.argument("src", type=click.Path(path_type=str))
     @click.argument("out", type=click.Path(path_type=str))
     @read_options
-    @click.option("--max-shard-size", default="5GB", show_default=True,
-                  help="Largest shard file, e.g. 500MB, 5GB, 1GiB. A tensor never spans files.")
     @click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from tensor names that start with it.")
     @click.option("--dtype", type=click.Choice(["keep", "bf16", "f16", "f32"]), default="keep", show_default=True,
                   help="Cast floating tensors (round to nearest even); integers are kept.")
-    @click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
     @click.option("--no-copy-extras", is_flag=True, help="Do not carry config/tokenizer files into OUT.")
-    @write_options
-    @click.option("--resume", is_flag=True, help="Reuse the shards a killed run of the same conversion finished "
-                  "(re-verified against its journal).")
+    @write_options(resume=True)
     @cluster_options
     @command
-    def run(src, out, fmt, read, max_shard_size, strip_prefix, dtype, overwrite, no_copy_extras, fsync, buffered_io,
-            stem, resume, cluster, quiet, as_json):
-        opts = ConvertOptions(fmt=fmt, read=read, strip_prefix=strip_prefix, dtype=dtype,
-                              max_shard_size=parse_size(max_shard_size), overwrite=overwrite,
-                              copy_extras=not no_copy_extras, pickle_only=pickle_only, quiet=quiet,
-                              fsync=fsync, direct=not buffered_io, resume=resume, stem=stem)
-        summary = convert(src, out, opts, cluster())
+    def run(src, out, fmt, read, strip_prefix, dtype, no_copy_extras, write, cluster, quiet, as_json):
+        source = Source(src, fmt, read)
+        reader, _ = reader_for(src, fmt)
+        if pickle_only and not reader.parses_pickles:
+            raise UsageError(f"{src}: is a {reader.name} checkpoint, not a pickle-based one; use `ckptconv convert` "
+                             "for it")
+        result = convert(source, out, ConvertOptions(strip_prefix, dtype, not no_copy_extras), write, cluster(),
+                         lambda total: byte_progress(total, "convert", quiet))
         if as_json:
-            click.echo(json.dumps(summary, indent=2))
-        elif "process" in summary:
-            say(f"process {summary['process']} of {summary['processes']}: wrote {len(summary['files'])} shard "
-                f"files of {summary['out']} in {summary['seconds']:.2f} s")
+            click.echo(json.dumps(result.to_json(), indent=2))
+        elif result.process is not None:
+            say(f"process {result.process} of {result.processes}: wrote {len(result.files)} shard "
+                f"files of {result.out} in {result.seconds:.2f} s")
         else:
-            say(f"wrote {summary['out']}: {summary['tensors']} tensors, {format_size(summary['bytes'])} "
-                f"in {len(summary['files'])} files, {summary['seconds']:.2f} s "
-                f"({summary['gb_per_s'] or 0:.2f} GB/s)"
-                + (f"; reused {format_size(summary['resumed_bytes'])} from the interrupted run"
-                   if summary["resumed_bytes"] else ""))
-            if summary.get("resume_note"):
-                say(f"--resume: {summary['resume_note']}")
-            if summary.get("skipped_files"):
+            say(f"wrote {result.out}: {result.tensors} tensors, {format_size(result.bytes)} "
+                f"in {len(result.files)} files, {result.seconds:.2f} s ({result.gb_per_s or 0:.2f} GB/s)"
+                + (f"; reused {format_size(result.resumed_bytes)} from the interrupted run"
+                   if result.resumed_bytes else ""))
+            if result.resume_note:
+                say(f"--resume: {result.resume_note}")
+            if result.skipped_files:
                 say("not carried into OUT: " + "; ".join(f"{s['name']} ({s['reason']})"
-                                                         for s in summary["skipped_files"]))
+                                                         for s in result.skipped_files))
+        if result.also and not as_json:
+            say(f"read the {result.format} weights; {src} also holds {' and '.join(result.also)} weights "
+                f"(--from {result.also[0]} reads those)")
 
     return run
 
@@ -242,27 +284,13 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @main.command("reshard")
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("out", type=click.Path(path_type=str), required=False)
-@click.option("--tp", type=click.IntRange(1), required=True, help="Tensor-parallel size of the target mesh.")
-@click.option("--ep", type=click.IntRange(1), default=1, show_default=True,
-              help="Expert-parallel groups for MoE models (ranks = tp x ep, rank = group x tp + tp rank).")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Partition preset (default: from config.json "
-              "model_type, else from tensor names).")
-@click.option("--rules", "rules_file", type=click.Path(exists=True, dir_okay=False),
-              help="Partition rules file (TOML, see docs/reshard.md).")
-@click.option("--heads", type=click.IntRange(1), help="Query heads (overrides config.json).")
-@click.option("--kv-heads", type=click.IntRange(1), help="Key/value heads (overrides config.json).")
-@click.option("--head-dim", type=click.IntRange(1), help="Head dimension (overrides config.json).")
+@mesh_options(tp_required=True)
 @click.option("--dry-run", is_flag=True, help="Print the plan (rule, axis, bytes per rank) and write nothing.")
-@click.option("--pad-vocab", is_flag=True, help="Zero-pad vocab rows (embeddings, lm_head) up to a multiple of "
-              "--tp instead of refusing; recorded as padded_shape in mesh.json.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file in each rank dir.")
-@click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
-@write_options
+@write_options(resume=False)
 @read_options
 @cluster_options
 @command
-def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim, dry_run, pad_vocab, max_shard_size,
-                overwrite, fsync, buffered_io, stem, fmt, read, cluster, quiet, as_json):
+def reshard_cmd(src, out, mesh, dry_run, write, fmt, read, cluster, quiet, as_json):
     """Slice SRC for a tensor-parallel (and expert-parallel) mesh: OUT/mesh.json and OUT/rank-XXXXX/.
 
     Each rank directory is a complete sharded-safetensors output holding exactly what that rank
@@ -271,35 +299,33 @@ def reshard_cmd(src, out, tp, ep, preset, rules_file, heads, kv_heads, head_dim,
     """
     if out is None and not dry_run:
         raise UsageError("OUT is required unless --dry-run")
-    summary = reshard(src, out, tp, ep, preset, rules_file, {"heads": heads, "kv_heads": kv_heads,
-                                                             "head_dim": head_dim},
-                      read, fmt, parse_size(max_shard_size), overwrite, dry_run, quiet, fsync,
-                      None if dry_run else cluster(), pad_vocab, not buffered_io, stem)
+    result = reshard(Source(src, fmt, read), out, mesh, write, dry_run, None if dry_run else cluster(),
+                     lambda n: byte_progress(n, "reshard", quiet))
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        click.echo(json.dumps(result.to_json(), indent=2))
     elif dry_run:
-        for line in plan_lines(summary):
+        for line in plan_lines(result):
             say(line)
     else:
-        say(f"wrote {summary['out']}: {summary['ranks']} ranks ({summary['preset']} rules, "
-            f"{summary['split']} tensors split, {len(summary['replicated'])} replicated), "
-            f"{format_size(summary['bytes_written'])} in {summary['seconds']:.2f} s")
+        say(f"wrote {result.out}: {result.ranks} ranks ({result.preset} rules, "
+            f"{result.split} tensors split, {len(result.replicated)} replicated), "
+            f"{format_size(result.bytes_written)} in {result.seconds:.2f} s")
 
 
-def plan_lines(summary) -> list:
-    lines = [f"plan: {summary['preset']} rules ({summary['layout']} layout, {summary['params']}), "
-             f"tp={summary['tp']} ep={summary['ep']}: {summary['ranks']} ranks"]
-    width = min(max(len(t["name"]) for t in summary["tensors"]), 80)  # one long name must not pad every line
+def plan_lines(result) -> list:
+    lines = [f"plan: {result.preset} rules ({result.layout} layout, {result.params}), "
+             f"tp={result.tp} ep={result.ep}: {result.ranks} ranks"]
+    width = min(max(len(t["name"]) for t in result.tensors), 80)  # one long name must not pad every line
     lines.append(f"  {'tensor':<{width}}  {'rule':<34} {'axis':>4}  {'bytes/rank (max)':>16}")
-    for t in summary["tensors"]:
+    for t in result.tensors:
         axis = "-" if t["axis"] is None else str(t["axis"])
         lines.append(f"  {t['name']:<{width}}  {t['rule']:<34} {axis:>4}  {format_size(max(t['bytes_per_rank'])):>16}"
                      + ("  uneven: ranges" if "ranges" in t else ""))
-    per = summary["bytes_per_rank"]
-    lines.append(f"totals: source {format_size(summary['source_bytes'])}; per rank {format_size(min(per))}"
-                 f"..{format_size(max(per))}; {summary['split']} split, {len(summary['replicated'])} replicated")
-    if summary["replicated"]:
-        lines.append("replicated: " + ", ".join(summary["replicated"]))
+    per = result.bytes_per_rank
+    lines.append(f"totals: source {format_size(result.source_bytes)}; per rank {format_size(min(per))}"
+                 f"..{format_size(max(per))}; {result.split} split, {len(result.replicated)} replicated")
+    if result.replicated:
+        lines.append("replicated: " + ", ".join(result.replicated))
     return lines
 
 
@@ -352,33 +378,26 @@ def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, q
 
 @main.command("plan")
 @click.argument("src", type=click.Path(path_type=str))
-@click.option("--tp", type=click.IntRange(1), help="Plan a reshard for this tensor-parallel size (else a convert).")
-@click.option("--ep", type=click.IntRange(1), default=1, show_default=True, help="Expert-parallel groups.")
+@mesh_options(tp_required=False)
 @click.option("--hosts", type=click.IntRange(1), default=1, show_default=True, help="Processes sharing the work.")
 @click.option("--disk-gbps", type=float, default=2.0, show_default=True, help="Disk bandwidth of one host, GB/s.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file.")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Partition preset for --tp.")
-@click.option("--rules", "rules_file", type=click.Path(exists=True, dir_okay=False), help="Partition rules file.")
-@click.option("--heads", type=click.IntRange(1), help="Query heads (overrides config.json).")
-@click.option("--kv-heads", type=click.IntRange(1), help="Key/value heads.")
-@click.option("--head-dim", type=click.IntRange(1), help="Head dimension.")
 @read_options
 @command
-def plan_cmd(src, tp, ep, hosts, disk_gbps, max_shard_size, preset, rules_file, heads, kv_heads, head_dim, fmt, read,
-             quiet, as_json):
+def plan_cmd(src, mesh, hosts, disk_gbps, max_shard_size, fmt, read, quiet, as_json):
     """Show what a convert (or, with --tp, a reshard) of SRC would do, without reading tensor data:
     bytes per output file and per process, peak memory per process, and the time implied by
     --disk-gbps. SRC may be a checkpoint or a shapes-only JSON (e.g. the Grok-1 tensors.json).
 
     Example: ckptconv plan grok1_tensors.json --tp 8 --hosts 8
     """
-    ckpt = open_checkpoint(src, fmt, read)
-    result = plan_run(ckpt, hosts=hosts, disk_gbps=disk_gbps, tp=tp, ep=ep, max_shard_size=parse_size(max_shard_size),
-                      preset=preset, rules_file=rules_file,
-                      heads={"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim})
+    ckpt = open_source(Source(src, fmt, read))
+    result = plan_run(ckpt, hosts, disk_gbps, mesh, WriteOptions(parse_size(max_shard_size)))
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
+    tp = mesh.tp if mesh else None
+    ep = mesh.ep if mesh else 1
     job = f"reshard --tp {tp}" + (f" --ep {ep}" if ep > 1 else "") + f" ({result['rules']} rules)" if tp else "convert"
     say(f"{src}: {result['format']}, {result['tensors']} tensors, {format_size(result['source_bytes'])}; "
         f"{job} on {hosts} host(s) at {disk_gbps} GB/s each")
@@ -398,16 +417,17 @@ def plan_cmd(src, tp, ep, hosts, disk_gbps, max_shard_size, preset, rules_file, 
 @command
 def inspect_cmd(path, fmt, read, quiet, as_json):
     """Show what a checkpoint holds (format, tensors, dtypes, bytes, extras) without converting it."""
-    ckpt = open_checkpoint(path, fmt, read)
+    ckpt = open_source(Source(path, fmt, read))
     hist = Counter()
     for t in ckpt.tensors:
         hist[t.dtype.code] += t.nbytes
-    info = {"path": str(path), "format": ckpt.source["format"], "source": ckpt.source, "tensor_count": len(ckpt.tensors),
+    info = {"path": str(path), "format": ckpt.format, "source": ckpt.source, "tensor_count": len(ckpt.tensors),
             "total_bytes": ckpt.total_bytes, "dtypes": dict(sorted(hist.items())),
             "tensors": [{"name": t.name, "dtype": t.dtype.code, "shape": list(t.shape), "bytes": t.nbytes}
                         for t in ckpt.tensors],
             "extras": ckpt.extras, "model_files": [rel for rel, _ in ckpt.model_files],
-            **({"skipped_files": ckpt.skipped_files} if ckpt.skipped_files else {})}
+            **({"skipped_files": ckpt.skipped_files} if ckpt.skipped_files else {}),
+            **({"also": ckpt.also} if ckpt.also else {})}
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -424,6 +444,8 @@ def inspect_cmd(path, fmt, read, quiet, as_json):
         say("model files: " + ", ".join(rel for rel, _ in ckpt.model_files))
     if ckpt.skipped_files:
         say("not carried: " + "; ".join(f"{s['name']} ({s['reason']})" for s in ckpt.skipped_files))
+    if ckpt.also:
+        say(f"also holds {' and '.join(ckpt.also)} weights, not read (--from {ckpt.also[0]} reads those)")
 
 
 if __name__ == "__main__":

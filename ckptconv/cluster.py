@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from .errors import CkptError, OutputError, UsageError
-from .output import atomic_output
+from .io.output import atomic_output
 
 JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 

@@ -8,8 +8,8 @@ estimates from ckptconv's measured behaviour (docs/benchmarks.md), stated as suc
 import math
 
 from .cluster import assign
-from .reshard import plan as reshard_plan
-from .rules import choose, read_config
+from .tp.layout import plan as reshard_plan
+from .tp.presets import MeshSpec, choose_rules
 from .writers.base import Content, WriteOptions
 from .writers.mesh import MeshWriter
 from .writers.sharded import ShardedWriter
@@ -18,19 +18,20 @@ BASE_RSS = 110 * 2**20        # interpreter, numpy, jax-free import: measured pe
 IN_FLIGHT = 6 * 8 * 2**20 + 2 * 16 * 2**20  # the staging pool (outfile.py) + gathered chunks being hashed
 
 
-def units(ckpt, tp=None, ep=1, max_shard_size=5 * 10**9, preset=None, rules_file=None, heads=None):
-    """(name, bytes) of every output file (convert) or rank directory (reshard), in output order."""
-    options, content = WriteOptions(max_shard_size), Content(ckpt.source)
-    if not tp:
-        return [(u.name, u.size) for u in ShardedWriter(options, content).plan(ckpt.tensors)], None
-    rules = choose([t.name for t in ckpt.tensors], read_config(ckpt.model_files) or ckpt.source.get("config"),
-                   preset, rules_file, heads or {})
-    writer = MeshWriter(options, content, reshard_plan(ckpt.tensors, rules, tp, ep), rules, tp, ep, {})
+def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
+    """(name, bytes) of every output file (convert) or rank directory (reshard, with `mesh`), in
+    output order, and the rules chosen."""
+    write, content = write or WriteOptions(), Content(ckpt.source)
+    if mesh is None:
+        return [(u.name, u.size) for u in ShardedWriter(write, content).plan(ckpt.tensors)], None
+    rules = choose_rules(ckpt, mesh)
+    layout = reshard_plan(ckpt.tensors, rules, mesh.tp, mesh.ep, mesh.pad_vocab)
+    writer = MeshWriter(write, content, layout, rules, mesh.tp, mesh.ep, {})
     return [(u.name, u.size) for u in writer.plan(ckpt.tensors)], rules
 
 
-def plan_run(ckpt, hosts=1, disk_gbps=2.0, **kw) -> dict:
-    work, rules = units(ckpt, **kw)
+def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: WriteOptions = None) -> dict:
+    work, rules = units(ckpt, mesh, write)
     owner = assign([b for _, b in work], hosts)
     processes = []
     for p in range(hosts):
@@ -41,7 +42,7 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, **kw) -> dict:
                           "seconds": 2 * written / (disk_gbps * 1e9)})
     return {"source": ckpt.source.get("path"), "format": ckpt.source.get("format"),
             "tensors": len(ckpt.tensors), "source_bytes": sum(math.prod(t.shape) * t.dtype.itemsize for t in ckpt.tensors),
-            "job": "reshard" if kw.get("tp") else "convert", "tp": kw.get("tp"), "ep": kw.get("ep", 1),
+            "job": "reshard" if mesh else "convert", "tp": mesh.tp if mesh else None, "ep": mesh.ep if mesh else 1,
             "rules": rules.name if rules else None, "hosts": hosts, "disk_gbps": disk_gbps,
             "units": [{"name": n, "bytes": b, "process": o} for (n, b), o in zip(work, owner)],
             "processes": processes, "seconds": max(p["seconds"] for p in processes),

@@ -1,236 +1,68 @@
 """reshard: per-rank tensor-parallel (and expert-parallel) output for a target mesh.
 
-Planning is pure data: for every tensor, the rule that matched, the split axis and, per rank, the
-intervals of the global tensor along that axis that make up the rank's piece (`plan`). The mesh
-writer (writers/mesh.py) then hands each rank lazy slices of the source, so only what a rank needs
-is read, and a source that is itself sliced (a previous reshard, DCP chunks) is read the same way.
-Layout of the output, mesh.json and `ranges`: docs/output.md.
+The layout (tp/layout.py) says, as pure data, which intervals of each tensor every rank holds; the
+mesh writer (writers/mesh.py) then hands each rank lazy slices of the source, so only what a rank
+needs is read. Layout of the output, mesh.json and `ranges`: docs/output.md.
 """
-import math
-import re
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from . import runner
-from .errors import BadInput, UsageError
-from .formats.manifest import STEM
-from .progress import byte_progress
-from .readers import ReadOptions, open_checkpoint, readers
-from .rules import RuleSet, choose, read_config, recorded
+from .errors import UsageError
+from .readers import Source, open_source, readers
+from .tp.layout import plan, plan_summary
+from .tp.presets import MeshSpec, choose_rules
 from .writers.base import Content, WriteOptions
 from .writers.mesh import MeshWriter
 
+
 @dataclass
-class TensorPlan:
-    name: str
-    shape: tuple
-    dtype: object
-    rule: str
-    axis: int | None
-    ranges: list           # per rank: list of (start, stop) along axis; [] = absent; None axis = whole
-    even: bool             # ranges are the r-th of N equal blocks (not recorded in mesh.json)
-    padded: int | None = None  # --pad-vocab: the axis is zero-padded to this size before splitting
+class ReshardResult:
+    """The plan (every field but the last four) and, after a run, what it wrote."""
 
-    def piece_shape(self, rank):
-        if self.axis is None:
-            return self.shape
-        n = sum(b - a for a, b in self.ranges[rank])
-        return self.shape[:self.axis] + (n,) + self.shape[self.axis + 1:]
+    preset: str
+    layout: str
+    params: dict
+    tp: int
+    ep: int
+    ranks: int
+    tensors: list          # per tensor: name, rule, axis, shape, dtype, bytes_per_rank (, ranges)
+    split: int
+    replicated: list
+    bytes_per_rank: list
+    source_bytes: int
+    out: str | None = None
+    seconds: float | None = None
+    bytes_written: int | None = None
+    gb_per_s: float | None = None
 
-    def piece_bytes(self, rank) -> int:
-        if self.axis is not None and not self.ranges[rank]:
-            return 0
-        return math.prod(self.piece_shape(rank)) * self.dtype.itemsize
-
-
-def rule_axis(rule, layout: str, ndim: int):
-    if rule.axis is not None:
-        if not -ndim <= rule.axis < ndim:
-            raise UsageError(f"rule {rule.pattern!r}: axis {rule.axis} does not exist in a {ndim}-d tensor")
-        return rule.axis % ndim
-    kind = rule.kind
-    if kind == "replicate" or ndim == 0:
-        return None
-    if kind in ("vocab", "expert"):
-        return 0
-    if ndim == 1:
-        return None if kind == "row" else 0   # biases: column-parallel split, row-parallel replicate
-    column, row = (ndim - 2, ndim - 1) if layout == "torch" else (ndim - 1, ndim - 2)
-    return row if kind == "row" else column
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in ("out", "seconds", "bytes_written",
+                                                                                      "gb_per_s")}
 
 
-def _even(name, n, tp, axis, what="size"):
-    if n % tp:
-        raise BadInput(f"tensor {name!r}: axis {axis} has {what} {n}, not divisible by tp={tp}")
-    k = n // tp
-    return [[(r * k, (r + 1) * k)] for r in range(tp)]
-
-
-def _heads(name, n, heads, head_dim, tp, axis, base=0, shared=False):
-    """Whole heads per rank; `shared` (kv) heads fewer than ranks each go to tp/heads ranks."""
-    hd = head_dim or (n // heads if heads and n % heads == 0 else None)
-    if not heads or not hd or heads * hd != n:
-        raise BadInput(f"tensor {name!r}: axis {axis} has size {n}, which is not {heads} heads x {head_dim}")
-    if heads >= tp:
-        if heads % tp:
-            raise BadInput(f"tensor {name!r}: {heads} heads cannot be split evenly over tp={tp}")
-        k = heads // tp
-        return [[(base + r * k * hd, base + (r + 1) * k * hd)] for r in range(tp)]
-    if not shared:
-        raise BadInput(f"tensor {name!r}: {heads} query heads cannot be split over tp={tp} ranks")
-    if tp % heads:
-        raise BadInput(f"tensor {name!r}: {heads} heads cannot be shared evenly by tp={tp} ranks")
-    return [[(base + (r * heads // tp) * hd, base + (r * heads // tp + 1) * hd)] for r in range(tp)]
-
-
-def split(name, shape, rule, layout, tp):
-    """(axis, per-rank intervals) for one tensor under one rule, for tp ranks."""
-    axis = rule_axis(rule, layout, len(shape)) if rule else None
-    if axis is None:
-        return None, None
-    n = shape[axis]
-    kind = rule.kind
-    if kind == "qkv":
-        q, kv, hd = rule.heads, rule.kv_heads, rule.head_dim
-        if (q + 2 * kv) * hd != n:
-            raise BadInput(f"tensor {name!r}: axis {axis} has size {n}, not ({q} + 2 x {kv}) heads x {hd}")
-        qs = _heads(name, q * hd, q, hd, tp, axis)
-        ks = _heads(name, kv * hd, kv, hd, tp, axis, base=q * hd, shared=True)
-        vs = _heads(name, kv * hd, kv, hd, tp, axis, base=(q + kv) * hd, shared=True)
-        return axis, [qs[r] + ks[r] + vs[r] for r in range(tp)]
-    if kind == "gate_up":
-        if n % 2:
-            raise BadInput(f"tensor {name!r}: gate_up axis {axis} has odd size {n}")
-        half = n // 2
-        gates, ups = _even(name, half, tp, axis, "half size"), _even(name, half, tp, axis, "half size")
-        return axis, [gates[r] + [(a + half, b + half) for a, b in ups[r]] for r in range(tp)]
-    if kind == "column" and rule.heads:
-        return axis, _heads(name, n, rule.heads, rule.head_dim, tp, axis)
-    if kind == "column" and rule.kv_heads:
-        return axis, _heads(name, n, rule.kv_heads, rule.head_dim, tp, axis, shared=True)
-    return axis, _even(name, n, tp, axis)
-
-
-def plan(tensors, rules: RuleSet, tp: int, ep: int = 1, pad_vocab: bool = False) -> list:
-    """The whole layout as data: one TensorPlan per tensor, ranks = ep groups x tp (rank = g * tp + t).
-    Quantization scales (`X.scales` beside `X.weight`) follow their weight's plan."""
-    if tp < 1 or ep < 1:
-        raise UsageError("--tp and --ep must be at least 1")
-    names = {t.name for t in tensors}
-    experts_named = sorted({int(m.group(1)) for t in tensors if (m := re.search(r"\.experts\.(\d+)\.", t.name))})
-    by_name = {t.name: _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab)
-               for t in tensors if _weight_of(t.name, names) is None}
-    for t in tensors:
-        weight = _weight_of(t.name, names)
-        if weight is not None:
-            by_name[t.name] = _scales_plan(t, by_name[weight])
-    return [by_name[t.name] for t in tensors]
-
-
-def _weight_of(name, names):
-    base = name[:-len(".scales")] + ".weight" if name.endswith(".scales") else None
-    return base if base in names else None
-
-
-def _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab=False):
-    rule = rules.match(t.name)
-    ranks = tp * ep
-    if pad_vocab and rule is not None and rule.kind == "vocab" and t.shape and t.shape[0] % tp:
-        padded = -(-t.shape[0] // tp) * tp  # the one documented exception: zero rows up to a multiple of tp
-        k = padded // tp
-        ranges = [[(r % tp * k, (r % tp + 1) * k)] for r in range(ranks)]
-        return TensorPlan(t.name, t.shape, t.dtype, f"vocab (padded to {padded})", 0, ranges, ep == 1, padded)
-    if rule is None or (rule.kind == "replicate"):
-        why = "replicate" if rule else "replicate (no rule matched)"
-        return TensorPlan(t.name, t.shape, t.dtype, why, None, [None] * ranks, False)
-    if ep > 1 and rule.experts:  # stacked experts: whole experts per expert group, same on its tp ranks
-        n = t.shape[0]
-        if n % ep:
-            raise BadInput(f"tensor {t.name!r}: {n} experts cannot be split over ep={ep}")
-        k = n // ep
-        ranges = [[(g * k, (g + 1) * k)] for g in range(ep) for _ in range(tp)]
-        return TensorPlan(t.name, t.shape, t.dtype, f"expert groups (ep={ep})", 0, ranges, False)
-    axis, per_tp = split(t.name, t.shape, rule, rules.layout, tp)
-    if axis is None:
-        return TensorPlan(t.name, t.shape, t.dtype, rule.describe() + " -> replicate", None, [None] * ranks, False)
-    m = re.search(r"\.experts\.(\d+)\.", t.name)
-    if ep > 1 and m:  # one tensor per expert: only its expert group holds it
-        per_group = math.ceil(len(experts_named) / ep)
-        group = experts_named.index(int(m.group(1))) // per_group
-        ranges = [per_tp[r % tp] if r // tp == group else [] for r in range(ranks)]
-    else:
-        ranges = [per_tp[r % tp] for r in range(ranks)]
-    n = t.shape[axis]
-    even = ep == 1 and all(ranges[r] == [(r * n // tp, (r + 1) * n // tp)] for r in range(tp))
-    return TensorPlan(t.name, t.shape, t.dtype, rule.describe(), axis, ranges, even)
-
-
-def _scales_plan(t, w: TensorPlan) -> TensorPlan:
-    """Scales of a quantized weight follow it: same intervals along N (or experts), group intervals
-    along a grouped K axis, replicated when there is one group."""
-    if w.axis is None or len(t.shape) != len(w.shape):
-        return TensorPlan(t.name, t.shape, t.dtype, "scales of a replicated weight", None, [None] * len(w.ranges),
-                          False)
-    ws, ss = w.shape[w.axis], t.shape[w.axis]
-    if ss == ws:
-        return TensorPlan(t.name, t.shape, t.dtype, "scales with their weight", w.axis, w.ranges, w.even)
-    if ss == 1:
-        return TensorPlan(t.name, t.shape, t.dtype, "scales (one group): replicate", None, [None] * len(w.ranges),
-                          False)
-    if ws % ss:
-        raise BadInput(f"tensor {t.name!r}: {ss} scale groups do not divide axis {w.axis} of size {ws}")
-    rows = ws // ss
-    ranges = []
-    for rank in w.ranges:
-        if any(a % rows or b % rows for a, b in rank):
-            raise BadInput(f"tensor {w.name!r}: a quantization group of {rows} rows along axis {w.axis} would "
-                           "straddle two ranks; reshard a dequantized copy (--dequantize) instead")
-        ranges.append([(a // rows, b // rows) for a, b in rank])
-    n = ss // len(w.ranges) if w.even else 0
-    even = w.even and all(ranges[r] == [(r * n, (r + 1) * n)] for r in range(len(ranges)))
-    return TensorPlan(t.name, t.shape, t.dtype, f"scales by group ({ss} groups)", w.axis, ranges, even)
-
-
-def reshard(src, out, tp, ep=1, preset=None, rules_file=None, heads=None, read=None, fmt=None,
-            max_shard_size=5 * 10**9, overwrite=False, dry_run=False, quiet=False, fsync=False, cluster=None,
-            pad_vocab=False, direct=True, stem=STEM):
+def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry_run=False, cluster=None,
+            progress=None) -> ReshardResult:
+    """Plan (and unless `dry_run`, write) `source` sliced for `mesh` into `out`. `progress` as in
+    convert.convert."""
+    write = write or WriteOptions()
     started = time.perf_counter()
-    ckpt = open_checkpoint(src, fmt, read or ReadOptions())
-    names = [t.name for t in ckpt.tensors]
-    if preset is None and rules_file is None and ckpt.source.get("rules"):
-        rules = recorded(ckpt.source["rules"])  # a resharded source: the preset it recorded
-    else:
-        rules = choose(names, read_config(ckpt.model_files), preset, rules_file, heads or {})
-    plans = plan(ckpt.tensors, rules, tp, ep, pad_vocab)
+    ckpt = open_source(source)
+    rules = choose_rules(ckpt, mesh)
+    plans = plan(ckpt.tensors, rules, mesh.tp, mesh.ep, mesh.pad_vocab)
     if not any(p.axis is not None for p in plans):
-        raise UsageError(f"{src}: the {rules.name} rules split no tensor of this checkpoint; an output in which "
-                         "nothing is split would be a mistake (check --preset/--rules)")
-    summary = plan_summary(plans, rules, tp, ep)
+        raise UsageError(f"{source.path}: the {rules.name} rules split no tensor of this checkpoint; an output in "
+                         "which nothing is split would be a mistake (check --preset/--rules)")
+    result = ReshardResult(**plan_summary(plans, rules, mesh.tp, mesh.ep))
     if dry_run:
-        return summary
-    if not getattr(readers()[ckpt.source["format"]], "DATA", True):
-        raise UsageError(f"{src}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
-    options = WriteOptions(max_shard_size, fsync, direct, overwrite, stem=stem)
+        return result
+    if not readers()[ckpt.format].holds_data:
+        raise UsageError(f"{source.path}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
     content = Content(ckpt.source, ckpt.extras, {}, ckpt.model_files, ckpt.skipped_files)
-    writer = MeshWriter(options, content, plans, rules, tp, ep, {t.name: t for t in ckpt.tensors})
-    total = sum(p.piece_bytes(r) for p in plans for r in range(tp * ep))
-    runner.run(writer, ckpt.tensors, out, options, ckpt.inputs(src), ckpt.check_unchanged, cluster,
-               lambda n: byte_progress(n, "reshard", quiet))
+    writer = MeshWriter(write, content, plans, rules, mesh.tp, mesh.ep, {t.name: t for t in ckpt.tensors})
+    total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
+    runner.run(writer, ckpt.tensors, out, write, ckpt.inputs(source.path), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started
-    summary.update({"out": str(out), "seconds": round(seconds, 3), "bytes_written": total,
-                    "gb_per_s": round(total / seconds / 1e9, 3) if seconds else None})
-    return summary
-
-
-def plan_summary(plans, rules, tp, ep) -> dict:
-    ranks = tp * ep
-    rows = [{"name": p.name, "rule": p.rule, "axis": p.axis, "shape": list(p.shape), "dtype": p.dtype.code,
-             "bytes_per_rank": [p.piece_bytes(r) for r in range(ranks)], **({"ranges": p.ranges}
-                                                                           if p.axis is not None and not p.even else {})}
-            for p in plans]
-    return {"preset": rules.name, "layout": rules.layout, "params": rules.params, "tp": tp, "ep": ep,
-            "ranks": ranks, "tensors": rows,
-            "split": sum(p.axis is not None for p in plans),
-            "replicated": [p.name for p in plans if p.axis is None],
-            "bytes_per_rank": [sum(p.piece_bytes(r) for p in plans) for r in range(ranks)],
-            "source_bytes": sum(math.prod(p.shape) * p.dtype.itemsize for p in plans)}
+    result.out, result.seconds, result.bytes_written = str(out), round(seconds, 3), total
+    result.gb_per_s = round(total / seconds / 1e9, 3) if seconds else None
+    return result

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from .cluster import Solo, assign, on_cluster, run_guarded
-from .output import temp_path
+from .io.output import temp_path
 
 
 def shares(units, cluster) -> list:

@@ -248,6 +248,10 @@ class Checkpoint:
     mapped: list = field(default_factory=list)       # MappedFiles to check for changes during a run
     manifest: dict = field(default_factory=dict)     # extra top-level manifest entries (quantization)
     skipped_files: list = field(default_factory=list)  # model files not carried: {"name", "reason"}
+    format: str | None = None                        # the reader's name (set by readers.open_checkpoint)
+    config: dict | None = None                       # a model config the source describes (shapes JSON)
+    recorded_rules: dict | None = None               # partition rules a reshard output records (mesh.json)
+    also: list = field(default_factory=list)         # other formats the same directory holds, not read
 
     def __post_init__(self):
         """Every reader's tensors meet the same rules before anything is planned or written: distinct
@@ -276,7 +280,7 @@ class Checkpoint:
         """Refuse to publish if an input file changed while we read it: replaced, resized or touched
         (`MappedFile.unchanged`), or pages of it gone under a mapping (the SIGBUS guard read zeros
         there) — also for mapped files a reader did not list in `mapped`."""
-        from .mapped import changed_files
+        from .io.mapped import changed_files
         changed = [m.path for m in self.mapped if not m.unchanged()] or changed_files()
         if changed:
             raise BadInput(f"{changed[0]}: changed while it was being read; nothing was written")

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from . import safejson, sha256
+from . import safejson
+from .io import sha256
 from .errors import BadInput, UsageError, brief, printable
-from .hashing import CHUNK, HashLanes
-from .mapped import MappedFile
+from .io.hashing import CHUNK, HashLanes
+from .io.mapped import MappedFile
 from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint
 from .formats.safetensors import parse_header
 from .formats.sums import NAME as SUMS, parse_sums
-from .rules import check_recorded
+from .tp.rules import check_recorded
 from .tensor import as_bytes, cast, iter_blocks, sha256_of
 from . import dtypes, transforms
 from .formats import manifest as manifest_format

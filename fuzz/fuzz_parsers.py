@@ -8,12 +8,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ckptconv import unpickler
+from ckptconv.readers.pickle import unpickler
 from ckptconv.errors import CkptError
-from ckptconv.mapped import MemoryFile
+from ckptconv.io.mapped import MemoryFile
 from ckptconv.readers import ReadOptions, dcp, grok, torch_pickle
 from ckptconv.formats.safetensors import parse_header
-from ckptconv.torch_globals import torch_globals
+from ckptconv.readers.pickle.torch_globals import torch_globals
 
 _TORCH, _DCP, _GROK = torch_globals(), dcp.allowlist(), grok.allowlist()
 _DIR = Path(tempfile.mkdtemp(prefix="ckptconv-fuzz-"))

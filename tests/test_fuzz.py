@@ -77,9 +77,10 @@ def test_random_bytes_only_raise_clean_errors(blob):
 def test_claimed_sizes_are_not_allocated():
     """Inputs that claim huge sizes are refused without allocating what they claim."""
     import tracemalloc
-    from ckptconv import unpickler, ziparchive
+    from ckptconv.readers.pickle import unpickler
+    from ckptconv.readers import ziparchive
     from ckptconv.errors import BadInput
-    from ckptconv.mapped import MemoryFile
+    from ckptconv.io.mapped import MemoryFile
     zdata = bytearray(SEEDS["torch-zip"])
     cd = zdata.rfind(b"PK\x05\x06")
     zdata[cd + 10:cd + 12] = b"\xff\xfe"  # entry count far beyond what the directory holds

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptconv import ziparchive
+from ckptconv.readers import Source, ziparchive
 from ckptconv.errors import BadInput
-from ckptconv.mapped import MappedFile
+from ckptconv.io.mapped import MappedFile
 from tests import attacks
 from tests.conftest import ROOT, run
 
@@ -242,7 +242,7 @@ def test_lock_stops_a_second_run_and_stale_locks_are_taken_over(big_pt, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_source_changing_during_conversion_is_detected(big_pt, tmp_path, monkeypatch):
+def test_source_changing_during_conversion_is_detected(big_pt, tmp_path):
     import contextlib
     from ckptconv import convert as convert_mod
     src = tmp_path / "src.pt"
@@ -258,9 +258,8 @@ def test_source_changing_during_conversion_is_detected(big_pt, tmp_path, monkeyp
             calls.append(n)
         yield update
 
-    monkeypatch.setattr(convert_mod, "byte_progress", touching_progress)
     with pytest.raises(BadInput, match="changed while it was being read"):
-        convert_mod.convert(src, tmp_path / "out", convert_mod.ConvertOptions())
+        convert_mod.convert(Source(str(src)), tmp_path / "out", progress=lambda total: touching_progress(total, ""))
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.ckptconv-tmp").exists()
 
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from ckptconv import outfile
+from ckptconv.io import outfile
 from ckptconv.errors import OutputError
-from ckptconv.outfile import ALIGN, OutFile, StagingPool
+from ckptconv.io.outfile import ALIGN, OutFile, StagingPool
 
 
 def _pieces(seed, count, largest):
@@ -158,7 +158,7 @@ def test_write_modes_give_the_same_bytes(torch_fixtures, hf_llama, tmp_path, mon
     `sha256sum -c`."""
     import subprocess
     from tests.conftest import run
-    from ckptconv import sha256
+    from ckptconv.io import sha256
     small = (2, 2 * ALIGN, 2)
     for job, src, args in (("convert", torch_fixtures["train"], ["--max-shard-size", "300"]),
                            ("reshard", hf_llama["dir"], ["--tp", "2", "--max-shard-size", "100KB"])):
@@ -186,9 +186,9 @@ def test_ranges_are_hashed_in_reused_staging_buffers(tmp_path):
     buffer handed out again before its hashes and its write were done would show as a wrong digest
     or wrong bytes."""
     import hashlib
-    from ckptconv import sha256
-    from ckptconv.hashing import Pipeline
-    from ckptconv.mapped import MappedFile
+    from ckptconv.io import sha256
+    from ckptconv.io.hashing import Pipeline
+    from ckptconv.io.mapped import MappedFile
     data = random.Random(5).randbytes(300_000)
     (tmp_path / "src").write_bytes(data)
     pipeline = Pipeline()
@@ -221,7 +221,7 @@ def test_a_failed_run_leaves_no_descriptor_open(hf_llama, tmp_path, monkeypatch)
     that was open is closed (a long-lived process must not collect descriptors of removed files),
     nothing is published."""
     from ckptconv.errors import BadInput
-    from ckptconv.mapped import MappedFile
+    from ckptconv.io.mapped import MappedFile
     from tests.conftest import run
     real_reader, calls = MappedFile.reader, itertools.count()
 

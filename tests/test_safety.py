@@ -7,7 +7,7 @@ import zipfile
 import pytest
 import torch
 
-from ckptconv import unpickler
+from ckptconv.readers.pickle import unpickler
 from ckptconv.errors import BadInput, UnsafePickle
 from tests.attacks import Reduce
 from tests.conftest import run

@@ -5,7 +5,7 @@ import hashlib
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ckptconv import sha256
+from ckptconv.io import sha256
 
 pytestmark = pytest.mark.skipif(not sha256.FAST, reason="no SHA extensions on this CPU, or not compiled")
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptconv import cli, mapped
+from ckptconv import cli
+from ckptconv.io import mapped
 from tests import grok_fixtures as gf
 from tests.conftest import run
 
@@ -32,7 +33,8 @@ needs_guard = pytest.mark.skipif(not mapped.GUARDED, reason="ckptconv._mapguard 
 #   feed:   after the first chunk verify handed to the hash threads (HashLanes.feed)
 DRIVER = r"""
 import json, os, sys
-from ckptconv import cli, hashing, mapped
+from ckptconv import cli
+from ckptconv.io import hashing, mapped
 from ckptconv.writers import files as writer
 result, target, hook, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 cut = []
@@ -176,7 +178,7 @@ def test_verify_with_a_shard_truncated_while_hashed(sources, tmp_path):
 GUARD_SCRIPT = r"""
 import mmap, os, sys
 import numpy as np
-from ckptconv import mapped
+from ckptconv.io import mapped
 path = sys.argv[1]
 with open(path, "wb") as f:
     f.write(os.urandom(1 << 20))

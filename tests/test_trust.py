@@ -244,7 +244,7 @@ def test_malformed_indexes_are_classified(tmp_path, index, fragment):
 def _hostile_program(rng: random.Random, depth=0) -> bytes:
     """A random pickle expression over torch's allowlisted globals: tensor rebuilds with plausible or
     wrong arguments, inert records, containers, storages of every kind."""
-    from ckptconv.torch_globals import torch_globals
+    from ckptconv.readers.pickle.torch_globals import torch_globals
     pick = rng.random()
     if depth > 3 or pick < 0.25:
         return rng.choice([b"N", b"\x88", b"J\x03\x00\x00\x00", b"J\xff\xff\xff\xff", _u("w"), _u("\n"), b"C\x02ab",
@@ -722,7 +722,7 @@ def test_recorded_rules_from_a_file_are_not_run_again(tmp_path):
 
 def test_the_writer_refuses_a_source_that_gives_the_wrong_number_of_bytes(tmp_path):
     from ckptconv import dtypes
-    from ckptconv.hashing import Pipeline
+    from ckptconv.io.hashing import Pipeline
     from ckptconv.tensor import Computed
     from ckptconv.writers.files import plan_shards, write_shards
     from ckptconv.errors import BadInput

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ckptconv.formats.safetensors import parse_header
-from ckptconv.mapped import MappedFile
+from ckptconv.io.mapped import MappedFile
 from tests.conftest import ROOT, run
 
 

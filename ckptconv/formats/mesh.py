@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .. import dtypes, safejson
 from ..errors import BadInput
-from ..hashing import sha256_file
+from ..io.hashing import sha256_file
 from .sums import NAME as SUMS, is_digest, write_sums
 
 MESH = "mesh.json"

@@ -1,12 +1,15 @@
-"""Reader plugins and the registry that detects which one a path belongs to.
+"""Reader plugins (base.py: the interface and the registry), detection, and what every reader
+shares: which files of a source directory are weights, which are carried into OUT, and the
+confinement of everything a source names to the source itself.
 
-A reader module defines NAME, PICKLE (whether it parses pickles), DESCRIPTION, `detect(path)` and
-`load(path, options) -> Checkpoint` (and DATA = False when it describes shapes only). Adding a
-format means adding a module to `_modules()`.
+Detection tries each registered reader in priority order (docs/formats.md#detection) and reads
+with the first that recognises the path; when a directory also holds weights another reader
+recognises (a model saved both as safetensors and as .bin), the checkpoint lists them in `also`
+and the summary says which were read.
 """
+import importlib
 import os
 import stat
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import safejson
@@ -14,19 +17,9 @@ from ..errors import BadInput, UsageError, brief, encodable
 from ..formats.manifest import MANIFEST
 from ..formats.mesh import MESH
 from ..formats.sums import NAME as SUMS, unsafe_name
+from .base import READERS, ReadOptions, Reader, Source
 
-
-@dataclass
-class ReadOptions:
-    allow_globals: list = field(default_factory=list)   # --allow-global MODULE.NAME
-    skip_unsupported: bool = False
-    only: list = field(default_factory=list)            # name prefixes to keep (items skipped unread)
-    names: str | None = None                            # Grok: --names FILE
-    dequantize: str | None = None                       # Grok: bf16 | f32
-    layout: str | None = None                           # Grok: mixtral
-    host_axis: int | None = None                        # Grok: axis to join host files on
-    workers: int = 2
-    max_extra_size: int = 256 * 10**6                   # model files larger than this are not carried
+__all__ = ["ReadOptions", "Reader", "Source", "readers", "reader_for", "open_checkpoint", "open_source"]
 
 
 def wanted(name: str, only) -> bool:
@@ -34,40 +27,53 @@ def wanted(name: str, only) -> bool:
     return not only or any(name.startswith(p) for p in only)
 
 
-def _modules():
-    from . import dcp, grok, mesh, safetensors, shapes, torch_pickle
-    return [mesh, dcp, torch_pickle, safetensors, grok, shapes]
+MODULES = ("mesh", "dcp", "safetensors", "torch_pickle", "grok", "shapes")  # each registers its Reader
 
 
 def readers() -> dict:
-    return {m.NAME: m for m in _modules()}
+    """{name: Reader}, in detection order."""
+    for module in MODULES:
+        importlib.import_module(f"{__name__}.{module}")
+    return dict(sorted(READERS.items(), key=lambda kv: kv[1].priority))
 
 
-def detect(path) -> object:
+def detect(path) -> list:
+    """Every reader that recognises `path`, in priority order (the first is the one used)."""
     path = Path(path)
     if not path.exists():
         raise BadInput(f"{path}: no such file or directory")
     if not path.is_dir() and not path.is_file():
         raise BadInput(f"{path}: not a regular file or a directory")
-    for mod in _modules():
-        if mod.detect(path):
-            return mod
-    raise BadInput(f"{path}: not a checkpoint format ckptconv knows "
-                   f"(known: {', '.join(readers())}; use --from to force one)")
+    found = [r for r in readers().values() if r.detect(path)]
+    if not found:
+        raise BadInput(f"{path}: not a checkpoint format ckptconv knows "
+                       f"(known: {', '.join(readers())}; use --from to force one)")
+    return found
+
+
+def reader_for(path, fmt=None) -> tuple:
+    """(the Reader for `path`: forced by `fmt` or detected, names of other readers that recognise
+    the same directory)."""
+    if fmt:
+        known = readers()
+        if fmt not in known:
+            raise UsageError(f"--from {fmt!r}: unknown format (known: {', '.join(known)})")
+        if not Path(path).exists():
+            raise BadInput(f"{path}: no such file or directory")
+        return known[fmt], []
+    reader, *others = detect(path)
+    return reader, [r.name for r in others if r.holds_data] if Path(path).is_dir() else []
+
+
+def open_source(source: Source):
+    return open_checkpoint(source.path, source.format, source.options)
 
 
 def open_checkpoint(path, fmt=None, options=None):
     options = options or ReadOptions()
-    if fmt:
-        mods = readers()
-        if fmt not in mods:
-            raise UsageError(f"--from {fmt!r}: unknown format (known: {', '.join(mods)})")
-        mod = mods[fmt]
-        if not Path(path).exists():
-            raise BadInput(f"{path}: no such file or directory")
-    else:
-        mod = detect(path)
-    ckpt = mod.load(Path(path), options)
+    reader, also = reader_for(path, fmt)
+    ckpt = reader.load(Path(path), options)
+    ckpt.format, ckpt.also = reader.name, also
     ckpt.model_files, ckpt.skipped_files = carried(ckpt.model_files, source_root(Path(path)), options.max_extra_size)
     for m in ckpt.mapped:
         # Reading headers touched a page of the mapping per tensor, and the kernel may map a whole 2 MiB

@@ -25,21 +25,21 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import dtypes, safejson, unpickler
+from .base import Reader, register
+from .. import dtypes, safejson
+from .pickle import unpickler
 from ..errors import BadInput, OutputError, UnsafePickle, UsageError
 from ..limits import MAX_NDIM, Budget, shape_problem
-from ..mapped import MappedFile, MemoryFile
+from ..io.mapped import MappedFile, MemoryFile
 from ..formats.safetensors import parse_header
 from ..tensor import Checkpoint, Concat, TensorSource
-from ..torch_globals import TorchTensor, flatten, torch_globals
-from ..unpickler import Function, InertClass, InertObject, Marker
+from .pickle.torch_globals import TorchTensor, flatten, torch_globals
+from .pickle.unpickler import Function, InertClass, InertObject, Marker
 from . import ReadOptions, confined, model_files, source_root, wanted
 from .safetensors import file_tensors
 from .torch_pickle import load_zip
 
 NAME = "dcp"
-PICKLE = True
-DESCRIPTION = "PyTorch Distributed Checkpoint directories (.metadata + *.distcp)"
 
 _DCP_CLASSES = ["Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                 "MetadataIndex", "TensorProperties", "StorageMeta"]
@@ -696,3 +696,7 @@ def _bytes_item(reader, fqn, loc, tensors, extras, options):
     t, e, _ = flatten(value, m.path, prefix=fqn, skip_unsupported=options.skip_unsupported, budget=budget)
     tensors.extend(t.values())
     extras.update(unpickler.extras_json(e, budget))
+
+
+READER = register(Reader(NAME, "PyTorch Distributed Checkpoint directories (.metadata + *.distcp)",
+                         detect, load, priority=20, parses_pickles=True))

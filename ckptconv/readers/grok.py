@@ -14,17 +14,17 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from .. import dtypes, safejson, unpickler
+from .base import Reader, ReaderOption, register
+from .. import dtypes, safejson
+from .pickle import unpickler
 from ..errors import BadInput, UsageError
-from ..mapped import MappedFile
-from ..numpy_globals import NumpyArray, numpy_globals, numpy_source
+from ..io.mapped import MappedFile
+from .pickle.numpy_globals import NumpyArray, numpy_globals, numpy_source
 from ..tensor import Checkpoint, Computed, Concat, cast
-from ..unpickler import StandIn
+from .pickle.unpickler import StandIn
 from . import ReadOptions, confined, model_files, source_root, wanted
 
 NAME = "grok"
-PICKLE = True
-DESCRIPTION = "Grok-1-style pickle shard directories (ckpt-0/tensor00000_000 ...)"
 
 FILE_RE = re.compile(r"tensor([0-9]{5})_([0-9]{3})")  # ASCII digits: "\d" also matches "٠"
 LAYER_PARAMS = ["moe/linear/w", "moe/linear_1/w", "moe/linear_v/w", "multi_head_attention/key/w",
@@ -124,15 +124,15 @@ def _inventory(d: Path, root: str) -> dict:
     return files
 
 
-def _names(count, options: ReadOptions):
-    if options.names:
+def _names(count, names_file):
+    if names_file:
         try:
-            raw = safejson.load_file(options.names, "--names file", limit=64 << 20)
+            raw = safejson.load_file(names_file, "--names file", limit=64 << 20)
         except BadInput as e:
             raise UsageError(str(e)) from None
         names = raw if isinstance(raw, list) else [raw.get(str(i)) for i in range(count)] if isinstance(raw, dict) else None
         if not names or len(names) != count or not all(isinstance(n, str) and n for n in names):
-            raise UsageError(f"--names {options.names}: needs {count} names (a list, or an object keyed 0..{count - 1})")
+            raise UsageError(f"--names {names_file}: needs {count} names (a list, or an object keyed 0..{count - 1})")
         return names, "names file"
     names = tree_names(count)
     if names is not None:
@@ -174,12 +174,13 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     if d is None:
         raise BadInput(f"{path}: no tensor{{i:05d}}_{{h:03d}} files here or in ckpt-0/")
     files = _inventory(d, source_root(path))
-    names, naming = _names(len(files), options)
-    if options.layout not in (None, "mixtral"):
-        raise UsageError(f"--layout {options.layout!r}: only 'mixtral' is known")
-    if options.layout == "mixtral" and not naming.startswith("grok-1"):
+    names, naming = _names(len(files), options.get("names"))
+    layout, dequantize, joined_on = options.get("layout"), options.get("dequantize"), options.get("host_axis")
+    if layout not in (None, "mixtral"):
+        raise UsageError(f"--layout {layout!r}: only 'mixtral' is known")
+    if layout == "mixtral" and not naming.startswith("grok-1"):
         raise UsageError("--layout mixtral needs the Grok-1 tree layout (2 + 12 x layers files)")
-    keep = [i for i in range(len(files)) if options.layout or wanted(names[i].replace("/", "."), options.only)]
+    keep = [i for i in range(len(files)) if layout or wanted(names[i].replace("/", "."), options.only)]
     allow = allowlist(options.allow_globals)
     jobs = [(i, h, files[i][h]) for i in keep for h in sorted(files[i])]
     pool = ThreadPoolExecutor(max(1, options.workers))
@@ -188,9 +189,9 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     finally:
         pool.shutdown(cancel_futures=True)  # on a bad file or a signal, the files not yet parsed are not
     hosts = len(files[0])
-    if options.host_axis is not None:
+    if joined_on is not None:
         def host_axis(_name):
-            return options.host_axis
+            return joined_on
     elif naming.startswith("grok-1"):
         host_axis = model_axis
     else:
@@ -199,14 +200,14 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
                            "(use --host-axis)")
     leaves = {names[i]: _join(names[i], i, [parsed[(i, h)] for h in range(hosts)], host_axis) for i in keep}
     source = {"format": NAME, "path": str(path), "files": len(files) * hosts, "hosts": hosts, "names": naming}
-    if options.layout == "mixtral":
-        tensors, quant = _mixtral(d, leaves, options.dequantize or "bf16"), {}
+    if layout == "mixtral":
+        tensors, quant = _mixtral(d, leaves, dequantize or "bf16"), {}
         source["layout"] = "mixtral"
     else:
-        tensors, quant = _tensors(leaves, options.dequantize)
+        tensors, quant = _tensors(leaves, dequantize)
     tensors = [t for t in tensors if wanted(t.name, options.only)]
-    if options.dequantize:
-        source["dequantize"] = options.dequantize
+    if dequantize:
+        source["dequantize"] = dequantize
     manifest = {"quantization": quant} if quant else {}
     mapped = [m for m, _ in parsed.values()]
     return Checkpoint(tensors, {}, source, model_files(path) if path != d else [], mapped, manifest)
@@ -351,3 +352,16 @@ def _mixtral(d, leaves, dequantize):
         else:
             raise BadInput(f"{d}: {path}: no Mixtral-style name for this tree path")
     return out
+
+
+OPTIONS = (
+    ReaderOption("--names", "names", "Grok-style directories: JSON list (or {index: name}) naming the tensor files.",
+                 path=True),
+    ReaderOption("--dequantize", "dequantize", "Grok-style int8 weights: write one dense tensor (bf16 rounds to "
+                 "nearest even).", choices=("bf16", "f32")),
+    ReaderOption("--layout", "layout", "Grok-style directories: export under Mixtral-style names, dense, [out, in].",
+                 choices=("mixtral",)),
+    ReaderOption("--host-axis", "host_axis", "Axis to join several hosts' files on, for unknown layouts.", type=int),
+)
+READER = register(Reader(NAME, "Grok-1-style pickle shard directories (ckpt-0/tensor00000_000 ...)",
+                         detect, load, priority=50, parses_pickles=True, options=OPTIONS))

@@ -6,17 +6,16 @@ so a tp 8 output reshards to tp 4 (or merges back to tp 1) slice by slice.
 """
 from pathlib import Path
 
+from .base import Reader, register
 from .. import dtypes
 from ..errors import BadInput
 from ..formats.mesh import MESH, intervals, parse_mesh, rank_dir, rank_dirs, read_regular
-from ..rules import check_recorded
+from ..tp.rules import check_recorded
 from ..tensor import Checkpoint, Concat
 from . import ReadOptions, model_files, wanted
 from . import safetensors as st
 
 NAME = "mesh"
-PICKLE = False
-DESCRIPTION = "ckptconv reshard outputs (mesh.json + rank-XXXXX/ directories)"
 
 
 def detect(path: Path) -> bool:
@@ -56,7 +55,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     tensors = [assemble(name, mesh["tensors"][name], pieces, ranks) for name in names]
     source = {"format": NAME, "path": str(path), "tp": mesh.get("tp"), "ep": mesh.get("ep"), "rules": mesh["rules"]}
     files = model_files(path / rank_dir(0)) if (path / rank_dir(0)).is_dir() else []
-    return Checkpoint(tensors, {}, source, files, mapped)
+    return Checkpoint(tensors, {}, source, files, mapped, recorded_rules=mesh["rules"])
 
 
 def assemble(name, entry, pieces, ranks):
@@ -98,3 +97,7 @@ def assemble(name, entry, pieces, ranks):
     whole = parts[0].renamed(name) if len(parts) == 1 else Concat(name, parts, axis)
     n = entry["shape"][axis]
     return whole if n == shape[axis] else whole.sliced(axis, 0, n).renamed(name)
+
+
+READER = register(Reader(NAME, "ckptconv reshard outputs (mesh.json + rank-XXXXX/ directories)",
+                         detect, load, priority=10))

@@ -7,16 +7,15 @@ from pathlib import Path
 
 import numpy as np
 
+from .base import Reader, register
 from ..errors import BadInput
-from ..mapped import MappedFile
+from ..io.mapped import MappedFile
 from ..formats.manifest import INDEX_SUFFIX
 from ..formats.safetensors import parse_header
 from ..tensor import ArraySource, Checkpoint
 from . import ReadOptions, by_shard, check_listed, confined, model_files, source_root, wanted, weight_map
 
 NAME = "safetensors"
-PICKLE = False
-DESCRIPTION = "safetensors files and directories with an index (STEM.safetensors.index.json)"
 
 
 def _dir_target(path: Path):
@@ -80,3 +79,7 @@ def _source(m, e):
         return np.frombuffer(m.view, dtype=e.dtype.numpy, count=(e.end - e.begin) // e.dtype.itemsize,
                              offset=e.begin).reshape(e.shape)
     return ArraySource(e.name, e.dtype, e.shape, array, (m, e.begin, e.end - e.begin), contiguous=True)
+
+
+READER = register(Reader(NAME, "safetensors files and directories with an index (STEM.safetensors.index.json)",
+                         detect, load, priority=30))

@@ -11,6 +11,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from .base import Reader, register
 from .. import dtypes
 from .. import safejson
 from ..errors import BadInput, brief
@@ -19,9 +20,6 @@ from ..tensor import Checkpoint, TensorSource
 from . import ReadOptions, wanted
 
 NAME = "shapes"
-PICKLE = False
-DATA = False
-DESCRIPTION = "shapes-only JSON descriptions (for plan; they hold no data)"
 
 
 class ShapeOnly(TensorSource):
@@ -85,4 +83,8 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     tensors = [t for t in tensors if wanted(t.name, options.only)]
     source = {"format": NAME, "path": str(path), "config": config,
               "bytes": sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)}
-    return Checkpoint(tensors, {}, source, [], [])
+    return Checkpoint(tensors, {}, source, [], [], config=config)
+
+
+READER = register(Reader(NAME, "shapes-only JSON descriptions (for plan; they hold no data)",
+                         detect, load, priority=60, holds_data=False))

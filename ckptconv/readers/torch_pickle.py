@@ -7,18 +7,17 @@ its zip entry (or its place after the legacy pickles), so every tensor is a view
 import struct
 from pathlib import Path
 
-from .. import unpickler, ziparchive
+from .pickle import unpickler
+from . import ziparchive
+from .base import Reader, register
 from ..errors import BadInput, brief
 from ..limits import Budget
-from ..mapped import MappedFile
+from ..io.mapped import MappedFile
 from ..tensor import Checkpoint
-from ..torch_globals import Storage, flatten, storage_dtype, torch_globals
-from . import (ReadOptions, by_shard, check_listed, confined, inside, model_files, source_root, wanted,
-               weight_map)
+from .pickle.torch_globals import Storage, flatten, storage_dtype, torch_globals
+from . import ReadOptions, by_shard, check_listed, confined, inside, model_files, source_root, wanted, weight_map
 
 NAME = "torch"
-PICKLE = True
-DESCRIPTION = "torch.save files (.pt/.pth/.bin/.ckpt, zip or legacy) and HF .bin shard directories"
 
 AMPLIFICATION = 16  # the most bytes of tensors a file's bytes may describe (beyond 64 MiB)
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -216,3 +215,7 @@ def _itemsize(dtype) -> int:
     if dtype is None:
         return 1
     return dtype.itemsize
+
+
+READER = register(Reader(NAME, "torch.save files (.pt/.pth/.bin/.ckpt, zip or legacy) and HF .bin shard directories",
+                         detect, load, priority=40, parses_pickles=True))

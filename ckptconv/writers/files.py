@@ -13,13 +13,13 @@ import shutil
 import stat
 from dataclasses import dataclass, field
 
-from .. import sha256
+from ..io import sha256
 from ..errors import BadInput, OutputError
 from ..formats import manifest as fmt
 from ..formats.safetensors import build_header
 from ..formats.sums import write_sums
-from ..hashing import CHUNK, Pipeline, write_all
-from ..outfile import OutFile
+from ..io.hashing import CHUNK, Pipeline, write_all
+from ..io.outfile import OutFile
 from ..tensor import as_bytes, iter_blocks
 
 

@@ -7,7 +7,7 @@ import json
 import os
 
 from ..formats import manifest as fmt
-from ..hashing import Pipeline, sha256_file
+from ..io.hashing import Pipeline, sha256_file
 from .base import Content, WriteOptions, Writer, register
 from .files import Written, check_space, copy_files, finish_dir, plan_shards, write_shards
 

@@ -11,7 +11,7 @@ import os
 
 from ..formats import manifest as fmt
 from ..formats.safetensors import build_header
-from ..hashing import Pipeline
+from ..io.hashing import Pipeline
 from .base import Content, WriteOptions, Writer, register
 from .files import ShardFile, check_space, write_shards
 

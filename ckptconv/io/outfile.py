@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .errors import OutputError
+from ..errors import OutputError
 
 ALIGN = 4096            # covers 512- and 4096-byte logical blocks
 

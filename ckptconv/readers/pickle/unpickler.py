@@ -15,8 +15,8 @@ import struct
 import sys
 from dataclasses import dataclass
 
-from .errors import BadInput, UnsafePickle, brief, printable
-from .limits import MAX_DEPTH, Budget
+from ...errors import BadInput, UnsafePickle, brief, printable
+from ...limits import MAX_DEPTH, Budget
 
 PAYLOAD_MIN = 64 * 1024  # payloads this large stay views of the mapped file
 _MODULUS = sys.hash_info.modulus  # 2**61 - 1 on 64-bit builds

@@ -14,12 +14,12 @@ import socket
 import time
 from pathlib import Path
 
-from . import safejson
-from .formats.manifest import MANIFEST, SINGLE_KEY
-from .formats.safetensors import MAX_HEADER
-from .formats.mesh import MESH
-from .errors import BadInput, OutputError
-from .signals import deferred
+from .. import safejson
+from ..formats.manifest import MANIFEST, SINGLE_KEY
+from ..formats.safetensors import MAX_HEADER
+from ..formats.mesh import MESH
+from ..errors import BadInput, OutputError
+from ..signals import deferred
 
 MARKERS = (MANIFEST, MESH)  # a directory holding one of these (with our format tag) is ours
 

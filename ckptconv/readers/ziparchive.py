@@ -8,7 +8,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from .errors import BadInput
+from ..errors import BadInput
 
 _EOCD, _EOCD64, _LOC64, _CEN, _LOC = 0x06054B50, 0x06064B50, 0x07064B50, 0x02014B50, 0x04034B50
 

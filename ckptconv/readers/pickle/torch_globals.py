@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import dtypes
-from .errors import BadInput, brief
-from .limits import MAX_DEPTH, Budget, shape_problem
+from ... import dtypes
+from ...errors import BadInput, brief
+from ...limits import MAX_DEPTH, Budget, shape_problem
 from .numpy_globals import NumpyArray, numpy_globals, numpy_source
-from .tensor import ArraySource
+from ...tensor import ArraySource
 from . import unpickler
 from .unpickler import BENIGN, Function, Marker, StandIn
 

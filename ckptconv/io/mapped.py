@@ -18,10 +18,10 @@ import os
 import sys
 import stat
 
-from .errors import BadInput
+from ..errors import BadInput
 
 try:
-    from . import _mapguard
+    from .. import _mapguard
 except ImportError:  # built without a compiler (or not on Linux): unguarded, as before
     _mapguard = None
 

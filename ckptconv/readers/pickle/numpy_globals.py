@@ -8,10 +8,10 @@ import re
 import ml_dtypes
 import numpy as np
 
-from . import dtypes
-from .errors import BadInput, brief
-from .limits import shape_problem
-from .tensor import ArraySource
+from ... import dtypes
+from ...errors import BadInput, brief
+from ...limits import shape_problem
+from ...tensor import ArraySource
 from .unpickler import Function, Marker, Payload, StandIn, as_buffer
 
 _DTYPE_SPEC = re.compile(r"[<>|=]?(?:[fiu][1248]|b1|f2|\?)")

@@ -11,7 +11,7 @@ import hashlib
 import struct
 
 try:
-    from . import _sha256x
+    from .. import _sha256x
 except ImportError:  # built without a compiler: hashlib only
     _sha256x = None
 

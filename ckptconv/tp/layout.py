@@ -1,0 +1,197 @@
+"""How each tensor is split over a tensor-parallel (and expert-parallel) mesh, as pure data.
+
+For every tensor: the rule that matched, the split axis and, per rank, the intervals of the global
+tensor along that axis that make up the rank's piece (`plan`). A source that is itself sliced (a
+previous reshard, DCP chunks) is planned the same way. The mesh format: docs/output.md.
+"""
+import math
+import re
+from dataclasses import dataclass
+
+from ..errors import BadInput, UsageError
+from .rules import RuleSet
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    shape: tuple
+    dtype: object
+    rule: str
+    axis: int | None
+    ranges: list           # per rank: list of (start, stop) along axis; [] = absent; None axis = whole
+    even: bool             # ranges are the r-th of N equal blocks (not recorded in mesh.json)
+    padded: int | None = None  # --pad-vocab: the axis is zero-padded to this size before splitting
+
+    def piece_shape(self, rank):
+        if self.axis is None:
+            return self.shape
+        n = sum(b - a for a, b in self.ranges[rank])
+        return self.shape[:self.axis] + (n,) + self.shape[self.axis + 1:]
+
+    def piece_bytes(self, rank) -> int:
+        if self.axis is not None and not self.ranges[rank]:
+            return 0
+        return math.prod(self.piece_shape(rank)) * self.dtype.itemsize
+
+
+def rule_axis(rule, layout: str, ndim: int):
+    if rule.axis is not None:
+        if not -ndim <= rule.axis < ndim:
+            raise UsageError(f"rule {rule.pattern!r}: axis {rule.axis} does not exist in a {ndim}-d tensor")
+        return rule.axis % ndim
+    kind = rule.kind
+    if kind == "replicate" or ndim == 0:
+        return None
+    if kind in ("vocab", "expert"):
+        return 0
+    if ndim == 1:
+        return None if kind == "row" else 0   # biases: column-parallel split, row-parallel replicate
+    column, row = (ndim - 2, ndim - 1) if layout == "torch" else (ndim - 1, ndim - 2)
+    return row if kind == "row" else column
+
+
+def _even(name, n, tp, axis, what="size"):
+    if n % tp:
+        raise BadInput(f"tensor {name!r}: axis {axis} has {what} {n}, not divisible by tp={tp}")
+    k = n // tp
+    return [[(r * k, (r + 1) * k)] for r in range(tp)]
+
+
+def _heads(name, n, heads, head_dim, tp, axis, base=0, shared=False):
+    """Whole heads per rank; `shared` (kv) heads fewer than ranks each go to tp/heads ranks."""
+    hd = head_dim or (n // heads if heads and n % heads == 0 else None)
+    if not heads or not hd or heads * hd != n:
+        raise BadInput(f"tensor {name!r}: axis {axis} has size {n}, which is not {heads} heads x {head_dim}")
+    if heads >= tp:
+        if heads % tp:
+            raise BadInput(f"tensor {name!r}: {heads} heads cannot be split evenly over tp={tp}")
+        k = heads // tp
+        return [[(base + r * k * hd, base + (r + 1) * k * hd)] for r in range(tp)]
+    if not shared:
+        raise BadInput(f"tensor {name!r}: {heads} query heads cannot be split over tp={tp} ranks")
+    if tp % heads:
+        raise BadInput(f"tensor {name!r}: {heads} heads cannot be shared evenly by tp={tp} ranks")
+    return [[(base + (r * heads // tp) * hd, base + (r * heads // tp + 1) * hd)] for r in range(tp)]
+
+
+def split(name, shape, rule, layout, tp):
+    """(axis, per-rank intervals) for one tensor under one rule, for tp ranks."""
+    axis = rule_axis(rule, layout, len(shape)) if rule else None
+    if axis is None:
+        return None, None
+    n = shape[axis]
+    kind = rule.kind
+    if kind == "qkv":
+        q, kv, hd = rule.heads, rule.kv_heads, rule.head_dim
+        if (q + 2 * kv) * hd != n:
+            raise BadInput(f"tensor {name!r}: axis {axis} has size {n}, not ({q} + 2 x {kv}) heads x {hd}")
+        qs = _heads(name, q * hd, q, hd, tp, axis)
+        ks = _heads(name, kv * hd, kv, hd, tp, axis, base=q * hd, shared=True)
+        vs = _heads(name, kv * hd, kv, hd, tp, axis, base=(q + kv) * hd, shared=True)
+        return axis, [qs[r] + ks[r] + vs[r] for r in range(tp)]
+    if kind == "gate_up":
+        if n % 2:
+            raise BadInput(f"tensor {name!r}: gate_up axis {axis} has odd size {n}")
+        half = n // 2
+        gates, ups = _even(name, half, tp, axis, "half size"), _even(name, half, tp, axis, "half size")
+        return axis, [gates[r] + [(a + half, b + half) for a, b in ups[r]] for r in range(tp)]
+    if kind == "column" and rule.heads:
+        return axis, _heads(name, n, rule.heads, rule.head_dim, tp, axis)
+    if kind == "column" and rule.kv_heads:
+        return axis, _heads(name, n, rule.kv_heads, rule.head_dim, tp, axis, shared=True)
+    return axis, _even(name, n, tp, axis)
+
+
+def plan(tensors, rules: RuleSet, tp: int, ep: int = 1, pad_vocab: bool = False) -> list:
+    """The whole layout as data: one TensorPlan per tensor, ranks = ep groups x tp (rank = g * tp + t).
+    Quantization scales (`X.scales` beside `X.weight`) follow their weight's plan."""
+    if tp < 1 or ep < 1:
+        raise UsageError("--tp and --ep must be at least 1")
+    names = {t.name for t in tensors}
+    experts_named = sorted({int(m.group(1)) for t in tensors if (m := re.search(r"\.experts\.(\d+)\.", t.name))})
+    by_name = {t.name: _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab)
+               for t in tensors if _weight_of(t.name, names) is None}
+    for t in tensors:
+        weight = _weight_of(t.name, names)
+        if weight is not None:
+            by_name[t.name] = _scales_plan(t, by_name[weight])
+    return [by_name[t.name] for t in tensors]
+
+
+def _weight_of(name, names):
+    base = name[:-len(".scales")] + ".weight" if name.endswith(".scales") else None
+    return base if base in names else None
+
+
+def _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab=False):
+    rule = rules.match(t.name)
+    ranks = tp * ep
+    if pad_vocab and rule is not None and rule.kind == "vocab" and t.shape and t.shape[0] % tp:
+        padded = -(-t.shape[0] // tp) * tp  # the one documented exception: zero rows up to a multiple of tp
+        k = padded // tp
+        ranges = [[(r % tp * k, (r % tp + 1) * k)] for r in range(ranks)]
+        return TensorPlan(t.name, t.shape, t.dtype, f"vocab (padded to {padded})", 0, ranges, ep == 1, padded)
+    if rule is None or (rule.kind == "replicate"):
+        why = "replicate" if rule else "replicate (no rule matched)"
+        return TensorPlan(t.name, t.shape, t.dtype, why, None, [None] * ranks, False)
+    if ep > 1 and rule.experts:  # stacked experts: whole experts per expert group, same on its tp ranks
+        n = t.shape[0]
+        if n % ep:
+            raise BadInput(f"tensor {t.name!r}: {n} experts cannot be split over ep={ep}")
+        k = n // ep
+        ranges = [[(g * k, (g + 1) * k)] for g in range(ep) for _ in range(tp)]
+        return TensorPlan(t.name, t.shape, t.dtype, f"expert groups (ep={ep})", 0, ranges, False)
+    axis, per_tp = split(t.name, t.shape, rule, rules.layout, tp)
+    if axis is None:
+        return TensorPlan(t.name, t.shape, t.dtype, rule.describe() + " -> replicate", None, [None] * ranks, False)
+    m = re.search(r"\.experts\.(\d+)\.", t.name)
+    if ep > 1 and m:  # one tensor per expert: only its expert group holds it
+        per_group = math.ceil(len(experts_named) / ep)
+        group = experts_named.index(int(m.group(1))) // per_group
+        ranges = [per_tp[r % tp] if r // tp == group else [] for r in range(ranks)]
+    else:
+        ranges = [per_tp[r % tp] for r in range(ranks)]
+    n = t.shape[axis]
+    even = ep == 1 and all(ranges[r] == [(r * n // tp, (r + 1) * n // tp)] for r in range(tp))
+    return TensorPlan(t.name, t.shape, t.dtype, rule.describe(), axis, ranges, even)
+
+
+def _scales_plan(t, w: TensorPlan) -> TensorPlan:
+    """Scales of a quantized weight follow it: same intervals along N (or experts), group intervals
+    along a grouped K axis, replicated when there is one group."""
+    if w.axis is None or len(t.shape) != len(w.shape):
+        return TensorPlan(t.name, t.shape, t.dtype, "scales of a replicated weight", None, [None] * len(w.ranges),
+                          False)
+    ws, ss = w.shape[w.axis], t.shape[w.axis]
+    if ss == ws:
+        return TensorPlan(t.name, t.shape, t.dtype, "scales with their weight", w.axis, w.ranges, w.even)
+    if ss == 1:
+        return TensorPlan(t.name, t.shape, t.dtype, "scales (one group): replicate", None, [None] * len(w.ranges),
+                          False)
+    if ws % ss:
+        raise BadInput(f"tensor {t.name!r}: {ss} scale groups do not divide axis {w.axis} of size {ws}")
+    rows = ws // ss
+    ranges = []
+    for rank in w.ranges:
+        if any(a % rows or b % rows for a, b in rank):
+            raise BadInput(f"tensor {w.name!r}: a quantization group of {rows} rows along axis {w.axis} would "
+                           "straddle two ranks; reshard a dequantized copy (--dequantize) instead")
+        ranges.append([(a // rows, b // rows) for a, b in rank])
+    n = ss // len(w.ranges) if w.even else 0
+    even = w.even and all(ranges[r] == [(r * n, (r + 1) * n)] for r in range(len(ranges)))
+    return TensorPlan(t.name, t.shape, t.dtype, f"scales by group ({ss} groups)", w.axis, ranges, even)
+
+
+def plan_summary(plans, rules, tp, ep) -> dict:
+    ranks = tp * ep
+    rows = [{"name": p.name, "rule": p.rule, "axis": p.axis, "shape": list(p.shape), "dtype": p.dtype.code,
+             "bytes_per_rank": [p.piece_bytes(r) for r in range(ranks)], **({"ranges": p.ranges}
+                                                                           if p.axis is not None and not p.even else {})}
+            for p in plans]
+    return {"preset": rules.name, "layout": rules.layout, "params": rules.params, "tp": tp, "ep": ep,
+            "ranks": ranks, "tensors": rows,
+            "split": sum(p.axis is not None for p in plans),
+            "replicated": [p.name for p in plans if p.axis is None],
+            "bytes_per_rank": [sum(p.piece_bytes(r) for p in plans) for r in range(ranks)],
+            "source_bytes": sum(math.prod(p.shape) * p.dtype.itemsize for p in plans)}

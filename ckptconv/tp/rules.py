@@ -1,0 +1,111 @@
+"""Partition rules: which axis of each tensor is split for a tensor-parallel mesh, and how.
+
+A rule set is `layout` ("torch": Linear weights are [out, in]; "jax": [in, out]) plus an ordered
+list of rules; the first whose pattern fully matches a name wins, and unmatched tensors are
+replicated. Presets (presets.py) are rule sets too, built from a model's config; `--rules FILE`
+reads the same thing from TOML (docs/reshard.md). tp/layout.py turns a rule into per-rank intervals.
+"""
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .. import safejson
+from ..errors import BadInput, UsageError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+KINDS = ("column", "row", "vocab", "expert", "replicate", "qkv", "gate_up")
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    kind: str | None = None      # one of KINDS, or None with an explicit axis
+    axis: int | None = None
+    heads: int | None = None     # column: whole query heads per rank; qkv: query heads
+    kv_heads: int | None = None  # column: whole kv heads per rank, shared by tp/kv ranks when fewer than tp; qkv
+    head_dim: int | None = None  # qkv (and column with heads, where it can also be derived)
+    experts: bool = False        # leading axis holds experts: with --ep it is split across expert groups
+
+    def describe(self) -> str:
+        params = {k: v for k, v in asdict(self).items() if k in ("heads", "kv_heads", "head_dim") and v}
+        base = self.kind or f"axis {self.axis}"
+        return base + ("(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
+
+
+@dataclass
+class RuleSet:
+    name: str
+    layout: str
+    rules: list
+    params: dict = field(default_factory=dict)
+
+    def match(self, name: str):
+        for rule in self.rules:
+            if re.fullmatch(rule.pattern, name):
+                return rule
+        return None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "layout": self.layout, "params": self.params,
+                "rules": [{k: v for k, v in asdict(r).items() if v is not None and v is not False}
+                          for r in self.rules]}
+
+
+def from_json(obj: dict) -> RuleSet:
+    """A rule set recorded in mesh.json, as data (its patterns are compiled, never matched here)."""
+    return RuleSet(obj["name"], obj["layout"], [_rule(r, "recorded rules") for r in obj["rules"]], obj.get("params", {}))
+
+
+def check_recorded(mesh: dict, where):
+    """The rules a mesh.json records must be rules (patterns compile, kinds and fields are known):
+    BadInput naming `where` otherwise. They are checked as data; `recorded` never runs them."""
+    try:
+        from_json(mesh["rules"])
+    except UsageError as e:
+        raise BadInput(f"{where}: its rules: {e}") from None
+    return mesh
+
+
+def _rule(raw: dict, where: str) -> Rule:
+    unknown = set(raw) - {"pattern", "kind", "axis", "heads", "kv_heads", "head_dim", "experts"}
+    if unknown or "pattern" not in raw:
+        raise UsageError(f"{where}: a rule needs 'pattern' and may have kind/axis/heads/kv_heads/head_dim/experts "
+                         f"(unknown: {sorted(unknown)})")
+    kind, axis = raw.get("kind"), raw.get("axis")
+    if (kind is None) == (axis is None):
+        raise UsageError(f"{where}: rule {raw['pattern']!r} needs exactly one of 'kind' or 'axis'")
+    if kind is not None and kind not in KINDS:
+        raise UsageError(f"{where}: rule {raw['pattern']!r}: kind {kind!r} is not one of {', '.join(KINDS)}")
+    if kind == "qkv" and not all(raw.get(k) for k in ("heads", "kv_heads", "head_dim")):
+        raise UsageError(f"{where}: rule {raw['pattern']!r}: kind 'qkv' takes heads, kv_heads and head_dim")
+    try:
+        re.compile(raw["pattern"])
+    except re.error as e:
+        raise UsageError(f"{where}: rule pattern {raw['pattern']!r} is not a valid regular expression: {e}") from None
+    return Rule(**raw)
+
+
+def load_rules_file(path) -> RuleSet:
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise UsageError(f"--rules {path}: cannot read TOML: {e}") from None
+    layout = raw.get("layout", "torch")
+    if layout not in ("torch", "jax"):
+        raise UsageError(f"--rules {path}: layout must be 'torch' or 'jax', not {layout!r}")
+    rules = [_rule(r, f"--rules {path}") for r in raw.get("rule", [])]
+    if not rules:
+        raise UsageError(f"--rules {path}: no [[rule]] entries")
+    return RuleSet(f"rules file {Path(path).name}", layout, rules, {"file": Path(path).read_text()})
+
+
+def read_config(model_files) -> dict | None:
+    for rel, path in model_files:
+        if rel == "config.json":
+            config = safejson.load_file(path, "config.json", limit=64 << 20)
+            return config if isinstance(config, dict) else None
+    return None

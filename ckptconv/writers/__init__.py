@@ -1,0 +1,1 @@
+"""Writer plugins (base.py: the interface and the registry)."""
