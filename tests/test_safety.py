@@ -89,6 +89,7 @@ def test_tensor_reaching_past_its_storage_refused(tmp_path):
 PLAIN = [
     None, True, 1, -7, 2**70, 1.5, "text", "ünï", b"bytes", bytearray(b"ba"), (), (1,), (1, 2), (1, 2, 3),
     [1, [2, 3]], {"a": {"b": [1, 2]}}, {1, 2}, frozenset({3}), {"k": (1.0, "x", None)},
+    [[[]], [(), [1, frozenset({(1, "a")})]], {"s": {(2, 3)}, "t": (([],), {})}],  # marks inside marks
 ]
 
 
