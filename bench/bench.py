@@ -1,6 +1,6 @@
 """`make bench`: ckptconv against the bound and the naive way, on the same bytes, in one run.
 
-Method (../shared/BENCHMARKS.md): each command is a separate process on a warm page cache, rows
+Method (docs/benchmarks.md): each command is a separate process on a warm page cache, rows
 interleaved and rotated between rounds; we report the median wall time of BENCH_REPEAT runs, GB/s, peak RSS (ru_maxrss of that process, via wait4) and
 ratios to the bound (read + write with SHA-256 in a second thread) and to cp. Not a test: no thresholds.
 """

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from .errors import CkptError, OutputError, UsageError
+from .formats import not_ours
 from .io.output import atomic_output
 
 JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -53,17 +54,6 @@ class Solo(Cluster):
 
     def get(self, key: str, who: str):
         return self._messages[key]
-
-
-def assign(sizes, processes: int) -> list:
-    """Owner process of each unit: balanced by bytes, deterministic."""
-    load = [0] * processes
-    owner = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        p = min(range(processes), key=lambda q: (load[q], q))
-        owner[i] = p
-        load[p] += sizes[i]
-    return owner
 
 
 def requested(distributed: bool, coordinator) -> bool:
@@ -158,7 +148,7 @@ def on_cluster(cluster, out, overwrite, publish, work, inputs=(), resume=False, 
     if cluster.is_main:
         started = False
         try:
-            with atomic_output(out, overwrite, resume, inputs, single_file) as tmp:
+            with atomic_output(out, overwrite, resume, inputs, single_file, not_ours) as tmp:
                 cluster.put("ready", {"ok": True})
                 started = True
                 publish(tmp)

@@ -7,7 +7,7 @@ estimates from ckptconv's measured behaviour (docs/benchmarks.md), stated as suc
 """
 import math
 
-from .cluster import assign
+from .writers.base import assign
 from .tp.layout import plan as reshard_plan
 from .tp.presets import MeshSpec, choose_rules
 from .writers.base import Content, WriteOptions

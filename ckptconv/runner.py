@@ -5,7 +5,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from .cluster import Solo, assign, on_cluster, run_guarded
+from .cluster import Solo, on_cluster, run_guarded
+from .writers.base import assign
 from .io.output import temp_path
 
 

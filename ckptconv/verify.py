@@ -631,7 +631,7 @@ def _share(path: Path, is_mesh: bool, cluster):
     Only what is on disk and valid is shared out; process 0 reports everything else."""
     if cluster is None:
         return lambda kind, key: True
-    from .cluster import assign
+    from .writers.base import assign
     owners = {}
     if is_mesh:
         try:

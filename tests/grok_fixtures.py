@@ -160,7 +160,7 @@ def _host_slice(value, h, hosts, axis):
 
 
 def dequantize_ref(q: QuantizedWeight8bit, dtype) -> np.ndarray:
-    """FORMAT.md's formula, straight."""
+    """docs/grok-1-format.md's formula, straight."""
     w, s = q.weight, q.scales
     *lead, k, n = w.shape
     g = s.shape[-2]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptconv.cluster import assign
+from ckptconv.writers.base import assign
 from tests.conftest import run
 
 GROK = Path(__file__).parent / "data" / "grok1_tensors.json"

@@ -14,14 +14,8 @@ import socket
 import time
 from pathlib import Path
 
-from .. import safejson
-from ..formats.manifest import MANIFEST, SINGLE_KEY
-from ..formats.safetensors import MAX_HEADER
-from ..formats.mesh import MESH
-from ..errors import BadInput, OutputError
+from ..errors import OutputError
 from ..signals import deferred
-
-MARKERS = (MANIFEST, MESH)  # a directory holding one of these (with our format tag) is ours
 
 
 def temp_path(out: Path) -> Path:
@@ -50,10 +44,14 @@ def _inside(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
-def check_target(out: Path, inputs=(), overwrite=False, single_file=False):
+def _never_ours(out: Path, single_file: bool) -> str:
+    return "nothing may be replaced here"
+
+
+def check_target(out: Path, inputs=(), overwrite=False, single_file=False, not_ours=_never_ours):
     """Refuse an OUT that a run must not replace: a symbolic link, one that is or holds an input, an
-    existing file, a non-empty directory without --overwrite, or with it, one that is not a ckptconv
-    output (its manifest.json or mesh.json). A single-file OUT may replace only a ckptconv file."""
+    existing file, a non-empty directory without --overwrite, or with it, one that is not a previous
+    output (`not_ours(out, single_file)` says why not, or None when it is: formats.not_ours)."""
     if out.is_symlink():
         raise OutputError(f"{out}: is a symbolic link (to {os.readlink(out)}); give the path it points to")
     real = os.path.realpath(out)
@@ -68,9 +66,9 @@ def check_target(out: Path, inputs=(), overwrite=False, single_file=False):
     if single_file:
         if not overwrite:
             raise OutputError(f"{out}: already exists (use --overwrite to replace a previous ckptconv output)")
-        if not _ours_file(out):
-            raise OutputError(f"{out}: is not a single-file ckptconv output (a safetensors file with "
-                              f"{SINGLE_KEY!r} in its metadata); --overwrite replaces only those")
+        why = not_ours(out, True)
+        if why:
+            raise OutputError(f"{out}: is not a single-file ckptconv output ({why}); --overwrite replaces only those")
         return
     if not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory; remove it or choose another OUT")
@@ -78,32 +76,10 @@ def check_target(out: Path, inputs=(), overwrite=False, single_file=False):
         return  # an empty directory (`mkdir out` first): replaced by the output
     if not overwrite:
         raise OutputError(f"{out}: already exists (use --overwrite to replace a previous ckptconv output)")
-    if not any(_ours(out / m) for m in MARKERS):
-        raise OutputError(f"{out}: is not a ckptconv output (no {' or '.join(MARKERS)} of ckptconv's); --overwrite "
-                          "replaces only those: remove it yourself if it should go")
-
-
-def _ours_file(path: Path) -> bool:
-    """A safetensors file ckptconv wrote (its header's metadata holds the manifest facts)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
-            header = safejson.loads(f.read(n), path, "safetensors header") if 0 < n <= MAX_HEADER else None
-    except (OSError, BadInput):
-        return False
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    return isinstance(meta, dict) and SINGLE_KEY in meta
-
-
-def _ours(marker: Path) -> bool:
-    """A ckptconv manifest.json or mesh.json: a regular file holding a JSON object whose format is
-    ckptconv's (a web app's manifest.json is not)."""
-    try:
-        doc = safejson.loads(safejson.read(marker, limit=256 << 20, follow=False), marker)
-    except BadInput:
-        return False
-    return isinstance(doc, dict) and str(doc.get("format", "")).startswith("ckptconv.")
+    why = not_ours(out, False)
+    if why:
+        raise OutputError(f"{out}: is not a ckptconv output ({why}); --overwrite replaces only those: remove it "
+                          "yourself if it should go")
 
 
 def _take_lock(out: Path) -> Path:
@@ -144,19 +120,20 @@ def _recover(out: Path):
 
 
 @contextlib.contextmanager
-def atomic_output(out, overwrite=False, resume=False, inputs=(), single_file=False):
+def atomic_output(out, overwrite=False, resume=False, inputs=(), single_file=False, not_ours=_never_ours):
     """Yield a temporary directory; publish it as `out` if the block succeeds, remove it otherwise.
     With `resume`, what a killed run left there is handed back for the writer to re-verify.
     `inputs` are the files the run reads: OUT may not be or hold any of them. With `single_file`,
-    the directory holds one file named like OUT, and that file is published as OUT."""
+    the directory holds one file named like OUT, and that file is published as OUT. `not_ours` as
+    in `check_target`."""
     out = Path(os.path.abspath(out))
-    check_target(out, inputs, overwrite, single_file)
+    check_target(out, inputs, overwrite, single_file, not_ours)
     tmp, lock = temp_path(out), None
     try:
         with deferred():  # a signal that arrives meanwhile is raised at the end: the lock is ours by then
             lock = _take_lock(out)
             _recover(out)
-            check_target(out, inputs, overwrite, single_file)  # again, now that we hold the lock
+            check_target(out, inputs, overwrite, single_file, not_ours)  # again, now that we hold the lock
             if tmp.exists() and not resume:
                 shutil.rmtree(tmp)  # left by a killed run
             tmp.mkdir(exist_ok=resume)

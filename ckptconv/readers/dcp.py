@@ -5,8 +5,8 @@ inert stand-ins for DCP's classes. For each fully qualified name it gives the gl
 chunks (offsets, sizes), and for each chunk where its bytes are: a torch.save zip at (offset, length)
 of a .distcp file (read with the torch reader, strides kept), a tensor in the safetensors blob of the
 SAFETENSORS variant, possibly behind a `stream.zstd/1` transform. Every tensor is one lazy source of
-its global shape whose regions are filled from the chunks that overlap them (DESIGN.md, seed 002
-§19.6); BYTE_IO items become extras. Items outside `--only` are never read.
+its global shape whose regions are filled from the chunks that overlap them (docs/dcp.md); BYTE_IO
+items become extras. Items outside `--only` are never read.
 
 Everything `.metadata` says is checked before it is used (record types, field types, shapes, that the
 chunks tile each tensor exactly, that items' byte ranges lie in their files and do not share bytes),

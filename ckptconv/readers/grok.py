@@ -5,7 +5,7 @@ Each file is a raw numpy pickle of one leaf of the JAX parameter tree (a float32
 the globals the real files use. Payloads of 64 KiB and more are BINBYTES outside the pickle frame:
 the unpickler hands them back as views of the mapped file, so nothing is copied. Names come from the
 flatten order of the tree (no names are stored); several hosts' files are joined along the axis the
-Grok-1 partition rules shard over "model". Format facts: ../shared/reference/grok-1/FORMAT.md.
+Grok-1 partition rules shard over "model". The format: docs/grok-1-format.md.
 """
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -265,7 +265,7 @@ def _join(name, index, parts, host_axis):
 
 
 def dequantized(name, weight, scales, dtype) -> Computed:
-    """weight (int8, [..., K, N]) x scales ([..., G, N]) per FORMAT.md, computed region by region in f32.
+    """weight (int8, [..., K, N]) x scales ([..., G, N]) (docs/grok-1-format.md), region by region in f32.
 
     The float32 product of an int8 and a bf16 is exact; bf16 output rounds it to nearest even, as
     JAX's bf16 multiply does."""
@@ -319,7 +319,7 @@ def expert(src, e, name) -> Computed:
 
 
 def _mixtral(d, leaves, dequantize):
-    """FORMAT.md's "Names used downstream" table: dense, 2-D weights as [out, in], experts split."""
+    """The `--layout mixtral` table of docs/grok-1-format.md: dense, 2-D weights as [out, in], experts split."""
     dtype = {"bf16": dtypes.BY_CODE["BF16"], "f32": dtypes.BY_CODE["F32"]}[dequantize]
     out = []
     for path, leaf in leaves.items():

@@ -3,7 +3,7 @@
 Accepts a JSON file with a "tensors" list whose entries have a name (`name`, or a tree `path` whose
 `/` become `.`), a `shape` and a `dtype` (numpy names like "float32", or safetensors codes); entries
 marked `"quantized": true` with `weight` and `scales` descriptions become `NAME.weight` and
-`NAME.scales`, as the Grok-1 reader names them (../shared/reference/grok-1/tensors.json is one).
+`NAME.scales`, as the Grok-1 reader names them (tests/data/grok1_tensors.json is one).
 """
 import math
 from pathlib import Path

@@ -56,6 +56,17 @@ class Content:
         return {"skipped_files": self.skipped_files} if self.skipped_files else {}
 
 
+def assign(sizes, processes: int) -> list:
+    """Owner process of each unit: balanced by bytes, deterministic."""
+    load = [0] * processes
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        p = min(range(processes), key=lambda q: (load[q], q))
+        owner[i] = p
+        load[p] += sizes[i]
+    return owner
+
+
 class Writer:
     """Base class (see the module docstring). A unit has at least `name` and `size`."""
 

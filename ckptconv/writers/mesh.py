@@ -16,12 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from ..io import sha256
-from ..cluster import assign
 from ..errors import BadInput
 from ..formats import mesh as fmt
 from ..io.hashing import CHUNK, Pipeline
 from ..tensor import Computed, Concat, as_bytes, sha256_of
-from .base import Content, WriteOptions, Writer, register
+from .base import Content, WriteOptions, Writer, assign, register
 from .files import OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json
 
 

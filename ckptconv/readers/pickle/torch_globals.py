@@ -217,7 +217,7 @@ def storage_dtype(storage_type, ctx):
 
 
 def flatten(obj, path, prefix="", skip_unsupported=False, budget: Budget = None):
-    """Flatten nested containers with `.` (DESIGN.md naming): tensors become sources, the rest extras.
+    """Flatten nested containers with `.` (docs/output.md#names): tensors become sources, the rest extras.
     Returns (tensors, extras, skipped). A container reached a second time (shared, or a cycle) is
     walked again only if it holds tensors (each needs its name); otherwise it is recorded as a Ref to
     its first name. Every step is charged to `budget` (the pickle's), so shared structure cannot
