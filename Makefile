@@ -25,7 +25,7 @@ FUZZ_SECONDS ?= 300
 fuzz: setup
 	$(PY) -m pip install --quiet atheris
 	mkdir -p fuzz/corpus
-	$(PY) -c "import sys; sys.path.insert(0, '.'); from tests.test_fuzz import SEEDS; [open(f'fuzz/corpus/seed-{k}', 'wb').write(v) for k, v in SEEDS.items()]"
+	$(PY) -c "import sys; sys.path.insert(0, '.'); from tests.security.test_fuzz import SEEDS; [open(f'fuzz/corpus/seed-{k}', 'wb').write(v) for k, v in SEEDS.items()]"
 	$(PY) -m fuzz.fuzz_parsers fuzz/corpus -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10
 
 clean:

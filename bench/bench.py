@@ -153,7 +153,7 @@ def dcp_dir(path, layers: int):
 def grok_dir(path, layers: int):
     """A Grok-1-style directory of numpy pickles (int8 + bf16 scales), about 103 MB per layer."""
     sys.path.insert(0, str(ROOT))
-    from tests import grok_fixtures as gf
+    from tests.fixtures import grok as gf
     dims = gf.Dims(vocab=32000, emb=1024, q_heads=8, kv_heads=2, head=128, ffn=4096, experts=8)
     tmp = Path(str(path) + ".tmp")
     gf.write_dir(tmp, gf.make_params(layers, dims))

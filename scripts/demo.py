@@ -21,7 +21,7 @@ def sh(*args):
 
 def main():
     sys.path.insert(0, str(ROOT))
-    from tests.fixtures import make_hf_llama
+    from tests.fixtures.models import make_hf_llama
 
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir()

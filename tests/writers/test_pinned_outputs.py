@@ -1,6 +1,6 @@
 """Outputs pinned byte for byte: the SHA-256 of every file that convert and reshard write for a set of
 deterministic inputs (torch.save files of every layout, a Llama-shaped .bin directory, Grok-1 and DCP
-checkpoints), recorded in tests/data/pinned_outputs.json. Restructuring must not change a byte; an
+checkpoints), recorded in tests/fixtures/data/pinned_outputs.json. Restructuring must not change a byte; an
 issue that changes the output contract re-records them (CKPTCONV_PIN_RECORD=1) and says so.
 
 Inputs are made with torch and numpy only (no transformers or huggingface_hub, whose versions would
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests import fixtures, grok_fixtures
-from tests.conftest import ROOT
+from tests.fixtures import grok as grok_fixtures, models as fixtures
+from tests.helpers import DATA, ROOT
 
-PINS = Path(__file__).parent / "data" / "pinned_outputs.json"
+PINS = DATA / "pinned_outputs.json"
 RECORD = os.environ.get("CKPTCONV_PIN_RECORD") == "1"
 
 
@@ -60,7 +60,7 @@ def make_inputs(root: Path):
     llama_bin(root / "llama")
     grok_fixtures.write_dir(root / "grok", grok_fixtures.make_params(2))
     import torch.distributed.checkpoint as dcp
-    from tests.dcp_fixtures import nested_state
+    from tests.fixtures.dcp import nested_state
     dcp.save(nested_state(), checkpoint_id=root / "dcp")
 
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.attacks import Reduce
-from tests.conftest import ROOT, assert_same, load_output, run
+from tests.fixtures.attacks import Reduce
+from tests.helpers import ROOT, assert_same, load_output, run
 
 
 @pytest.fixture(scope="session")
 def dcp_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dcp")
-    r = subprocess.run([sys.executable, "-m", "tests.dcp_fixtures", str(root)], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "tests.fixtures.dcp", str(root)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return root

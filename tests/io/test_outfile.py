@@ -157,7 +157,7 @@ def test_write_modes_give_the_same_bytes(torch_fixtures, hf_llama, tmp_path, mon
     convert and reshard, file for file (manifests and mesh.json included), and the shards pass
     `sha256sum -c`."""
     import subprocess
-    from tests.conftest import run
+    from tests.helpers import run
     from ckptconv.io import sha256
     small = (2, 2 * ALIGN, 2)
     for job, src, args in (("convert", torch_fixtures["train"], ["--max-shard-size", "300"]),
@@ -222,7 +222,7 @@ def test_a_failed_run_leaves_no_descriptor_open(hf_llama, tmp_path, monkeypatch)
     nothing is published."""
     from ckptconv.errors import BadInput
     from ckptconv.io.mapped import MappedFile
-    from tests.conftest import run
+    from tests.helpers import run
     real_reader, calls = MappedFile.reader, itertools.count()
 
     def failing_reader(self):

@@ -9,11 +9,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from ckptconv.readers import ReadOptions, grok, open_checkpoint
-from tests import grok_fixtures as gf
-from tests.attacks import Reduce
-from tests.conftest import run
+from tests.fixtures import grok as gf
+from tests.fixtures.attacks import Reduce
+from tests.helpers import DATA, ROOT, run
 
-DATA = Path(__file__).parent / "data"
 
 
 def read_all(out) -> dict:
@@ -221,12 +220,11 @@ def test_more_files_than_the_soft_open_file_limit(grok_dir, params, tmp_path):
     import resource
     import subprocess
     import sys
-    root = Path(__file__).resolve().parent.parent
     soft_only = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     both = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     for limit, out in ((soft_only, tmp_path / "ok"), (both, tmp_path / "refused")):
         r = subprocess.run([sys.executable, "-m", "ckptconv.cli", "pickle-to-safetensors", grok_dir, out, "--quiet"],
-                           capture_output=True, text=True, preexec_fn=limit, cwd=root)
+                           capture_output=True, text=True, preexec_fn=limit, cwd=ROOT)
         if limit is soft_only:
             assert r.returncode == 0, r.stderr
             assert_lossless(read_all(out), params)

@@ -11,7 +11,7 @@ import pytest
 
 from ckptconv.formats.safetensors import parse_header
 from ckptconv.io.mapped import MappedFile
-from tests.conftest import ROOT, run
+from tests.helpers import ROOT, run
 
 
 @pytest.fixture(scope="module")

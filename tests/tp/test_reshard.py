@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests import grok_fixtures as gf
-from tests.conftest import run
+from tests.fixtures import grok as gf
+from tests.helpers import run
 
 
 def rank_tensors(out, rank) -> dict:

@@ -17,8 +17,8 @@ import torch
 
 from ckptconv.formats.sums import format_sums, parse_sums, unsafe_name
 from ckptconv.verify import total_bytes
-from tests.conftest import run
-from tests.hostile import assert_clean as clean, assert_refused, cli
+from tests.helpers import run
+from tests.helpers import assert_clean as clean, assert_refused, cli
 
 
 
@@ -555,7 +555,7 @@ def test_total_bytes_does_not_follow_symlinks(copy, tmp_path):
 
 
 def test_hostile_outputs_on_two_processes(copy):
-    from tests.test_distributed import launch, wait_all
+    from tests.e2e.test_distributed import launch, wait_all
     mesh = copy("tp2")
     edit_mesh(mesh, lambda m: m.update(ranks=10**8, tp=10**8))
     plain = copy("conv")

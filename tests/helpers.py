@@ -1,5 +1,8 @@
-"""Running the CLI the way an attacker's victim does: a fresh process under a memory cap and a time
-limit, every file it opens recorded by an audit hook, and the assertions every refusal must meet."""
+"""What tests share besides fixtures: running the CLI (in-process, in a fresh process, or the way an
+attacker's victim does: under a memory cap and a time limit with every file it opens recorded),
+reading outputs back with the real safetensors library, comparing tensors bit for bit, and the
+assertions every refusal must meet."""
+import json
 import os
 import resource
 import subprocess
@@ -8,7 +11,54 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.conftest import ROOT
+from click.testing import CliRunner
+
+from ckptconv.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "fixtures" / "data"   # recorded inputs and expectations
+
+
+class Result:
+    def __init__(self, code, stdout, stderr):
+        self.exit_code, self.stdout, self.stderr = code, stdout, stderr
+
+
+def run(*args) -> Result:
+    """Run the CLI in-process (fast); stdout and stderr kept apart."""
+    r = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return Result(r.exit_code, r.stdout, r.stderr)
+
+
+def run_subprocess(*args, **kw) -> subprocess.CompletedProcess:
+    """Run the real console entry point in a fresh process (for exit codes and signals)."""
+    return subprocess.run([sys.executable, "-m", "ckptconv.cli", *[str(a) for a in args]],
+                          capture_output=True, text=True, cwd=kw.pop("cwd", None), **kw)
+
+
+def load_output(out) -> dict:
+    """Every tensor of an output dir, read by the real safetensors library (torch tensors)."""
+    from safetensors import safe_open
+    index = json.loads((Path(out) / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for name, file in index["weight_map"].items():
+        with safe_open(Path(out) / file, framework="pt") as f:
+            tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def bits(t):
+    """A torch tensor's exact bytes, whatever its dtype (for bit-for-bit comparison)."""
+    import torch
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def assert_same(a, b, name=""):
+    assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
+    assert tuple(a.shape) == tuple(b.shape), (name, a.shape, b.shape)
+    assert bits(a) == bits(b), name
+
 
 # A normal run of the small checkpoints in the tests needs about 0.25 GiB of address space.
 MEMORY_CAP = 1536 << 20

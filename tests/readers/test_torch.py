@@ -5,8 +5,8 @@ import subprocess
 import pytest
 import torch
 
-from tests.conftest import assert_same, bits, load_output, run
-from tests import fixtures
+from tests.helpers import assert_same, bits, load_output, run
+from tests.fixtures import models as fixtures
 
 
 def convert(src, out, *extra):

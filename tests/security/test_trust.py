@@ -1,7 +1,7 @@
 """Issue 12's classes of attack and fault, each built as a hostile input or an unlucky operator's run
-and checked on the real CLI in a fresh process (tests/hostile.py): exit 2 and one line, nothing
+and checked on the real CLI in a fresh process (tests/helpers.py): exit 2 and one line, nothing
 executed, memory and time bounded, nothing left beside OUT, nothing outside SRC and OUT touched.
-(DCP metadata: test_dcp_hostile.py; verify: test_verify_hostile.py; truncation: test_sigbus.py.)"""
+(DCP metadata: test_dcp_hostile.py; verify: test_verify_hostile.py; truncation: io/test_sigbus.py.)"""
 import json
 import os
 import random
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests import grok_fixtures
-from tests.conftest import ROOT, load_output, run
-from tests.hostile import assert_clean, assert_refused, cli, opened_outside
+from tests.fixtures import grok as grok_fixtures
+from tests.helpers import ROOT, load_output, run
+from tests.helpers import assert_clean, assert_refused, cli, opened_outside
 
 
 def _u(text: str) -> bytes:
@@ -553,7 +553,7 @@ def test_shards_the_index_does_not_name_are_listed(tmp_path):
 
 
 def test_new_hostile_inputs_are_fuzz_seeds():
-    from tests.test_fuzz import SEEDS
+    from tests.security.test_fuzz import SEEDS
     assert {"deep-tuple-key", "shared-tuples", "forged-newline"} <= set(SEEDS)
 
 

@@ -15,11 +15,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from tests import hostile
-from tests.hostile import cli
-from tests.dcp_fixtures import nested_state
+from tests import helpers as hostile
+from tests.helpers import cli
+from tests.fixtures.dcp import nested_state
 
-BOMB = 2 << 30        # bytes a bomb inflates to (the memory cap of tests/hostile.py is 1.5 GiB)
+BOMB = 2 << 30        # bytes a bomb inflates to (the memory cap of tests/helpers.py is 1.5 GiB)
 
 
 def convert(src, out, timeout=120):
@@ -230,7 +230,7 @@ def test_8000_real_chunks_assemble(saved, tmp_path):
     out = tmp_path / "out"
     r = convert(src, out)
     assert r.returncode == 0, r.stderr[-2000:]
-    from tests.conftest import load_output
+    from tests.helpers import load_output
     assert torch.equal(load_output(out)["grid"], full)
 
 

@@ -1,14 +1,13 @@
 """`ckptconv plan`: what a run would do, from a checkpoint or a shapes-only description, without data."""
 import json
 import math
-from pathlib import Path
 
 import pytest
 
 from ckptconv.writers.base import assign
-from tests.conftest import run
+from tests.helpers import DATA, run
 
-GROK = Path(__file__).parent / "data" / "grok1_tensors.json"
+GROK = DATA / "grok1_tensors.json"
 
 
 @pytest.mark.parametrize("hosts", [1, 2, 8])

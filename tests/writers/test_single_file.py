@@ -6,7 +6,7 @@ import struct
 import pytest
 import torch
 
-from tests.conftest import assert_same, run, run_subprocess
+from tests.helpers import assert_same, run, run_subprocess
 
 
 @pytest.fixture()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from fuzz.fuzz_parsers import parse_any
 import ml_dtypes
 
-from tests import attacks, grok_fixtures
+from tests.fixtures import attacks, grok as grok_fixtures
 
 SETTINGS = settings(max_examples=300, deadline=2000, suppress_health_check=list(HealthCheck), derandomize=True)
 

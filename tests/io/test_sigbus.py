@@ -20,10 +20,8 @@ import pytest
 
 from ckptconv import cli
 from ckptconv.io import mapped
-from tests import grok_fixtures as gf
-from tests.conftest import run
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.fixtures import grok as gf
+from tests.helpers import ROOT, run
 
 needs_guard = pytest.mark.skipif(not mapped.GUARDED, reason="ckptconv._mapguard is not built (no C compiler, "
                                  "or not Linux): mapped inputs are unguarded")

@@ -1,0 +1,41 @@
+"""Which reader reads a path: the documented priority (docs/formats.md#detection), and what the
+summary says when a directory holds weights in two formats."""
+import json
+
+import torch
+from safetensors.torch import save_file
+
+from ckptconv.readers import open_checkpoint, reader_for, readers
+from tests.helpers import assert_same, load_output, run
+
+
+def test_the_detection_order_is_the_documented_one():
+    assert list(readers()) == ["mesh", "dcp", "safetensors", "torch", "grok", "shapes"]
+
+
+def test_a_directory_saved_both_ways_reads_the_safetensors_and_says_so(tmp_path):
+    d = tmp_path / "both"
+    d.mkdir()
+    torch.save({"a": torch.zeros(2)}, d / "pytorch_model.bin")           # different values on purpose
+    save_file({"a": torch.ones(2)}, d / "model.safetensors", metadata={"format": "pt"})
+    reader, also = reader_for(d)
+    assert reader.name == "safetensors" and also == ["torch"]
+    r = run("convert", d, tmp_path / "out", "--quiet")
+    assert r.exit_code == 0
+    assert "read the safetensors weights" in r.stdout and "--from torch" in r.stdout
+    assert_same(load_output(tmp_path / "out")["a"], torch.ones(2))
+    r = run("convert", d, tmp_path / "json", "--quiet", "--json")
+    assert json.loads(r.stdout)["also"] == ["torch"]
+    assert open_checkpoint(d, "torch").tensors[0].name == "a"           # --from reads the other
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "SHA256SUMS", "manifest.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+
+
+def test_one_format_alone_says_nothing_more(tmp_path):
+    d = tmp_path / "bin"
+    d.mkdir()
+    torch.save({"a": torch.zeros(2)}, d / "pytorch_model.bin")
+    reader, also = reader_for(d)
+    assert reader.name == "torch" and also == []
+    r = run("convert", d, tmp_path / "out", "--quiet")
+    assert r.exit_code == 0 and "also holds" not in r.stdout
