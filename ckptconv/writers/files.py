@@ -78,10 +78,15 @@ class OutputStream:
     def add(self, t, progress=None, tap=None):
         """Write all of tensor `t` into the shard the plan puts it in; `tap` (a sha256 state) is fed
         the same bytes."""
-        f, file_h = self.file_for(t.name)
-        self.record(t, write_tensor(f, file_h, t, self.pipeline, progress, tap))
+        piece = self.tensor(t, tap)
+        write_tensor(piece, t, progress)
+        piece.close()
 
-    def file_for(self, name):
+    def tensor(self, t, tap=None) -> "TensorWriter":
+        """A writer for tensor `t`'s bytes, pushed in order by the caller (reshard's scatter)."""
+        return TensorWriter(self, t, tap)
+
+    def _file_for(self, name):
         """(file, file hash) of the shard that holds tensor `name`, opening it (and closing the one
         before) when the plan moves on to it."""
         index = self.where[name]
@@ -94,7 +99,7 @@ class OutputStream:
             self.pipeline.push(self._file, self._file_h, None, shard.header)
         return self._file, self._file_h
 
-    def record(self, t, digest):
+    def _record(self, t, digest):
         """A tensor of the current shard is fully pushed; `digest` is its future SHA-256."""
         self._digests.append((t, digest))
 
@@ -124,9 +129,30 @@ class OutputStream:
             self._file = None
 
 
-def write_tensor(f, file_h, t, pipeline, progress, tap):
-    """Push all of `t` into `f`; returns the future of its SHA-256."""
-    tensor_h = sha256.new()
+class TensorWriter:
+    """One tensor's bytes on their way into its shard. It owns what they are hashed into: the
+    stream's file digest, the tensor's own digest, and a `tap` (the global tensor's, in reshard)."""
+
+    def __init__(self, stream: OutputStream, t, tap=None):
+        self.stream, self.t, self.tap = stream, t, tap
+        self.file, self.file_h = stream._file_for(t.name)
+        self.tensor_h = sha256.new()
+
+    def fill(self, fill_at, offset, n, progress=None):
+        """Bytes [offset, offset + n) of a source, put in place by `fill_at(view, at)` (no copy)."""
+        self.stream.pipeline.push_range(self.file, self.file_h, self.tensor_h, fill_at, offset, n, self.tap,
+                                        progress)
+
+    def copy(self, data):
+        self.stream.pipeline.push(self.file, self.file_h, self.tensor_h, data, self.tap)
+
+    def close(self):
+        """Every byte is pushed: the tensor's digest (a future) goes to the stream's manifest entry."""
+        self.stream._record(self.t, self.stream.pipeline.hashes.digest("tensor", self.tensor_h))
+
+
+def write_tensor(piece: TensorWriter, t, progress):
+    """Push all of `t` through `piece`."""
     span = t.file_span()
     try:
         if span is not None:
@@ -134,7 +160,7 @@ def write_tensor(f, file_h, t, pipeline, progress, tap):
             mapped, offset = span
             mapped.check(offset, t.nbytes, f"tensor {t.name!r}")
             with mapped.reader() as fill_at:
-                pipeline.push_range(f, file_h, tensor_h, fill_at, offset, t.nbytes, tap, progress)
+                piece.fill(fill_at, offset, t.nbytes, progress)
         else:
             pushed = 0
             for block in iter_blocks(t, CHUNK):
@@ -142,7 +168,7 @@ def write_tensor(f, file_h, t, pipeline, progress, tap):
                 pushed += len(data)
                 if pushed > t.nbytes:
                     break
-                pipeline.push(f, file_h, tensor_h, data, tap)
+                piece.copy(data)
                 t.release()  # the bytes are in the staging buffers now
                 if progress:
                     progress(len(data))
@@ -153,7 +179,6 @@ def write_tensor(f, file_h, t, pipeline, progress, tap):
         raise BadInput(f"tensor {t.name!r}: cannot read its data: {e}") from None
     finally:
         t.release()
-    return pipeline.hashes.digest("tensor", tensor_h)
 
 
 def copy_files(out_dir, files, written: Written):

@@ -148,24 +148,22 @@ class MeshWriter(Writer):
 
 def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
     rows = max(1, CHUNK // (math.prod(p.shape[1:]) * p.dtype.itemsize))
-    digests = {r: sha256.new() for r in holders}
+    writers = {r: streams[r].tensor(pieces[r][p.name]) for r in holders}
     lead = (slice(None),) * p.axis
     try:
         for a in range(0, p.shape[0], rows):
             block = np.ascontiguousarray(src.region((slice(a, min(a + rows, p.shape[0])),)))
             pending = pipeline.hashes.feed(as_bytes(block), tap=global_h)
             for r in holders:
-                parts = [block[lead + (slice(lo, hi),)] for lo, hi in p.ranges[r]]
-                f, file_h = streams[r].file_for(p.name)
-                fill_at, nbytes = _gather(parts, p.axis)
-                pipeline.push_range(f, file_h, digests[r], fill_at, 0, nbytes, progress=progress)
+                fill_at, nbytes = _gather([block[lead + (slice(lo, hi),)] for lo, hi in p.ranges[r]], p.axis)
+                writers[r].fill(fill_at, 0, nbytes, progress)
             for f in pending:
                 f.result()
             src.release()
     except (ValueError, IndexError) as e:
         raise BadInput(f"tensor {p.name!r}: cannot read its data: {e}") from None
-    for r in holders:
-        streams[r].record(pieces[r][p.name], pipeline.hashes.digest("tensor", digests[r]))
+    for w in writers.values():
+        w.close()
 
 
 def _gather(parts, axis):
