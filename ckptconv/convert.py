@@ -2,14 +2,13 @@
 transforms -> writer), atomically, on one process or several (runner.py)."""
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from . import dtypes, runner, transforms
 from .errors import BadInput, UsageError
 from .readers import Source, open_source, readers
+from .writers import WRITERS
 from .writers.base import Content, WriteOptions
-from .writers.sharded import ShardedWriter, source_id
-from .writers.single import SingleWriter
+from .writers.sharded import source_id
 
 
 @dataclass
@@ -76,7 +75,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
                       ckpt.skipped_files if carry else [])
     content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()}, ckpt.extras, ckpt.manifest,
                                                     [rel for rel, _ in content.model_files]])
-    writer = SingleWriter(write, content, Path(out).name) if one_file else ShardedWriter(write, content)
+    writer = WRITERS["single" if one_file else "sharded"](write, content, out)
     facts = runner.run(writer, tensors, out, write, ckpt.inputs(src), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started
     total = sum(t.nbytes for t in tensors)

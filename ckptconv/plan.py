@@ -10,9 +10,8 @@ import math
 from .writers.base import assign
 from .tp.layout import plan as reshard_plan
 from .tp.presets import MeshSpec, choose_rules
+from .writers import WRITERS
 from .writers.base import Content, WriteOptions
-from .writers.mesh import MeshWriter
-from .writers.sharded import ShardedWriter
 
 BASE_RSS = 110 * 2**20        # interpreter, numpy, jax-free import: measured peak of a 2 GB convert
 IN_FLIGHT = 6 * 8 * 2**20 + 2 * 16 * 2**20  # the staging pool (outfile.py) + gathered chunks being hashed
@@ -23,10 +22,10 @@ def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
     output order, and the rules chosen."""
     write, content = write or WriteOptions(), Content(ckpt.source)
     if mesh is None:
-        return [(u.name, u.size) for u in ShardedWriter(write, content).plan(ckpt.tensors)], None
+        return [(u.name, u.size) for u in WRITERS["sharded"](write, content).plan(ckpt.tensors)], None
     rules = choose_rules(ckpt, mesh)
     layout = reshard_plan(ckpt.tensors, rules, mesh.tp, mesh.ep, mesh.pad_vocab)
-    writer = MeshWriter(write, content, layout, rules, mesh.tp, mesh.ep, {})
+    writer = WRITERS["mesh"](write, content, None, layout, rules, mesh.tp, mesh.ep, {})
     return [(u.name, u.size) for u in writer.plan(ckpt.tensors)], rules
 
 

@@ -12,8 +12,8 @@ from .errors import UsageError
 from .readers import Source, open_source, readers
 from .tp.layout import plan, plan_summary
 from .tp.presets import MeshSpec, choose_rules
+from .writers import WRITERS
 from .writers.base import Content, WriteOptions
-from .writers.mesh import MeshWriter
 
 
 @dataclass
@@ -59,7 +59,7 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
     if not readers()[ckpt.format].holds_data:
         raise UsageError(f"{source.path}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
     content = Content(ckpt.source, ckpt.extras, {}, ckpt.model_files, ckpt.skipped_files)
-    writer = MeshWriter(write, content, plans, rules, mesh.tp, mesh.ep, {t.name: t for t in ckpt.tensors})
+    writer = WRITERS["mesh"](write, content, out, plans, rules, mesh.tp, mesh.ep, {t.name: t for t in ckpt.tensors})
     total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
     runner.run(writer, ckpt.tensors, out, write, ckpt.inputs(source.path), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started

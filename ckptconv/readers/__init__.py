@@ -7,8 +7,10 @@ with the first that recognises the path; when a directory also holds weights ano
 recognises (a model saved both as safetensors and as .bin), the checkpoint lists them in `also`
 and the summary says which were read.
 """
+import functools
 import importlib
 import os
+import pkgutil
 import stat
 from pathlib import Path
 
@@ -27,13 +29,12 @@ def wanted(name: str, only) -> bool:
     return not only or any(name.startswith(p) for p in only)
 
 
-MODULES = ("mesh", "dcp", "safetensors", "torch_pickle", "grok", "shapes")  # each registers its Reader
-
-
+@functools.cache
 def readers() -> dict:
-    """{name: Reader}, in detection order."""
-    for module in MODULES:
-        importlib.import_module(f"{__name__}.{module}")
+    """{name: Reader}, in detection order: every module of this package is imported (once), and each
+    reader module registers itself."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
     return dict(sorted(READERS.items(), key=lambda kv: kv[1].priority))
 
 

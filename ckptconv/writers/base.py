@@ -73,6 +73,9 @@ class Writer:
     name = "?"
     single_file = False   # the output is one file, not a directory
 
+    def __init__(self, options: WriteOptions, content: Content, out):
+        self.options, self.content, self.out = options, content, out
+
     def plan(self, tensors) -> list:
         raise NotImplementedError
 

@@ -78,9 +78,9 @@ def _scatters(p) -> bool:
 
 @register("mesh")
 class MeshWriter(Writer):
-    def __init__(self, options: WriteOptions, content: Content, layout, rules, tp: int, ep: int, sources: dict):
-        self.options, self.content, self.layout, self.rules = options, content, layout, rules
-        self.tp, self.ep, self.sources = tp, ep, sources
+    def __init__(self, options: WriteOptions, content: Content, out, layout, rules, tp: int, ep: int, sources: dict):
+        super().__init__(options, content, out)
+        self.layout, self.rules, self.tp, self.ep, self.sources = layout, rules, tp, ep, sources
         self.ranks = tp * ep
 
     def plan(self, tensors=None) -> list:

@@ -60,8 +60,8 @@ def reusable(out_dir, shards, identity: str, progress=None):
 
 @register("sharded")
 class ShardedWriter(Writer):
-    def __init__(self, options: WriteOptions, content: Content):
-        self.options, self.content = options, content
+    def __init__(self, options: WriteOptions, content: Content, out=None):
+        super().__init__(options, content, out)
         self.shards = []
 
     def plan(self, tensors) -> list:

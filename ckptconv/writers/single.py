@@ -26,8 +26,9 @@ def metadata(content: Content, digests: dict) -> dict:
 class SingleWriter(Writer):
     single_file = True
 
-    def __init__(self, options: WriteOptions, content: Content, file_name: str):
-        self.options, self.content, self.file_name = options, content, file_name
+    def __init__(self, options: WriteOptions, content: Content, out):
+        super().__init__(options, content, out)
+        self.file_name = os.path.basename(os.path.abspath(out))
         self.unit = None
 
     def _header(self, tensors, digests) -> bytes:
