@@ -16,12 +16,14 @@ from collections import Counter
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Until a command installs its handlers (signals.py), Ctrl-C just ends the process: nothing is
 # written yet, and Python's KeyboardInterrupt would print a traceback from the middle of an import.
-signal.signal(signal.SIGINT, signal.SIG_DFL)
+# (An ignored SIGINT, as a background job of a script has it, stays ignored.)
+if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import click
 
 from .cluster import join
-from .convert import ConvertOptions, convert
+from .convert import ConvertOptions, convert, single_file
 from . import signals
 from .io import mapped
 from .errors import BadInput, CkptError, UsageError, printable
@@ -149,7 +151,7 @@ OVERWRITE_HELP = ("Replace OUT if it is a previous ckptconv output (anything els
 
 
 def _stem(ctx, param, value):
-    problem = stem_problem(value)
+    problem = stem_problem(value) if value is not None else None
     if problem:
         raise click.BadParameter(problem)
     return value
@@ -160,9 +162,9 @@ def write_options(resume: bool):
     def decorate(fn):
         @click.option("--max-shard-size", default="5GB", show_default=True,
                       help="Largest shard file, e.g. 500MB, 5GB, 1GiB. A tensor never spans files.")
-        @click.option("--name", "stem", default=STEM, show_default=True, callback=_stem, metavar="STEM",
-                      help="Name the files of a sharded output STEM-00001-of-0000N.safetensors and "
-                      "STEM.safetensors.index.json (adapter_model, diffusion_pytorch_model ...).")
+        @click.option("--name", "stem", callback=_stem, metavar="STEM",
+                      help=f"Name the files of a sharded output STEM-00001-of-0000N.safetensors and "
+                      f"STEM.safetensors.index.json (adapter_model, diffusion_pytorch_model ...).  [default: {STEM}]")
         @click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
         @click.option("--fsync", is_flag=True, help="fsync every file before OUT is published (durable on power loss).")
         @click.option("--buffered-io", is_flag=True,
@@ -170,8 +172,11 @@ def write_options(resume: bool):
                       "right away, or where direct writes are slow, as on some network filesystems).")
         @functools.wraps(fn)
         def wrapper(*args, max_shard_size, stem, overwrite, fsync, buffered_io, **kwargs):
+            if stem is not None and single_file(kwargs.get("out") or ""):
+                raise click.BadParameter("it names the files of an output directory; an OUT ending in "
+                                         ".safetensors is one file, named by OUT", param_hint="'--name'")
             kwargs["write"] = WriteOptions(parse_size(max_shard_size), fsync, not buffered_io, overwrite,
-                                           kwargs.pop("resume", False), stem)
+                                           kwargs.pop("resume", False), stem or STEM)
             return fn(*args, **kwargs)
 
         if resume:

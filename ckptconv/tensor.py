@@ -263,6 +263,8 @@ class Checkpoint:
                 raise BadInput(f"{where}: tensor name {t.name!r} is not valid Unicode text")
             if t.name in seen:
                 raise BadInput(f"{where}: two tensors are named {t.name!r}")
+            if t.name == "__metadata__":
+                raise BadInput(f"{where}: a tensor is named '__metadata__', which the safetensors format reserves")
             seen.add(t.name)
             problem = shape_problem(t.shape, t.dtype.itemsize)
             if problem:

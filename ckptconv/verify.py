@@ -506,7 +506,7 @@ def _recorded_source(out_path: Path, is_mesh: bool) -> tuple:
         first = out_path / rank_dir(0) if is_mesh else out_path
         where, raw = first / MANIFEST, _checked_manifest(first) if (first / MANIFEST).is_file() else {}
     source = raw.get("source", {}) if isinstance(raw, dict) else {}
-    return where, source if isinstance(source, dict) else {}
+    return where, source if isinstance(source, dict) else {}  # (informational otherwise: the tensors still compare)
 
 
 def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report, mine=lambda kind, key: True):

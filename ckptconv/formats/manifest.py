@@ -17,9 +17,9 @@ INDEX_SUFFIX = ".safetensors.index.json"
 
 def stem_problem(stem: str) -> str | None:
     """Why `--name STEM` cannot name output files, or None: a plain name in the directory."""
-    if not stem or len(stem) > 128 or stem.startswith(".") or any(c in stem for c in "/\\\0") \
-            or not stem.isprintable():
-        return "must be a plain file-name stem (1-128 printable characters, no '/', not starting with '.')"
+    if not stem or len(stem.encode("utf-8", "surrogatepass")) > 128 or stem.startswith(".") \
+            or any(c in stem for c in "/\\\0") or not stem.isprintable():
+        return "must be a plain file-name stem (1-128 bytes of printable text, no '/', not starting with '.')"
     return None
 
 
@@ -147,7 +147,7 @@ def single_document(metadata: dict, where):
 def check_single(raw) -> tuple:
     """({tensor: sha256 or None if malformed}, problems) of a single-file output's manifest facts."""
     if not isinstance(raw, dict):
-        return {}, [f"__metadata__ {SINGLE_KEY!r} is not a JSON object"]
+        return {}, ["is not a JSON object"]
     problems = []
     if raw.get("format") != FORMAT:
         problems.append(f"format is {brief(raw.get('format'))}, not {FORMAT}")

@@ -38,7 +38,10 @@ def parse_header(view, size: int, path) -> Header:
     if size < 8:
         raise BadInput(f"{path}: not a safetensors file: {size} bytes is too short for a header")
     n = struct.unpack_from("<Q", view, 0)[0]
-    if n > MAX_HEADER or 8 + n > size:
+    if n > MAX_HEADER:
+        raise BadInput(f"{path}: safetensors header claims {n} bytes, more than the {MAX_HEADER} safetensors readers "
+                       "accept")
+    if 8 + n > size:
         raise BadInput(f"{path}: safetensors header claims {n} bytes but the file has {size} (truncated or corrupt)")
 
     raw = safejson.loads(bytes(view[8:8 + n]), path, "safetensors header")
@@ -98,8 +101,15 @@ def build_header(entries, metadata=None) -> bytes:
     obj = {"__metadata__": dict(metadata or {"format": "pt"})}
     at = 0
     for name, dt, shape, nbytes in entries:
+        if name == "__metadata__":
+            raise BadInput("a tensor named '__metadata__' cannot be stored: safetensors reserves the name")
         obj[name] = {"dtype": dt.code, "shape": list(shape), "data_offsets": [at, at + nbytes]}
         at += nbytes
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-(8 + len(text)) % 8)
+    if len(text) > MAX_HEADER:  # no safetensors reader would open the file
+        raise BadInput(f"a safetensors header of {len(text)} bytes would be needed, more than the {MAX_HEADER} bytes "
+                       "safetensors readers accept (too many tensors or names too long for one file"
+                       + (", or the non-tensor state is too large to keep in the file's metadata: write a "
+                          "directory instead)" if metadata else ")"))
     return struct.pack("<Q", len(text)) + text

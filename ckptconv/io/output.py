@@ -140,8 +140,10 @@ def atomic_output(out, overwrite=False, resume=False, inputs=(), single_file=Fal
         yield tmp
         with deferred():
             _fsync_dir(tmp)
+            # again: something may have appeared at OUT while the run wrote (hours, for a big model)
+            check_target(out, inputs, overwrite, single_file, not_ours)
             if single_file:
-                os.rename(tmp / out.name, out)  # replaces a previous file in one step
+                _publish_file(tmp / out.name, out, overwrite)
                 tmp.rmdir()
                 _fsync_dir(out.parent)
             else:
@@ -155,6 +157,24 @@ def atomic_output(out, overwrite=False, resume=False, inputs=(), single_file=Fal
         if lock is not None:
             with deferred():
                 lock.unlink(missing_ok=True)
+
+
+def _publish_file(made: Path, out: Path, overwrite: bool):
+    """Without --overwrite, a hard link: it fails if anything took OUT's name since the check (a rename
+    would replace it); the temporary name is then let go."""
+    if overwrite:
+        os.rename(made, out)  # replaces the previous file (checked to be ours) in one step
+        return
+    try:
+        os.link(made, out)
+    except FileExistsError:
+        raise OutputError(f"{out}: appeared while the output was written; nothing was replaced") from None
+    except OSError:
+        if os.path.lexists(out):
+            raise
+        os.rename(made, out)  # a filesystem without hard links
+        return
+    os.unlink(made)
 
 
 def _publish(tmp: Path, out: Path):

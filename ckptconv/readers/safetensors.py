@@ -18,17 +18,16 @@ from . import ReadOptions, by_shard, check_listed, confined, model_files, source
 NAME = "safetensors"
 
 
-def _dir_target(path: Path):
-    index = sorted(path.glob("*" + INDEX_SUFFIX))
-    if index:
-        return index[0]
-    files = sorted(path.glob("*.safetensors"))
-    return files[0] if len(files) == 1 else None
+def _dir_targets(path: Path) -> list:
+    """What a directory offers: its index (`STEM.safetensors.index.json`) if it has one, else every
+    .safetensors file in it (hidden files aside)."""
+    index = sorted(p for p in path.glob("*" + INDEX_SUFFIX) if not p.name.startswith("."))
+    return index or sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("."))
 
 
 def detect(path: Path) -> bool:
     if path.is_dir():
-        return _dir_target(path) is not None
+        return bool(_dir_targets(path))
     if path.name.endswith(INDEX_SUFFIX):
         return True
     try:
@@ -40,12 +39,18 @@ def detect(path: Path) -> bool:
 
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
-    target = _dir_target(path) if path.is_dir() else path
-    if target is None:
+    """A file, an index, or a directory: its one index, or without one every .safetensors file in it
+    (their tensors must have distinct names)."""
+    targets = _dir_targets(path) if path.is_dir() else [path]
+    if not targets:
         raise BadInput(f"{path}: no safetensors file or index found")
+    indexes = [t for t in targets if t.name.endswith(INDEX_SUFFIX)]
+    if len(indexes) > 1:
+        raise BadInput(f"{path}: holds {len(indexes)} indexes ({', '.join(t.name for t in indexes[:4])}); "
+                       "give the one to read as SRC")
     if path.is_dir():
-        confined(target, source_root(path))
-    files, listed = [target], None
+        targets = [confined(t, source_root(path)) for t in targets]
+    target, files, listed = targets[0], targets, None
     if target.name.endswith(".index.json"):
         listed = by_shard(weight_map(target, options.only))
         files = [confined(target.parent / f, source_root(target)) for f in sorted(listed)]
@@ -57,7 +62,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         if listed is not None:
             check_listed(target, f.name, listed[f.name], {t.name for t in held})
         tensors += [t for t in held if wanted(t.name, options.only)]
-    consumed = files + [target]
+    consumed = files + targets
     source = {"format": NAME, "path": str(path), "files": [p.name for p in files]}
     if path.is_dir():
         unindexed = [p.name for p in sorted(path.glob("*.safetensors")) if p not in files]

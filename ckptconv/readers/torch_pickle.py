@@ -40,15 +40,12 @@ def _is_torch_file(path: Path) -> bool:
         return path.suffix in (".pt", ".pth", ".bin", ".ckpt")  # let open() give the precise error
 
 
-def _index_file(directory: Path):
-    found = sorted(directory.glob("*.bin.index.json")) + sorted(directory.glob("*.pt.index.json"))
-    return found[0] if found else None
-
-
 def _dir_files(directory: Path) -> list:
-    index = _index_file(directory)
-    if index is not None:
-        return [index]
+    """A directory's index files (`*.bin.index.json`, `*.pt.index.json`) if it has any, else its torch
+    files; `load` reads a directory only when this is exactly one."""
+    found = sorted(directory.glob("*.bin.index.json")) + sorted(directory.glob("*.pt.index.json"))
+    if found:
+        return found
     root = source_root(directory)
     files = [p for p in sorted(directory.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt") and p.is_file()
              and inside(p, root)]  # a link leading elsewhere is not even looked at
@@ -57,8 +54,8 @@ def _dir_files(directory: Path) -> list:
 
 def detect(path: Path) -> bool:
     if path.is_dir():
-        return len(_dir_files(path)) == 1
-    return _is_torch_file(path)
+        return bool(_dir_files(path))  # several: load says so
+    return path.name.endswith((".bin.index.json", ".pt.index.json")) or _is_torch_file(path)
 
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
@@ -67,7 +64,9 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     if path.is_dir():
         found = _dir_files(path)
         if len(found) != 1:
-            raise BadInput(f"{path}: expected one torch checkpoint or one *.bin.index.json, found {len(found)}")
+            what = "indexes" if found and found[0].name.endswith(".index.json") else "torch files and no index"
+            raise BadInput(f"{path}: holds {len(found)} {what} ({', '.join(p.name for p in found[:4])}); give the "
+                           "one to read as SRC")
         target = confined(found[0], source_root(path))
     else:
         target = path

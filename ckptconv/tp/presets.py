@@ -88,9 +88,12 @@ def recorded(obj: dict) -> RuleSet:
     counts; regular expressions read from a checkpoint are never run (one can take exponential time on
     a chosen name), so rules that came from a file must be given again with --rules."""
     name, params = obj.get("name"), obj.get("params")
-    if name not in PRESETS or not isinstance(params, dict):
-        raise UsageError(f"this reshard output was made with {name!r} rules, which are not a preset: give them "
+    if name not in PRESETS:
+        raise UsageError(f"this reshard output was made with {brief(name)} rules, which are not a preset: give them "
                          "again with --rules FILE (mesh.json records them under 'rules')")
+    if not isinstance(params, dict):
+        raise BadInput(f"mesh.json: the recorded {name} rules have no 'params' object (head counts); give --preset "
+                       "or --rules again")
     try:
         return PRESETS[name].build({k: _positive(params, k, "mesh.json rules")
                                     for k in ("heads", "kv_heads", "head_dim") if k in params})

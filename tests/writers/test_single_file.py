@@ -144,7 +144,7 @@ def test_name_stem_names_the_files(pt, tmp_path):
     assert run("verify", again, "--against", src).exit_code == 0
 
 
-@pytest.mark.parametrize("stem", ["", "../x", "a/b", ".hidden", "a\nb", "x" * 129])
+@pytest.mark.parametrize("stem", ["", "../x", "a/b", ".hidden", "a\nb", "x" * 129, "é" * 65])
 def test_bad_name_is_refused(pt, tmp_path, stem):
     src, _ = pt
     r = run_subprocess("convert", src, tmp_path / "out", "--name", stem)

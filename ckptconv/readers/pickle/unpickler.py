@@ -859,61 +859,96 @@ def key_text(key) -> str:
 def extras_json(extras: dict, budget: Budget) -> dict:
     """Plain JSON values for the manifest, one walk over all extras: tuples and sets become lists,
     bytes a size and digest, inert objects a record; a mutable container met a second time (shared,
-    or a cycle) becomes {"__ref__": the name it was first written under}. Work is charged to
-    `budget`; nesting deeper than MAX_DEPTH is refused."""
-    seen = {}
-    return {name: _jsonable(value, name, 0, seen, budget) for name, value in extras.items()}
+    or a cycle) becomes {"__ref__": the name it was first written under}. The budget is charged
+    about one unit per byte written (text by its length, however often the pickle refers to it),
+    so the manifest stays proportional to the pickle; nesting deeper than MAX_DEPTH is refused."""
+    walk = _Extras(budget)
+    return {name: walk.value(value, (None, name), 0) for name, value in extras.items()}
 
 
-def to_jsonable(value, budget: Budget = None):
-    """One value as extras_json writes it (its own walk)."""
-    return _jsonable(value, "", 0, {}, budget or Budget("non-tensor state"))
+class _Extras:
+    """One walk over extras. Paths are (parent, key) pairs, spelled out only when written (a
+    reference) or reported: building every dotted name up front costs its length per value."""
 
+    _RECORD = 100   # units for a record written in place of bytes or a reference
 
-def _jsonable(value, path, depth, seen, budget):
-    budget.spend(1, "non-tensor state")
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value if value.bit_length() <= 1024 else {"__int__": hex(value)}
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, str):
-        budget.spend(len(value) >> 6, "non-tensor state")
-        return value  # (text UTF-8 cannot spell is written as its JSON escape: writer.write_json)
-    if isinstance(value, (bytes, bytearray, Payload)):
+    def __init__(self, budget: Budget):
+        self.budget, self.seen, self.digests = budget, {}, {}
+
+    def spend(self, units):
+        self.budget.spend(units, "non-tensor state")
+
+    @staticmethod
+    def text(path) -> str:
+        parts = []
+        while path is not None:
+            path, key = path
+            parts.append(key)
+        return ".".join(reversed(parts))
+
+    def value(self, value, path, depth):
+        self.spend(1)
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, int):
+            return value if value.bit_length() <= 1024 else {"__int__": hex(value)}
+        if isinstance(value, float):
+            return value if math.isfinite(value) else str(value)
+        if isinstance(value, str):
+            self.spend(len(value))
+            return value  # (text UTF-8 cannot spell is written as its JSON escape: writer.write_json)
+        if isinstance(value, (bytes, bytearray, Payload)):
+            return self.bytes_record(value)
+        if isinstance(value, Ref):
+            self.spend(len(value.path))
+            return {"__ref__": value.path}
+        if isinstance(value, StandIn):
+            self.spend(len(value.qualname))
+            return {"__global__": value.qualname}
+        if not isinstance(value, (dict, list, tuple, set, frozenset, InertObject)):
+            jsonable = getattr(value, "to_jsonable", None)
+            self.spend(self._RECORD)
+            return jsonable() if jsonable is not None else f"<{type(value).__name__}>"
+        if depth >= MAX_DEPTH:
+            raise BadInput(f"{self.budget.path}: non-tensor state {self.text(path)!r} is nested more than "
+                           f"{MAX_DEPTH} deep")
+        if isinstance(value, InertObject) or (isinstance(value, (dict, list, set)) and value):  # mutable: may be shared
+            first = self.seen.get(id(value))
+            if first is not None:
+                ref = self.text(first[1])
+                self.spend(len(ref))
+                return {"__ref__": ref}
+            self.seen[id(value)] = (value, path)
+        if isinstance(value, dict):
+            return {key: self.value(v, (path, key), depth + 1) for key, v in self.keyed(value.items())}
+        if isinstance(value, (list, tuple)):
+            return [self.value(v, (path, str(i)), depth + 1) for i, v in enumerate(value)]
+        if isinstance(value, (set, frozenset)):
+            # members are hashable (tuples, frozensets, scalars, records): no path names them, so they are
+            # written out whole, in an order that does not depend on hashing
+            inner = _Extras(self.budget)
+            inner.digests = self.digests
+            members = [inner.value(v, path, depth + 1) for v in value]
+            return sorted(members, key=lambda m: json.dumps(m, sort_keys=True))
+        out = {"__class__": value.qualname}
+        self.spend(len(value.qualname))
+        if value.args:
+            out["args"] = self.value(value.args, (path, "args"), depth + 1)
+        out.update({key: self.value(v, (path, key), depth + 1) for key, v in self.keyed(value.state.items())})
+        return out
+
+    def keyed(self, items):
+        for k, v in items:
+            key = key_text(k)
+            self.spend(len(key))
+            yield key, v
+
+    def bytes_record(self, value) -> dict:
+        """{"__bytes__": size, "sha256"}: each bytes object is hashed once, however often it is reached."""
+        self.spend(self._RECORD)
         raw = value.view if isinstance(value, Payload) else value
-        budget.spend(len(raw) >> 16, "non-tensor state")
-        return {"__bytes__": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
-    if isinstance(value, Ref):
-        return {"__ref__": value.path}
-    if isinstance(value, StandIn):
-        return {"__global__": value.qualname}
-    if not isinstance(value, (dict, list, tuple, set, frozenset, InertObject)):
-        jsonable = getattr(value, "to_jsonable", None)
-        return jsonable() if jsonable is not None else f"<{type(value).__name__}>"
-    if depth >= MAX_DEPTH:
-        raise BadInput(f"{budget.path}: non-tensor state {path!r} is nested more than {MAX_DEPTH} deep")
-    if isinstance(value, InertObject) or (isinstance(value, (dict, list, set)) and value):  # mutable: may be shared
-        first = seen.get(id(value))
-        if first is not None:
-            return {"__ref__": first[1]}
-        seen[id(value)] = (value, path)
-
-    def inner(v, key):
-        return _jsonable(v, f"{path}.{key}" if path else str(key), depth + 1, seen, budget)
-
-    if isinstance(value, dict):
-        return {key_text(k): inner(v, key_text(k)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [inner(v, i) for i, v in enumerate(value)]
-    if isinstance(value, (set, frozenset)):
-        # members are hashable (tuples, frozensets, scalars, records): no path names them, so they are
-        # written out whole, in an order that does not depend on hashing
-        members = [_jsonable(v, path, depth + 1, {}, budget) for v in value]
-        return sorted(members, key=lambda m: json.dumps(m, sort_keys=True))
-    out = {"__class__": value.qualname}
-    if value.args:
-        out["args"] = inner(value.args, "args")
-    out.update({key_text(k): inner(v, key_text(k)) for k, v in value.state.items()})
-    return out
+        digest = self.digests.get(id(value))
+        if digest is None:
+            self.spend(len(raw) >> 10)
+            digest = self.digests[id(value)] = (value, hashlib.sha256(raw).hexdigest())
+        return {"__bytes__": len(raw), "sha256": digest[1]}
