@@ -39,7 +39,7 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
         processes.append({"process": p, "units": [n for n, _ in mine], "bytes_read": written,
                           "bytes_written": written, "peak_rss_bytes": BASE_RSS + IN_FLIGHT if mine else BASE_RSS,
                           "seconds": 2 * written / (disk_gbps * 1e9)})
-    return {"source": ckpt.source.get("path"), "format": ckpt.source.get("format"),
+    return {"source": ckpt.source.get("path"), "format": ckpt.format,
             "tensors": len(ckpt.tensors), "source_bytes": sum(math.prod(t.shape) * t.dtype.itemsize for t in ckpt.tensors),
             "job": "reshard" if mesh else "convert", "tp": mesh.tp if mesh else None, "ep": mesh.ep if mesh else 1,
             "rules": rules.name if rules else None, "hosts": hosts, "disk_gbps": disk_gbps,

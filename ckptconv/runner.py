@@ -31,12 +31,14 @@ def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, 
         check_unchanged()
         return result
 
-    def publish(tmp):
+    def publish(tmp):  # process 0, inside the atomic output: its share, everyone's results, the metadata
         results = run_guarded(cluster, "units", lambda: work(tmp))
         facts.update(writer.finish(tmp, results) or {})
 
-    on_cluster(cluster, out, options.overwrite, publish, lambda: run_guarded(cluster, "units", lambda: work(
-        temp_path(Path(os.path.abspath(out))))), inputs, options.resume, writer.single_file)
+    def contribute():  # the other processes: their share, into process 0's temporary directory
+        run_guarded(cluster, "units", lambda: work(temp_path(Path(os.path.abspath(out)))))
+
+    on_cluster(cluster, out, options.overwrite, publish, contribute, inputs, options.resume, writer.single_file)
     return {**facts, "units": [u.name for u in mine], "unit_bytes": sum(u.size for u in mine)}
 
 

@@ -73,10 +73,11 @@ def loads(data, where, what="JSON") -> object:
         raise BadInput(f"{where}: {what} is not valid JSON: {e}") from None
 
 
-def read(path, what="file", limit: int = 1 << 30, follow: bool = True) -> bytes:
-    """The bytes of `path`, which must be a regular file of at most `limit` bytes. A FIFO or device is
-    refused without blocking on it (O_NONBLOCK, then fstat); with `follow=False` a symbolic link is
-    refused without being followed (an output's own metadata: verify never leaves OUT)."""
+@contextlib.contextmanager
+def open_regular(path, what="file", follow: bool = True):
+    """A descriptor of `path`, which must be a regular file: a FIFO or device is refused without
+    blocking on it (O_NONBLOCK, then fstat); with `follow=False` a symbolic link is refused without
+    being followed (an output's own files: verify never leaves OUT). BadInput otherwise."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     try:
         fd = os.open(path, flags)
@@ -85,9 +86,22 @@ def read(path, what="file", limit: int = 1 << 30, follow: bool = True) -> bytes:
             raise BadInput(f"{path}: is a symbolic link, not a regular file (not followed)") from None
         raise BadInput(f"{path}: cannot open the {what}: {e.strerror}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise BadInput(f"{path}: the {what} is not a regular file")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def read(path, what="file", limit: int = 1 << 30, follow: bool = True) -> bytes:
+    """The bytes of `path`, a regular file (`open_regular`) of at most `limit` bytes."""
+    with open_regular(path, what, follow) as fd:
+        return _read_limited(fd, path, what, limit)
+
+
+def _read_limited(fd, path, what, limit) -> bytes:
+    try:
+        st = os.fstat(fd)
         if st.st_size > limit:
             raise BadInput(f"{path}: the {what} has {st.st_size} bytes, more than the {limit} accepted")
         chunks, left = [], limit + 1
@@ -99,8 +113,6 @@ def read(path, what="file", limit: int = 1 << 30, follow: bool = True) -> bytes:
         return b"".join(chunks)
     except OSError as e:
         raise BadInput(f"{path}: cannot read the {what}: {e.strerror}") from None
-    finally:
-        os.close(fd)
 
 
 def load_file(path, what="JSON", limit: int = 1 << 30, follow: bool = True) -> object:

@@ -118,18 +118,13 @@ def _sha256_regular(path: Path) -> str | None:
     """A regular file's SHA-256, opened without following a symlink and without blocking on a FIFO;
     None if what is there now is not a regular file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        with safejson.open_regular(path, follow=False) as fd:
+            h = hashlib.sha256()
+            while chunk := os.read(fd, CHUNK):
+                h.update(chunk)
+            return h.hexdigest()
+    except BadInput:
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        h = hashlib.sha256()
-        while chunk := os.read(fd, CHUNK):
-            h.update(chunk)
-        return h.hexdigest()
-    finally:
-        os.close(fd)
 
 
 def _index_name(entries: dict) -> str:

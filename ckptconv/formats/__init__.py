@@ -3,7 +3,6 @@ headers, the output directory's metadata (index, manifest, resume journal), SHA2
 reshard output's mesh.json with its rank directories. Other modules take file names and format
 tags from here, never spelling them out."""
 import os
-import stat
 from pathlib import Path
 
 from .. import safejson
@@ -26,20 +25,11 @@ def _ours_file(path: Path) -> bool:
     """A safetensors file ckptconv wrote (its header's metadata holds the manifest facts). Opened
     without following a link or waiting on a FIFO; anything but a regular file is not ours."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        with os.fdopen(os.dup(fd), "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
-            header = safejson.loads(f.read(n), path, "safetensors header") if 0 < n <= MAX_HEADER else None
+        with safejson.open_regular(path, follow=False) as fd:
+            n = int.from_bytes(os.pread(fd, 8, 0).ljust(8, b"\0"), "little")
+            header = safejson.loads(os.pread(fd, n, 8), path, "safetensors header") if 0 < n <= MAX_HEADER else None
     except (OSError, BadInput):
         return False
-    finally:
-        os.close(fd)
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     return isinstance(meta, dict) and SINGLE_KEY in meta
 

@@ -2,7 +2,7 @@
 `rank-XXXXX/`, holding exactly that rank's pieces, and mesh.json with the global digests.
 
 The layout (which rank holds which intervals of which tensor) is decided before, as pure data
-(reshard.py's TensorPlans); the units of this writer are rank directories. The ranks a process owns
+(tp/layout.py's TensorPlans); the units of this writer are rank directories. The ranks a process owns
 are written side by side, tensor by tensor: a tensor split on a later axis is read once for all
 ranks and scattered (each rank gathers its columns of each block); the others are sliced per rank,
 so only what a rank needs is read. A process that writes every rank also gets the global digests
