@@ -34,6 +34,8 @@ def main():
     sh("reshard", WORK / "safetensors", WORK / "tp4", "--tp", "4")
     sh("verify", WORK / "safetensors", "--against", src)
     sh("verify", WORK / "tp4", "--against", src, "--device", "cpu")
+    sh("convert", src, WORK / "model.safetensors", "--dtype", "bf16")   # one file, manifest in its metadata
+    sh("verify", WORK / "model.safetensors", "--against", src)
     print("\n$ (cd demo-out/safetensors && sha256sum -c SHA256SUMS)", flush=True)
     subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=WORK / "safetensors", check=True)
     print(f"\ndemo done: outputs are in {WORK.relative_to(ROOT)}/")
