@@ -106,18 +106,24 @@ def read_options(fn):
     @click.option("--only", multiple=True, metavar="PREFIX",
                   help="Keep only tensors whose name starts with PREFIX (repeatable); skips unread items.")
     @click.option("--allow-global", multiple=True, metavar="MODULE.NAME",
-                  help="Accept one more pickled class as inert data (never imported or called).")
+                  help="Accept one more pickled class as inert data (never imported or called); MODULE.* accepts "
+                  "a module and those below it. Globals that can run code are refused all the same.")
     @click.option("--skip-unsupported", is_flag=True,
                   help="Leave out tensors safetensors cannot store (complex, quantized) and list them.")
+    @click.option("--state-dict", default="auto", show_default=True, metavar="auto|KEY|none",
+                  help="Training wrappers (PyTorch Lightning, Stable Diffusion): auto writes the tensors of a "
+                  "top-level 'state_dict' under their bare names, KEY unwraps another key (model, module, ema), "
+                  "none keeps every tensor under its flattened name.")
     @click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True,
                   help="Files parsed in parallel.")
     @click.option("--max-extra-size", default="256MB", show_default=True, metavar="SIZE",
                   help="Largest model file (config, tokenizer, README ...) carried into OUT; larger ones are "
                   "skipped and listed.")
     @functools.wraps(fn)
-    def wrapper(*args, only, allow_global, skip_unsupported, workers, max_extra_size, **kwargs):
+    def wrapper(*args, only, allow_global, skip_unsupported, state_dict, workers, max_extra_size, **kwargs):
         kwargs["read"] = ReadOptions(allow_globals=list(allow_global), skip_unsupported=skip_unsupported,
                                      only=list(only), workers=workers, max_extra_size=parse_size(max_extra_size),
+                                     state_dict=state_dict,
                                      declared={d: kwargs.pop(d) for d in declared if kwargs.get(d) is not None})
         for d in declared:
             kwargs.pop(d, None)
@@ -269,6 +275,13 @@ def _convert_command(name, pickle_only, help_text):
             if result.skipped_files:
                 say("not carried into OUT: " + "; ".join(f"{s['name']} ({s['reason']})"
                                                          for s in result.skipped_files))
+            if result.state_dict:
+                say(f"wrote the tensors of {result.state_dict!r} under their own names (--state-dict none keeps "
+                    "everything)" + ("; left out: " + "; ".join(f"{d['name']} ({d['reason']})" for d in result.dropped)
+                                     if result.dropped else ""))
+            if result.placeholders:
+                say("left out, built as inert placeholders: " + ", ".join(
+                    f"{p['global']} (x{p['count']})" for p in result.placeholders))
         if result.also and not as_json:
             say(f"read the {result.format} weights; {src} also holds {' and '.join(result.also)} weights "
                 f"(--from {result.also[0]} reads those)")

@@ -33,12 +33,16 @@ class ConvertResult:
     resume_note: str | None = None
     skipped_files: list = field(default_factory=list)
     also: list = field(default_factory=list)        # other formats the source directory holds, not read
+    state_dict: str | None = None                   # the training wrapper's key unwrapped (--state-dict)
+    dropped: list = field(default_factory=list)     # parts of the wrapper not written: {"name", "reason"}
+    placeholders: list = field(default_factory=list)  # classes on no allowlist, in state left out
     process: int | None = None                      # on several processes: this one, and how many
     processes: int | None = None
 
     def to_json(self) -> dict:
         """The `--json` summary: the fields that apply to this run."""
-        optional = ("resume_note", "skipped_files", "also", "process", "processes")
+        optional = ("resume_note", "skipped_files", "also", "process", "processes", "state_dict", "dropped",
+                    "placeholders")
         return {k: v for k, v in asdict(self).items() if k not in optional or v not in (None, [])}
 
 
@@ -70,6 +74,8 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
         described["cast"] = target.code
     if options.strip_prefix:
         described["strip_prefix"] = options.strip_prefix
+    if source.options.only:
+        described["only"] = list(source.options.only)   # verify --against compares the same selection
     carry = options.copy_extras and not one_file  # one file carries no model files
     content = Content(described, ckpt.extras, ckpt.manifest, ckpt.model_files if carry else [],
                       ckpt.skipped_files if carry else [])
@@ -81,7 +87,9 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     total = sum(t.nbytes for t in tensors)
     result = ConvertResult(str(out), ckpt.format, len(tensors), total, facts.get("files", []), round(seconds, 3),
                            round(total / seconds / 1e9, 3) if seconds else None, facts.get("resumed_bytes", 0),
-                           facts.get("resume_note"), content.skipped_files, ckpt.also)
+                           facts.get("resume_note"), content.skipped_files, ckpt.also,
+                           None if ckpt.source.get("state_dict") in (None, "none") else ckpt.source["state_dict"],
+                           ckpt.source.get("dropped", []), ckpt.source.get("placeholders", []))
     if cluster is not None:
         mine = facts["unit_bytes"]
         result.files, result.resumed_bytes = sorted(facts["units"]), 0

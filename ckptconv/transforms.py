@@ -4,12 +4,14 @@ from .tensor import cast
 
 
 def strip_prefix(tensors, prefix: str | None):
-    """Drop `prefix` from the names that start with it (`model.` is the common case)."""
+    """Drop `prefix` from the names that start with it (`model.` is the common case). A prefix
+    without its trailing dot takes the dot too: `model` turns `model.w` into `w`, never `.w`."""
     if not prefix:
         return tensors
     out, seen = [], {}
     for t in tensors:
-        name = t.name[len(prefix):] if t.name.startswith(prefix) and len(t.name) > len(prefix) else t.name
+        cut = prefix if prefix.endswith(".") or not t.name.startswith(prefix + ".") else prefix + "."
+        name = t.name[len(cut):] if t.name.startswith(cut) and len(t.name) > len(cut) else t.name
         if name in seen:
             raise UsageError(f"--strip-prefix {prefix!r} makes {seen[name]!r} and {t.name!r} both {name!r}")
         seen[name] = t.name

@@ -5,6 +5,7 @@ digests the file and another digests each tensor's bytes (both cores), and every
 line naming the file and the tensor. Reshard outputs are checked rank by rank, then against
 mesh.json by assembling each global tensor lazily from the rank pieces (never in memory).
 """
+import dataclasses
 import hashlib
 import math
 import os
@@ -510,8 +511,9 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
     # what OUT holds is read as what ckptconv writes, never by detection: a .pt or .metadata slipped
     # into OUT (and listed in its sums) must not become "the output" that matches the source
     out = open_checkpoint(out_path, "mesh" if is_mesh else "safetensors", ReadOptions())
-    source = open_checkpoint(src, fmt, read)
     recorded, manifest = _recorded_source(out_path, is_mesh)
+    read = _as_recorded(read, manifest)
+    source = open_checkpoint(src, fmt, read)
     src_list = source.tensors
     prefix, cast_to = manifest.get("strip_prefix"), manifest.get("cast")
     if prefix is not None:  # convert's own transforms, with their own checks (a name clash is refused)
@@ -546,6 +548,17 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
         _compare(t, s, out_path, report)
     for name in src_tensors if mine("structure", None) else ():
         report.add(out_path, f"tensor {name!r} of the source is missing from the output")
+
+
+def _as_recorded(read: ReadOptions, manifest: dict) -> ReadOptions:
+    """The source read the way convert read it: its recorded --state-dict and --only (when they are
+    what convert writes: a key or "none", a list of prefixes), unless given again here."""
+    wrapper, only = manifest.get("state_dict"), manifest.get("only")
+    if isinstance(wrapper, str) and wrapper and read.state_dict == "auto":
+        read = dataclasses.replace(read, state_dict=wrapper)
+    if isinstance(only, list) and only and all(isinstance(p, str) for p in only) and not read.only:
+        read = dataclasses.replace(read, only=list(only))
+    return read
 
 
 def _compare(a, b, where, report):

@@ -33,6 +33,7 @@ class ReadOptions:
     only: list = field(default_factory=list)            # name prefixes to keep (items skipped unread)
     workers: int = 2
     max_extra_size: int = 256 * 10**6                   # model files larger than this are not carried
+    state_dict: str = "auto"                            # --state-dict auto|KEY|none (training wrappers)
     declared: dict = field(default_factory=dict)        # ReaderOption.dest -> value
 
     def get(self, dest: str):

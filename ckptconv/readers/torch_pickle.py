@@ -10,11 +10,12 @@ from pathlib import Path
 from .pickle import unpickler
 from . import ziparchive
 from .base import Reader, register
-from ..errors import BadInput, brief
+from ..errors import BadInput, UsageError, brief, printable
 from ..limits import Budget
 from ..io.mapped import MappedFile
 from ..tensor import Checkpoint
-from .pickle.torch_globals import Storage, flatten, storage_dtype, torch_globals
+from .pickle.numpy_globals import NumpyArray
+from .pickle.torch_globals import Storage, TorchTensor, flatten, storage_dtype, torch_globals
 from . import ReadOptions, by_shard, check_listed, confined, inside, model_files, source_root, wanted, weight_map
 
 NAME = "torch"
@@ -74,12 +75,12 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     if target.name.endswith(".index.json"):
         listed = by_shard(weight_map(target, options.only))
         shards = [confined(target.parent / f, source_root(target)) for f in sorted(listed)]
-    tensors, extras, skipped, mapped = [], {}, [], []
+    tensors, extras, skipped, mapped, dropped, placeholders, unwrapped = [], {}, [], [], [], [], None
     for shard in shards:
         m = MappedFile(shard)
         mapped.append(m)
-        budget = Budget(shard)
-        obj = _load_file(m, allow, budget)
+        budget, unlisted = Budget(shard), unpickler.Unlisted(shard)
+        obj, rest, unwrapped = unwrap(_load_file(m, allow, budget, unlisted), options.state_dict, shard)
         t, e, s = flatten(obj, shard, skip_unsupported=options.skip_unsupported, budget=budget)
         if listed is not None:
             check_listed(target, shard.name, listed[shard.name], set(t) | {x["name"] for x in s})
@@ -89,10 +90,26 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
                 tensors.append(src)
         extras.update(unpickler.extras_json({k: v for k, v in e.items() if wanted(k, options.only)}, budget))
         skipped += s
+        for key, value in rest.items():  # the rest of a training wrapper: kept as extras, or dropped
+            key = unpickler.key_text(key)
+            wt, we, ws = flatten(value, shard, prefix=key, budget=budget)
+            if wt or ws:
+                dropped.append({"name": key, "reason": "tensors outside the state dict"})
+            elif unpickler.holds_placeholder(value):
+                dropped.append({"name": key, "reason": "classes not on the allowlist"})
+            else:
+                extras.update(unpickler.extras_json({k: v for k, v in we.items() if wanted(k, options.only)}, budget))
+        placeholders += unlisted.listing()
     source = {"format": NAME, "path": str(path), "files": [str(p.relative_to(path) if path.is_dir() else p.name)
                                                             for p in shards]}
     if skipped:
         source["skipped"] = skipped
+    if unwrapped is not None or options.state_dict == "none":
+        source["state_dict"] = unwrapped or "none"   # verify --against reads the source the same way
+    if dropped:
+        source["dropped"] = dropped
+    if placeholders:
+        source["placeholders"] = placeholders
     consumed = shards + ([target] if target not in shards else [])
     files = model_files(path, consumed) if path.is_dir() else []
     return Checkpoint(tensors, extras, source, files, mapped)
@@ -107,15 +124,44 @@ def _justified(m: MappedFile, tensors):
                        f"repeat or stretch the same bytes over {AMPLIFICATION}x); refused")
 
 
-def _load_file(m: MappedFile, allow, budget):
+def _load_file(m: MappedFile, allow, budget, unlisted):
     if bytes(m.view[:len(_LEGACY_HEAD)]) == _LEGACY_HEAD:
-        return _load_legacy(m, allow, budget)
+        return _load_legacy(m, allow, budget, unlisted)
     if not ziparchive.is_zip(m):
         raise BadInput(f"{m.path}: not a torch.save file (neither a zip archive nor the legacy format)")
-    return load_zip(m, allow, budget=budget)
+    return load_zip(m, allow, budget=budget, unlisted=unlisted)
 
 
-def load_zip(m: MappedFile, allow, base=0, length=None, budget=None):
+WRAPPER_KEY = "state_dict"   # PyTorch Lightning, Stable Diffusion: the model's tensors beside training state
+
+
+def unwrap(obj, how: str, path):
+    """(the object whose tensors are the output, the rest of a training wrapper {key: value}, the key
+    unwrapped or None). `how` is --state-dict: "auto" unwraps `state_dict` when it holds tensors,
+    "none" nothing, any other value that key (refused if the top level has no such entry)."""
+    if how == "none":
+        return obj, {}, None
+    key = WRAPPER_KEY if how == "auto" else how
+    if not isinstance(obj, dict) or key not in obj or not isinstance(obj[key], dict):
+        if how == "auto":
+            return obj, {}, None
+        keys = ", ".join(repr(k) for k in list(obj)[:12]) if isinstance(obj, dict) else f"a {type(obj).__name__}"
+        raise UsageError(f"--state-dict {how!r}: {path} has no dict under that key at its top level "
+                         f"(it holds {printable(keys, 300)})")
+    if how == "auto" and not any(_holds_tensor(v) for v in obj[key].values()):
+        return obj, {}, None
+    return obj[key], {k: v for k, v in obj.items() if k != key}, key
+
+
+def _holds_tensor(value, depth=0) -> bool:
+    if isinstance(value, (TorchTensor, NumpyArray)):
+        return True
+    if depth < 3 and isinstance(value, dict):
+        return any(_holds_tensor(v, depth + 1) for v in list(value.values())[:64])
+    return False
+
+
+def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=None):
     """Unpickle a torch zip archive at [base, base+length) of `m` (DCP chunks are such archives)."""
     entries = ziparchive.read_entries(m, base, length)
     pkl = [n for n in entries if n == "data.pkl" or n.endswith("/data.pkl")]
@@ -146,12 +192,12 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None):
     entry = entries[pkl[0]]
     data = ziparchive.read_small(m, entry)
     try:
-        return unpickler.load(data, allow, m.path, entry.offset, persistent_load, budget)
+        return unpickler.load(data, allow, m.path, entry.offset, persistent_load, budget, unlisted)
     finally:
         m.release(entry.offset, entry.size)  # parsed: its pages go (a DCP checkpoint has one per chunk)
 
 
-def _load_legacy(m: MappedFile, allow, budget):
+def _load_legacy(m: MappedFile, allow, budget, unlisted=None):
     """Legacy format: magic, protocol, sys_info pickles, the object pickle, the storage-key list pickle,
     then each storage as an int64 element count followed by its bytes."""
     pos = 0
@@ -186,7 +232,8 @@ def _load_legacy(m: MappedFile, allow, budget):
         views.append((sub, root, voffset * item))
         return sub
 
-    obj, length = unpickler.load_prefix(m.view[pos:], allow, m.path, pos, persistent_load, budget=budget)
+    obj, length = unpickler.load_prefix(m.view[pos:], allow, m.path, pos, persistent_load, budget=budget,
+                                        unlisted=unlisted)
     pos += length
     keys, length = unpickler.load_prefix(m.view[pos:], {}, m.path, pos)
     pos += length

@@ -35,9 +35,9 @@ def test_one_file_loads_in_safetensors_and_verifies(pt, tmp_path):
     assert r.exit_code == 0, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt", "model.safetensors"]  # nothing left over
     loaded = load_file(out)
-    assert sorted(loaded) == sorted(f"state_dict.{k}" for k in sd)
+    assert sorted(loaded) == sorted(sd)   # the training wrapper's state dict, under its own names
     for k, v in sd.items():
-        assert_same(loaded[f"state_dict.{k}"], v, k)
+        assert_same(loaded[k], v, k)
     with safe_open(str(out), framework="pt") as f:
         meta = f.metadata()
     assert meta["format"] == "pt"
@@ -53,7 +53,8 @@ def test_cast_and_prefix_are_recorded_for_verify_against(pt, tmp_path):
     from safetensors.torch import load_file
     src, sd = pt
     out = tmp_path / "half.safetensors"
-    assert run("convert", src, out, "--quiet", "--dtype", "bf16", "--strip-prefix", "state_dict.").exit_code == 0
+    assert run("convert", src, out, "--quiet", "--dtype", "bf16", "--state-dict", "none",
+               "--strip-prefix", "state_dict").exit_code == 0   # no trailing dot: the dot goes too
     loaded = load_file(out)
     assert_same(loaded["unet.conv.weight"], sd["unet.conv.weight"].to(torch.bfloat16))
     assert_same(loaded["text.pos"], sd["text.pos"])
@@ -66,13 +67,13 @@ def test_tampered_file_is_caught(pt, tmp_path):
     out = tmp_path / "m.safetensors"
     assert run("convert", src, out, "--quiet").exit_code == 0
     header, start = _header(out)
-    begin = header["state_dict.unet.conv.bias"]["data_offsets"][0]
+    begin = header["unet.conv.bias"]["data_offsets"][0]
     data = bytearray(out.read_bytes())
     data[start + begin] ^= 1
     out.write_bytes(bytes(data))
     r = run("verify", out)
     assert r.exit_code == 1
-    assert "tensor 'state_dict.unet.conv.bias': sha256 differs from the manifest" in r.stdout, r.stdout
+    assert "tensor 'unet.conv.bias': sha256 differs from the manifest" in r.stdout, r.stdout
     r = run("verify", out, "--against", src)
     assert r.exit_code == 1
 
@@ -85,7 +86,7 @@ def test_forged_metadata_is_reported(pt, tmp_path):
     n = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8:8 + n])
     facts = json.loads(header["__metadata__"]["ckptconv.manifest"])
-    del facts["tensors"]["state_dict.text.pos"]
+    del facts["tensors"]["text.pos"]
     facts["tensors"]["ghost"] = {"sha256": "0" * 64}
     header["__metadata__"]["ckptconv.manifest"] = json.dumps(facts)
     text = json.dumps(header).encode()
@@ -94,7 +95,7 @@ def test_forged_metadata_is_reported(pt, tmp_path):
     r = run("verify", out)
     assert r.exit_code == 1
     assert "tensor 'ghost' is in the manifest but not in the file" in r.stdout
-    assert "tensor 'state_dict.text.pos' is in the file but missing from the manifest" in r.stdout
+    assert "tensor 'text.pos' is in the file but missing from the manifest" in r.stdout
 
 
 def test_foreign_safetensors_file_is_not_a_ckptconv_output(tmp_path):
@@ -136,7 +137,7 @@ def test_name_stem_names_the_files(pt, tmp_path):
     assert set(index["weight_map"].values()) == set(shards)
     loaded = {k: v for s in shards for k, v in load_file(out / s).items()}
     for k, v in sd.items():
-        assert_same(loaded[f"state_dict.{k}"], v, k)
+        assert_same(loaded[k], v, k)
     assert run("verify", out, "--against", src).exit_code == 0
     # reading it back as a source finds the renamed index
     again = tmp_path / "again.safetensors"

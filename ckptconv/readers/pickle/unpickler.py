@@ -20,7 +20,7 @@ import struct
 import sys
 from dataclasses import dataclass
 
-from ...errors import BadInput, UnsafePickle, brief, printable
+from ...errors import BadInput, UnsafePickle, UsageError, brief, printable
 from ...limits import MAX_DEPTH, Budget
 
 PAYLOAD_MIN = 64 * 1024  # payloads this large stay views of the mapped file
@@ -102,8 +102,9 @@ def _args(ctx, args, qualname):
 class InertObject:
     """An instance of an inert class: its constructor arguments and state, as data."""
 
-    def __init__(self, qualname, args=None, state=None):
+    def __init__(self, qualname, args=None, state=None, placeholder=None):
         self.qualname, self.args, self.state = qualname, args or [], state or {}
+        self.placeholder = placeholder   # the Placeholder that built it: a class on no allowlist
 
     def build(self, state, ctx):
         if isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
@@ -171,8 +172,142 @@ def _reconstructor(ctx, cls, base, state=None):
     return cls.new((), {}, ctx)
 
 
+# Modules and names that can run code, load more pickles or reach the system. A checkpoint that
+# names one is an attack, not a format: refused wherever it appears, whatever --allow-global says.
+CODE_MODULES = ("os", "posix", "nt", "subprocess", "sys", "importlib", "runpy", "marshal", "pickle", "_pickle",
+                "cPickle", "types", "shutil", "socket", "ctypes", "code", "codeop", "pty", "commands", "popen2",
+                "multiprocessing", "threading", "_thread", "asyncio", "signal", "webbrowser", "pdb", "timeit",
+                "inspect", "gc", "io", "_io", "tempfile", "glob", "zipimport", "pkgutil")
+CODE_NAMES = {(b, n) for b in ("builtins", "__builtin__") for n in (
+    "eval", "exec", "execfile", "compile", "getattr", "setattr", "delattr", "__import__", "open", "file", "input",
+    "raw_input", "globals", "locals", "vars", "breakpoint", "apply", "reload")} | {
+    ("operator", "attrgetter"), ("operator", "methodcaller"), ("functools", "partial"), ("functools", "reduce"),
+    ("numpy.testing._private.utils", "runstring"), ("numpy.testing.utils", "runstring"),
+    ("numpy", "load"), ("numpy.lib.npyio", "load"), ("numpy", "fromfile"), ("numpy", "memmap"),
+    ("torch", "load"), ("torch.serialization", "load"), ("torch.jit", "load"), ("torch", "_load_global_deps")}
+
+
+def runs_code(module: str, name: str) -> bool:
+    return (module, name) in CODE_NAMES or any(module == m or module.startswith(m + ".") for m in CODE_MODULES)
+
+
+class Unlisted:
+    """Globals of one file that are on no allowlist (and run no code): each becomes a `Placeholder`,
+    an inert class whose instances are records, and is counted here with its first offset. What a
+    run keeps may hold none of them (`check`); state that is dropped may."""
+
+    SHOWN = 8   # globals named in the refusal
+
+    def __init__(self, path):
+        self.path, self.found = path, {}   # qualname -> [count, first offset]
+
+    def placeholder(self, qualname: str, offset: int) -> "Placeholder":
+        entry = self.found.setdefault(qualname, [0, offset])
+        entry[0] += 1
+        return Placeholder(qualname, self)
+
+    def refusal(self) -> UnsafePickle:
+        """One line naming every such global of the file (count, first offset) and the way out."""
+        names = sorted(self.found, key=lambda q: self.found[q][1])
+        listed = ", ".join(f"{q} (x{self.found[q][0]}, first at pickle offset {self.found[q][1]})"
+                           for q in names[:self.SHOWN])
+        more = f" and {len(names) - self.SHOWN} more" if len(names) > self.SHOWN else ""
+        modules = sorted({q.split(".", 1)[0] for q in names})   # top-level packages: `omegaconf.*`
+        hint = " ".join(f"--allow-global '{m}.*'" for m in modules[:4])
+        return UnsafePickle(f"{self.path}: refused: {len(names)} global(s) in the state to be written are not on "
+                            f"the allowlist: {printable(listed, 1000)}{more}; nothing was executed. To keep them as "
+                            f"inert data (never imported or called): {printable(hint, 300)}; or leave that state "
+                            "out (--state-dict, --only)")
+
+    def listing(self) -> list:
+        """The placeholders of state that was dropped, for the summary and the manifest."""
+        return [{"global": q, "count": c} for q, (c, _) in sorted(self.found.items())]
+
+
+def holds_placeholder(value) -> bool:
+    """Whether `value` reaches a Placeholder (a class on no allowlist) through containers and
+    records; each object is looked at once."""
+    todo, seen = [value], set()
+    while todo:
+        v = todo.pop()
+        if isinstance(v, Placeholder) or (isinstance(v, InertObject) and v.placeholder is not None):
+            return True
+        if id(v) in seen or not isinstance(v, (dict, list, tuple, set, frozenset, InertObject)):
+            continue
+        seen.add(id(v))
+        if isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, InertObject):
+            todo.extend(v.args)
+            todo.extend(v.state.values())
+        else:
+            todo.extend(v)
+    return False
+
+
+class Placeholder(StandIn):
+    """A global on no allowlist, as an inert class: built and never called; refuses to be written."""
+
+    def __init__(self, qualname, unlisted: Unlisted):
+        self.qualname, self.unlisted = qualname, unlisted
+
+    def call(self, args, ctx):
+        return InertObject(self.qualname, list(_args(ctx, args, self.qualname)), placeholder=self)
+
+    def new(self, args, kwargs, ctx):
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ctx.bad(f"{self.qualname} instantiated with keyword arguments in a {type(kwargs).__name__}")
+        return InertObject(self.qualname, list(_args(ctx, args, self.qualname)), dict(kwargs or {}), self)
+
+
+_NOTHING = object()
+
+
+def _container(kind):
+    """Python 2's `__builtin__.list`, `dict`, ... (and builtins' own) called on plain data: the same
+    container, built here; nothing is called. Arguments must be plain containers or scalars."""
+    def build(ctx, items=_NOTHING, *rest):
+        if items is _NOTHING:
+            return ctx.tuple([]) if kind is tuple else ctx.frozenset([]) if kind is frozenset else kind()
+        if rest or isinstance(items, (StandIn, InertObject)):
+            raise ctx.unsafe(f"builtins.{kind.__name__} of {type(items).__name__}")
+        if kind in (list, tuple, set, frozenset, dict) and not isinstance(items, (list, tuple, set, frozenset, dict)):
+            raise ctx.unsafe(f"builtins.{kind.__name__} of a {type(items).__name__}")
+        if kind is dict:
+            return dict(zip(ctx.hashing(list(items)), items.values())) if isinstance(items, dict) else \
+                _ordered_dict(ctx, items)
+        if kind is tuple:
+            return ctx.tuple(list(items))
+        if kind is frozenset:
+            return ctx.frozenset(_items(ctx, items, "frozenset"))
+        if kind is set:
+            return set(ctx.hashing(_items(ctx, items, "set")))
+        if kind is list:
+            return list(items)
+        if not isinstance(items, (int, float, str, bytes, bool)):
+            raise ctx.unsafe(f"builtins.{kind.__name__} of a {type(items).__name__}")
+        if kind is bytes and not isinstance(items, (bytes, str)):
+            raise ctx.unsafe(f"builtins.bytes of a {type(items).__name__}")
+        return kind(items.encode("latin1") if kind is bytes and isinstance(items, str) else items)
+    return build
+
+
+def _defaultdict(ctx, factory=None, *rest):
+    """collections.defaultdict(factory): a plain dict (its factory is never called)."""
+    return {}
+
+
+_PY2 = {"list": list, "dict": dict, "tuple": tuple, "set": set, "frozenset": frozenset, "int": int, "long": int,
+        "float": float, "str": str, "unicode": str, "bytes": bytes, "bool": bool}
+
+
 # Globals every format may meet in non-tensor state; each format adds its own on top.
 BENIGN = {
+    **{(b, n): Function(f"builtins.{kind.__name__}", _container(kind)) for n, kind in _PY2.items()
+       for b in ("__builtin__", "builtins") if n not in ("long", "unicode") or b == "__builtin__"},
+    ("collections", "defaultdict"): Function("collections.defaultdict", _defaultdict),
+    ("typing", "Any"): Marker("typing.Any"),
     ("collections", "OrderedDict"): Function("collections.OrderedDict", _ordered_dict),
     ("_codecs", "encode"): Function("_codecs.encode", _encode),
     ("builtins", "set"): Function("builtins.set", _set),
@@ -190,12 +325,13 @@ BENIGN = {
 
 
 def allow_globals(names) -> dict:
-    """`--allow-global MODULE.NAME`: accept these classes as inert records (never imported)."""
+    """`--allow-global MODULE.NAME` or `MODULE.*` (the module and those below it): accept these
+    classes as inert records, never imported or called. Globals that run code stay refused."""
     out = {}
     for name in names or ():
         module, _, attr = name.rpartition(".")
-        if not module or not attr:
-            raise BadInput(f"--allow-global {name!r}: expected MODULE.NAME")
+        if not module or not attr or "*" in module or ("*" in attr and attr != "*"):
+            raise UsageError(f"--allow-global {name!r}: expected MODULE.NAME or MODULE.*")
         out[(module, attr)] = InertClass(name)
     return out
 
@@ -213,8 +349,9 @@ class Context:
     when they are made; Python hashes tuples by recursing in C with no guard, and hashing or writing
     out a shared tuple costs its expanded size, so both are bounded before anything hashes them."""
 
-    def __init__(self, path, base_offset, budget: Budget):
+    def __init__(self, path, base_offset, budget: Budget, unlisted=None):
         self.path, self.base_offset, self.pos, self.budget = path, base_offset, 0, budget
+        self.unlisted = unlisted   # None: a global on no allowlist stops the run at once
         self._shape = {}   # id -> (object, depth, expanded size), for nested tuples and frozensets
         self._credited = 0
         self.payloads = 0  # bytes of the payloads left in the file (Payload), up to here
@@ -292,21 +429,25 @@ class Context:
                 todo.extend(x)
 
 
-def load(data, allowlist: dict, path, base_offset=0, persistent_load=None, budget: Budget = None):
+def load(data, allowlist: dict, path, base_offset=0, persistent_load=None, budget: Budget = None, unlisted=None):
     """Run the pickle in `data` (bytes or memoryview) and return the object it builds.
 
-    `allowlist` maps (module, name) to StandIns; `persistent_load(pid, ctx)` resolves PERSID ids.
+    `allowlist` maps (module, name) to StandIns, and (module, "*") accepts a module and those below it
+    as inert classes. A global that can run code (`runs_code`) stops the run wherever it appears. Any
+    other global outside the allowlist stops it too, unless `unlisted` (an `Unlisted`) is given: then
+    it becomes an inert placeholder, and the file is refused only if what is kept holds one.
+    `persistent_load(pid, ctx)` resolves PERSID ids.
     `budget` (default: one sized by `data`) is charged here and by whoever walks the result next
     (`flatten`, `extras_json`), so the whole reading of one pickle stays bounded by its size.
     """
-    return load_prefix(data, allowlist, path, base_offset, persistent_load, budget=budget)[0]
+    return load_prefix(data, allowlist, path, base_offset, persistent_load, budget=budget, unlisted=unlisted)[0]
 
 
 def load_prefix(data, allowlist: dict, path, base_offset=0, persistent_load=None, max_memo=10_000_000,
-                budget: Budget = None):
+                budget: Budget = None, unlisted=None):
     """Like `load` for a pickle followed by other bytes: returns (object, length of the pickle)."""
     mv = memoryview(data).cast("B")
-    ctx = Context(path, base_offset, budget or Budget(path))
+    ctx = Context(path, base_offset, budget or Budget(path), unlisted)
     try:
         obj, length = _run(mv, allowlist, ctx, persistent_load, max_memo)
         ctx.credit(length)
@@ -719,9 +860,20 @@ def _long_binget(vm, op):
 def _resolve(vm, module, name):
     if not isinstance(module, str) or not isinstance(name, str):
         raise vm.ctx.unsafe("STACK_GLOBAL with non-string operands")
+    if runs_code(module, name):
+        raise vm.ctx.unsafe(f"global '{module}.{name}' is not on the allowlist, and it can run code or reach the "
+                            "system")
     standin = vm.allowlist.get((module, name))
+    if standin is None:  # `--allow-global 'omegaconf.*'`: a module and the modules below it
+        parts = module.split(".")
+        standin = next((vm.allowlist[(".".join(parts[:i]), "*")] for i in range(len(parts), 0, -1)
+                        if (".".join(parts[:i]), "*") in vm.allowlist), None)
+        if standin is not None:
+            standin = InertClass(f"{module}.{name}")
     if standin is None:
-        raise vm.ctx.unsafe(f"global '{module}.{name}' is not on the allowlist")
+        if vm.ctx.unlisted is None:
+            raise vm.ctx.unsafe(f"global '{module}.{name}' is not on the allowlist")
+        standin = vm.ctx.unlisted.placeholder(f"{module}.{name}", vm.ctx.base_offset + vm.ctx.pos)
     return standin
 
 
@@ -902,6 +1054,10 @@ class _Extras:
         if isinstance(value, Ref):
             self.spend(len(value.path))
             return {"__ref__": value.path}
+        if isinstance(value, Placeholder):
+            raise value.unlisted.refusal()
+        if isinstance(value, InertObject) and value.placeholder is not None:
+            raise value.placeholder.unlisted.refusal()
         if isinstance(value, StandIn):
             self.spend(len(value.qualname))
             return {"__global__": value.qualname}
