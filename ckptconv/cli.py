@@ -304,11 +304,13 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @click.argument("out", type=click.Path(path_type=str), required=False)
 @mesh_options(tp_required=True)
 @click.option("--dry-run", is_flag=True, help="Print the plan (rule, axis, bytes per rank) and write nothing.")
+@click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from tensor names that start with it "
+              "(before the rules match them).")
 @write_options(resume=False)
 @read_options
 @cluster_options
 @command
-def reshard_cmd(src, out, mesh, dry_run, write, fmt, read, cluster, quiet, as_json):
+def reshard_cmd(src, out, mesh, dry_run, strip_prefix, write, fmt, read, cluster, quiet, as_json):
     """Slice SRC for a tensor-parallel (and expert-parallel) mesh: OUT/mesh.json and OUT/rank-XXXXX/.
 
     Each rank directory is a complete sharded-safetensors output holding exactly what that rank
@@ -318,7 +320,7 @@ def reshard_cmd(src, out, mesh, dry_run, write, fmt, read, cluster, quiet, as_js
     if out is None and not dry_run:
         raise UsageError("OUT is required unless --dry-run")
     result = reshard(Source(src, fmt, read), out, mesh, write, dry_run, None if dry_run else cluster(),
-                     lambda n: byte_progress(n, "reshard", quiet))
+                     lambda n: byte_progress(n, "reshard", quiet), strip_prefix)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     elif dry_run:

@@ -4,10 +4,11 @@ The layout (tp/layout.py) says, as pure data, which intervals of each tensor eve
 mesh writer (writers/mesh.py) then hands each rank lazy slices of the source, so only what a rank
 needs is read. Layout of the output, mesh.json and `ranges`: docs/output.md.
 """
+import dataclasses
 import time
 from dataclasses import asdict, dataclass
 
-from . import runner
+from . import runner, transforms
 from .errors import UsageError
 from .readers import Source, open_source, readers
 from .tp.layout import plan, plan_summary
@@ -42,14 +43,17 @@ class ReshardResult:
 
 
 def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry_run=False, cluster=None,
-            progress=None) -> ReshardResult:
-    """Plan (and unless `dry_run`, write) `source` sliced for `mesh` into `out`. `progress` as in
-    convert.convert."""
+            progress=None, strip_prefix: str | None = None) -> ReshardResult:
+    """Plan (and unless `dry_run`, write) `source` sliced for `mesh` into `out`, names without
+    `strip_prefix` (as convert's). `progress` as in convert.convert."""
     write = write or WriteOptions()
     started = time.perf_counter()
     ckpt = open_source(source)
-    rules = choose_rules(ckpt, mesh)
-    plans = plan(ckpt.tensors, rules, mesh.tp, mesh.ep, mesh.pad_vocab)
+    tensors = transforms.strip_prefix(ckpt.tensors, strip_prefix)
+    described = dict(ckpt.source, **({"strip_prefix": strip_prefix} if strip_prefix else {}),
+                     **({"only": list(source.options.only)} if source.options.only else {}))
+    rules = choose_rules(ckpt if tensors is ckpt.tensors else dataclasses.replace(ckpt, tensors=tensors), mesh)
+    plans = plan(tensors, rules, mesh.tp, mesh.ep, mesh.pad_vocab)
     if not any(p.axis is not None for p in plans):
         raise UsageError(f"{source.path}: the {rules.name} rules split no tensor of this checkpoint; an output in "
                          "which nothing is split would be a mistake (check --preset/--rules)")
@@ -58,10 +62,10 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
         return result
     if not readers()[ckpt.format].holds_data:
         raise UsageError(f"{source.path}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
-    content = Content(ckpt.source, ckpt.extras, {}, ckpt.model_files, ckpt.skipped_files)
-    writer = WRITERS["mesh"](write, content, out, plans, rules, mesh.tp, mesh.ep, {t.name: t for t in ckpt.tensors})
+    content = Content(described, ckpt.extras, {}, ckpt.model_files, ckpt.skipped_files)
+    writer = WRITERS["mesh"](write, content, out, plans, rules, mesh.tp, mesh.ep, {t.name: t for t in tensors})
     total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
-    runner.run(writer, ckpt.tensors, out, write, ckpt.inputs(source.path), ckpt.check_unchanged, cluster, progress)
+    runner.run(writer, tensors, out, write, ckpt.inputs(source.path), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started
     result.out, result.seconds, result.bytes_written = str(out), round(seconds, 3), total
     result.gb_per_s = round(total / seconds / 1e9, 3) if seconds else None

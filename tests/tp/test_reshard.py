@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file
 
 from tests.fixtures import grok as gf
@@ -308,3 +309,21 @@ def test_pad_vocab(tmp_path):
     assert run("verify", out, "--against", src).exit_code == 0
     back = reshard(out, tmp_path / "tp1", "--tp", 1)
     assert np.array_equal(rank_tensors(back, 0)["lm_head.weight"], state["lm_head.weight"])
+
+
+def test_reshard_takes_convert_selection_flags(tmp_path):
+    """docs/dcp.md's example: a training state whose model names carry the wrapper's prefix."""
+    g = torch.Generator().manual_seed(3)
+    model = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 4, generator=g),
+             "model.layers.0.mlp.down_proj.weight": torch.randn(4, 8, generator=g)}
+    src = tmp_path / "train.pt"
+    torch.save({"model": model, "optim": {"state": {0: {"exp_avg": torch.zeros(3)}}}}, src)
+    out = tmp_path / "tp2"
+    r = run("reshard", src, out, "--tp", "2", "--only", "model.", "--strip-prefix", "model", "--preset", "llama",
+            "--heads", "2", "--kv-heads", "2", "--head-dim", "2", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    mesh = json.loads((out / "mesh.json").read_text())
+    assert sorted(mesh["tensors"]) == sorted(model)          # "model." once, the optimizer left out
+    assert mesh["tensors"]["model.layers.0.mlp.up_proj.weight"]["axis"] == 0
+    r = run("verify", out, "--against", src)                 # the recorded --only and prefix are applied
+    assert r.exit_code == 0, r.stdout
