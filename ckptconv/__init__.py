@@ -1,1 +1,14 @@
-"""ckptconv: convert large-model checkpoints to safetensors."""
+"""ckptconv: convert large-model checkpoints to safetensors, safely and streaming.
+
+The Python API (docs/api.md): `convert`, `reshard`, `verify` and `inspect` take the command line's
+options as keywords and return typed results; every expected failure is a `CkptError`.
+"""
+__version__ = "0.1.0"   # the one place the version is written (pyproject.toml reads it)
+
+from .errors import BadInput, CkptError, OutputError, UnsafePickle, UsageError  # noqa: E402
+# (these names are also the command modules' names: the functions are bound last, so
+# `ckptconv.convert` is the function; the modules stay importable as `ckptconv.convert` submodules)
+from .api import ConvertResult, Inspection, Report, ReshardResult, convert, inspect, reshard, verify  # noqa: E402
+
+__all__ = ["convert", "reshard", "verify", "inspect", "ConvertResult", "ReshardResult", "Report", "Inspection",
+           "CkptError", "BadInput", "UnsafePickle", "UsageError", "OutputError", "__version__"]

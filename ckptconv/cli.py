@@ -9,7 +9,6 @@ import signal
 import sys
 import traceback
 import warnings
-from collections import Counter
 
 # The command multiplies no matrices: keep numpy's OpenBLAS from starting a thread per core that
 # spins while we start up (0.1 s of CPU here, taken from the cores the hash threads need).
@@ -23,6 +22,8 @@ if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
 import click
 
 from .cluster import join
+from . import __version__
+from .api import inspect
 from .convert import ConvertOptions, convert, single_file
 from . import signals
 from .io import mapped
@@ -219,7 +220,7 @@ def mesh_options(tp_required: bool):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="ckptconv")
+@click.version_option(version=__version__, prog_name="ckptconv")
 def main():
     """Convert large-model checkpoints to sharded safetensors, safely and streaming."""
     _allow_many_open_files()
@@ -437,35 +438,30 @@ def plan_cmd(src, mesh, hosts, disk_gbps, max_shard_size, fmt, read, quiet, as_j
 @command
 def inspect_cmd(path, fmt, read, quiet, as_json):
     """Show what a checkpoint holds (format, tensors, dtypes, bytes, extras) without converting it."""
-    ckpt = open_source(Source(path, fmt, read))
-    hist = Counter()
-    for t in ckpt.tensors:
-        hist[t.dtype.code] += t.nbytes
-    info = {"path": str(path), "format": ckpt.format, "source": ckpt.source, "tensor_count": len(ckpt.tensors),
-            "total_bytes": ckpt.total_bytes, "dtypes": dict(sorted(hist.items())),
-            "tensors": [{"name": t.name, "dtype": t.dtype.code, "shape": list(t.shape), "bytes": t.nbytes}
-                        for t in ckpt.tensors],
-            "extras": ckpt.extras, "model_files": [rel for rel, _ in ckpt.model_files],
-            **({"skipped_files": ckpt.skipped_files} if ckpt.skipped_files else {}),
-            **({"also": ckpt.also} if ckpt.also else {})}
+    found = inspect(path, format=fmt, only=read.only, allow_globals=read.allow_globals, state_dict=read.state_dict,
+                    skip_unsupported=read.skip_unsupported, workers=read.workers, reader_options=read.declared)
+    info = {"path": found.path, "format": found.format, "source": found.source, "tensor_count": len(found.tensors),
+            "total_bytes": found.total_bytes, "dtypes": found.dtypes, "tensors": found.tensors, "extras": found.extras,
+            "model_files": found.model_files, **({"skipped_files": found.skipped_files} if found.skipped_files else {}),
+            **({"also": found.also} if found.also else {})}
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
-    say(f"{path}: {info['format']}, {len(ckpt.tensors)} tensors, {format_size(ckpt.total_bytes)}")
-    say("dtypes: " + ", ".join(f"{k} {format_size(v)}" for k, v in info["dtypes"].items()))
-    width = min(max((len(t.name) for t in ckpt.tensors), default=4), 80)  # one long name must not pad every line
-    for t in ckpt.tensors:
-        say(f"  {t.name:<{width}}  {t.dtype.code:<7} {str(list(t.shape)):<20} {format_size(t.nbytes)}")
-    if ckpt.extras:
-        click.echo("extras: " + json.dumps(ckpt.extras, sort_keys=True)[:2000])
-    if ckpt.source.get("skipped"):
-        say("skipped: " + ", ".join(s["name"] for s in ckpt.source["skipped"]))
-    if ckpt.model_files:
-        say("model files: " + ", ".join(rel for rel, _ in ckpt.model_files))
-    if ckpt.skipped_files:
-        say("not carried: " + "; ".join(f"{s['name']} ({s['reason']})" for s in ckpt.skipped_files))
-    if ckpt.also:
-        say(f"also holds {' and '.join(ckpt.also)} weights, not read (--from {ckpt.also[0]} reads those)")
+    say(f"{path}: {found.format}, {len(found.tensors)} tensors, {format_size(found.total_bytes)}")
+    say("dtypes: " + ", ".join(f"{k} {format_size(v)}" for k, v in found.dtypes.items()))
+    width = min(max((len(t["name"]) for t in found.tensors), default=4), 80)  # one long name must not pad every line
+    for t in found.tensors:
+        say(f"  {t['name']:<{width}}  {t['dtype']:<7} {str(t['shape']):<20} {format_size(t['bytes'])}")
+    if found.extras:
+        click.echo("extras: " + json.dumps(found.extras, sort_keys=True)[:2000])
+    if found.source.get("skipped"):
+        say("skipped: " + ", ".join(s["name"] for s in found.source["skipped"]))
+    if found.model_files:
+        say("model files: " + ", ".join(found.model_files))
+    if found.skipped_files:
+        say("not carried: " + "; ".join(f"{s['name']} ({s['reason']})" for s in found.skipped_files))
+    if found.also:
+        say(f"also holds {' and '.join(found.also)} weights, not read (--from {found.also[0]} reads those)")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,10 @@ class Report:
     def add(self, where, what):
         self.problems.append(printable(f"{where}: {what}"))  # a file called "a\nb" stays one line
 
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
 
 # What an output directory may hold is decided from lstat: nothing in it is followed or opened unless
 # it is a regular file named by the output's own metadata, by a plain name (sums.unsafe_name).

@@ -19,7 +19,7 @@ import torch
 
 from ckptconv.errors import BadInput, UnsafePickle
 from ckptconv.io.mapped import MappedFile
-from ckptconv.readers import Source, ziparchive
+from ckptconv.readers import ziparchive
 from ckptconv.readers.pickle import unpickler
 from tests.fixtures import attacks
 from tests.fixtures.attacks import Reduce
@@ -369,7 +369,7 @@ def test_lock_stops_a_second_run_and_stale_locks_are_taken_over(big_pt, tmp_path
 
 def test_source_changing_during_conversion_is_detected(big_pt, tmp_path):
     import contextlib
-    from ckptconv import convert as convert_mod
+    import ckptconv
     src = tmp_path / "src.pt"
     src.write_bytes(big_pt.read_bytes())
     calls = []
@@ -384,7 +384,7 @@ def test_source_changing_during_conversion_is_detected(big_pt, tmp_path):
         yield update
 
     with pytest.raises(BadInput, match="changed while it was being read"):
-        convert_mod.convert(Source(str(src)), tmp_path / "out", progress=lambda total: touching_progress(total, ""))
+        ckptconv.convert(src, tmp_path / "out", progress=lambda total: touching_progress(total, ""))
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.ckptconv-tmp").exists()
 
 

@@ -14,9 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckptconv import convert as convert_mod
+import ckptconv
 from ckptconv.errors import OutputError
-from ckptconv.readers import Source
 from tests.helpers import ROOT, assert_refused, cli, run, run_subprocess
 
 
@@ -66,7 +65,7 @@ def test_something_appearing_at_out_during_the_run_is_never_replaced(big_pt, tmp
         yield update
 
     with pytest.raises(OutputError, match="already exists|appeared"):
-        convert_mod.convert(Source(str(big_pt)), out, progress=progress)
+        ckptconv.convert(big_pt, out, progress=progress)
     assert (out if one_file else out / "file").read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
 

@@ -1,0 +1,99 @@
+"""The Python API: the commands as functions with keyword options, typed results and the
+project's exceptions (docs/api.md). The command line is a thin layer over the same functions.
+
+    import ckptconv
+    result = ckptconv.convert("model.ckpt", "model.safetensors", dtype="bf16")
+    report = ckptconv.verify("model.safetensors", against="model.ckpt")
+    assert report.ok
+"""
+from collections import Counter
+from dataclasses import dataclass, field
+
+from . import convert as _convert, reshard as _reshard, verify as _verify
+from .readers import ReadOptions, Source, open_source
+from .sizes import parse_size
+from .tp.presets import MeshSpec
+from .writers.base import WriteOptions
+
+ConvertResult, ReshardResult, Report = _convert.ConvertResult, _reshard.ReshardResult, _verify.Report
+
+__all__ = ["convert", "reshard", "verify", "inspect", "Inspection", "ConvertResult", "ReshardResult", "Report"]
+
+
+def _source(src, format, only, allow_globals, state_dict, skip_unsupported, workers, reader_options) -> Source:
+    return Source(str(src), format, ReadOptions(allow_globals=list(allow_globals), skip_unsupported=skip_unsupported,
+                                                only=list(only), workers=workers, state_dict=state_dict,
+                                                declared=dict(reader_options or {})))
+
+
+def _write(max_shard_size, name, overwrite, fsync, buffered_io, resume=False) -> WriteOptions:
+    size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
+    return WriteOptions(size, fsync, not buffered_io, overwrite, resume, name)
+
+
+def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", state_dict="auto",
+            allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name="model", overwrite=False,
+            resume=False, fsync=False, buffered_io=False, copy_extras=True, workers=2, reader_options=None,
+            progress=None) -> _convert.ConvertResult:
+    """`ckptconv convert SRC OUT` (docs/convert.md): OUT ending in .safetensors is one file, anything
+    else a sharded directory. `reader_options` are the options a reader declares ({"dequantize":
+    "bf16"} for Grok-1 directories); `progress(total_bytes)` may return a context manager yielding
+    an update(nbytes) callable. Raises CkptError (BadInput, UsageError, OutputError)."""
+    return _convert.convert(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
+                                    reader_options),
+                            out, _convert.ConvertOptions(strip_prefix, dtype, copy_extras),
+                            _write(max_shard_size, name, overwrite, fsync, buffered_io, resume), progress=progress)
+
+
+def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads=None, head_dim=None,
+            pad_vocab=False, dry_run=False, format=None, only=(), strip_prefix=None, state_dict="auto",
+            allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name="model", overwrite=False,
+            fsync=False, buffered_io=False, workers=2, reader_options=None, progress=None) -> _reshard.ReshardResult:
+    """`ckptconv reshard SRC OUT --tp N` (docs/reshard.md); with `dry_run`, the plan only (OUT may
+    be None)."""
+    mesh = MeshSpec(tp, ep, preset, None if rules is None else str(rules),
+                    {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab)
+    return _reshard.reshard(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
+                                    reader_options),
+                            out, mesh, _write(max_shard_size, name, overwrite, fsync, buffered_io), dry_run,
+                            progress=progress, strip_prefix=strip_prefix)
+
+
+def verify(path, against=None, *, device=None, allow_fewer_devices=False, format=None, allow_globals=(),
+           state_dict="auto", workers=2, reader_options=None, progress=None) -> _verify.Report:
+    """`ckptconv verify PATH [--against SRC] [--device ...]` (docs/verify.md). The report lists every
+    problem (`report.problems`, one sentence each); `report.ok` is True when there is none.
+    `progress(nbytes)` is called as bytes are hashed."""
+    read = _source(path, format, (), allow_globals, state_dict, False, workers, reader_options).options
+    return _verify.verify(path, against, read, format, device, allow_fewer_devices, progress)
+
+
+@dataclass
+class Inspection:
+    """What `ckptconv inspect` shows: the reader, every tensor, dtypes, extras and files."""
+
+    path: str
+    format: str
+    tensors: list                  # {"name", "dtype", "shape", "bytes"} in source order
+    total_bytes: int
+    dtypes: dict                   # dtype code -> bytes
+    extras: dict
+    source: dict                   # what the manifest would record as "source"
+    model_files: list = field(default_factory=list)
+    skipped_files: list = field(default_factory=list)
+    also: list = field(default_factory=list)
+
+
+def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=2,
+            reader_options=None) -> Inspection:
+    """`ckptconv inspect PATH` (docs/inspect.md): reads headers and pickles, never tensor data."""
+    ckpt = open_source(_source(path, format, only, allow_globals, state_dict, skip_unsupported, workers,
+                               reader_options))
+    hist = Counter()
+    for t in ckpt.tensors:
+        hist[t.dtype.code] += t.nbytes
+    return Inspection(str(path), ckpt.format,
+                      [{"name": t.name, "dtype": t.dtype.code, "shape": list(t.shape), "bytes": t.nbytes}
+                       for t in ckpt.tensors],
+                      ckpt.total_bytes, dict(sorted(hist.items())), ckpt.extras, ckpt.source,
+                      [rel for rel, _ in ckpt.model_files], ckpt.skipped_files, ckpt.also)

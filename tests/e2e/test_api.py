@@ -1,0 +1,69 @@
+"""The Python API (docs/api.md): the commands as functions, typed results, one exception hierarchy."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptconv
+from tests.helpers import assert_same
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    sd = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 4, generator=g),
+          "model.layers.0.mlp.down_proj.weight": torch.randn(4, 8, generator=g), "model.norm.weight": torch.ones(4)}
+    path = tmp_path / "model.ckpt"
+    torch.save({"state_dict": sd, "epoch": 2}, path)
+    return path, sd
+
+
+def test_version_and_exports():
+    assert ckptconv.__version__ and ckptconv.__version__[0].isdigit()
+    assert issubclass(ckptconv.UnsafePickle, ckptconv.BadInput) and issubclass(ckptconv.BadInput, ckptconv.CkptError)
+    assert callable(ckptconv.convert) and callable(ckptconv.verify)
+
+
+def test_convert_verify_inspect(ckpt, tmp_path):
+    src, sd = ckpt
+    out = tmp_path / "model.safetensors"
+    result = ckptconv.convert(src, out, dtype="bf16")
+    assert isinstance(result, ckptconv.ConvertResult)
+    assert result.tensors == 3 and result.files == ["model.safetensors"] and result.state_dict == "state_dict"
+    assert json.loads(json.dumps(result.to_json()))["format"] == "torch"
+    loaded = load_file(out)
+    for name, t in sd.items():
+        assert_same(loaded[name], t.to(torch.bfloat16), name)
+    report = ckptconv.verify(out, against=src)
+    assert isinstance(report, ckptconv.Report) and report.ok and report.tensors == 3
+    found = ckptconv.inspect(src)
+    assert found.format == "torch" and [t["name"] for t in found.tensors] == list(sd)
+    assert found.extras == {"epoch": 2} and found.dtypes == {"F32": sum(t.nbytes for t in sd.values())}
+
+
+def test_sharded_output_and_reshard(ckpt, tmp_path):
+    src, sd = ckpt
+    result = ckptconv.convert(src, tmp_path / "dir", max_shard_size=200, name="adapter_model")
+    assert len(result.files) > 2 and all(f.startswith(("adapter_model", "manifest", "SHA256SUMS"))
+                                         for f in result.files)
+    plan = ckptconv.reshard(src, None, 2, preset="llama", heads=2, kv_heads=2, head_dim=2, dry_run=True)
+    assert plan.ranks == 2 and plan.out is None and plan.split == 2 and plan.replicated == ["model.norm.weight"]
+    done = ckptconv.reshard(src, tmp_path / "tp2", 2, preset="llama", heads=2, kv_heads=2, head_dim=2)
+    assert done.bytes_written > 0 and (tmp_path / "tp2" / "mesh.json").is_file()
+    assert ckptconv.verify(tmp_path / "tp2", against=src).ok
+
+
+def test_failures_are_ckpt_errors(ckpt, tmp_path):
+    src, _ = ckpt
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(ckptconv.BadInput):
+        ckptconv.convert(bad, tmp_path / "o")
+    ckptconv.convert(src, tmp_path / "o")
+    with pytest.raises(ckptconv.OutputError):
+        ckptconv.convert(src, tmp_path / "o")                 # exists: overwrite=True replaces it
+    with pytest.raises(ckptconv.UsageError):
+        ckptconv.convert(src, tmp_path / "p", state_dict="ema")
+    (tmp_path / "o" / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 8)
+    assert not ckptconv.verify(tmp_path / "o").ok
