@@ -375,7 +375,8 @@ def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, q
         raise BadInput(f"{changed[0]}: changed while it was being read; it could not be verified")
     if as_json:
         click.echo(json.dumps({"ok": not report.problems, "problems": report.problems, "files": report.files,
-                               "tensors": report.tensors, "bytes": report.bytes, "device": report.device}, indent=2))
+                               "tensors": report.tensors, "bytes": report.bytes, "device": report.device,
+                               **({"notes": report.notes} if report.notes else {})}, indent=2))
     elif cluster is not None and not cluster.is_main:
         say(f"process {cluster.process_id} of {cluster.num_processes}: checked its share; "
             f"{'no problems' if not report.problems else f'{len(report.problems)} problem(s)'} in the whole "
@@ -383,9 +384,12 @@ def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, q
     else:
         for p in report.problems:
             say(p)
+        for note in report.notes:
+            say(f"note: {note}")
         status = "OK" if not report.problems else f"{len(report.problems)} problem(s)"
         say(f"{path}: {status}: {report.files} shard files, {report.tensors} tensors, "
-            f"{format_size(report.bytes)} hashed" + (", matches the source" if against and not report.problems
+            f"{format_size(report.bytes)} {'read' if report.notes else 'hashed'}"
+            + (", matches the source" if against and not report.problems
                                                      else ""))
         if report.device:
             d = report.device

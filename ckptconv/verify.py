@@ -40,6 +40,7 @@ class Report:
     bytes: int = 0
     device: dict | None = None
     shared: int = 0   # problems already merged across processes
+    notes: list = field(default_factory=list)   # checks that could not be done (an output ckptconv did not write)
 
     def add(self, where, what):
         self.problems.append(printable(f"{where}: {what}"))  # a file called "a\nb" stays one line
@@ -343,8 +344,9 @@ def verify_file(path: Path, report: Report, progress=None):
     except BadInput as e:
         report.add(path, str(e).split(": ", 1)[-1])
         return
-    if raw is None and not header.problems:
-        raise UsageError(f"{path}: its __metadata__ holds no {manifest_format.SINGLE_KEY!r}; not a ckptconv output")
+    if raw is None:
+        _verify_foreign_files(path, [path], {}, report)
+        return
     for p in header.problems:
         report.add(path, p)
     if header.problems:
@@ -365,6 +367,71 @@ def verify_file(path: Path, report: Report, progress=None):
                 progress)
     report.files += 1
     report.tensors += len(present)
+
+
+FOREIGN_NOTE = ("written without ckptconv's manifest: no file or tensor digests are recorded, so they were not "
+                "checked; headers, the index and what the safetensors library sees were"
+                + "; use --against SRC to compare every tensor with its source")
+
+
+def _verify_foreign_files(where: Path, files: list, weight_map: dict, report: Report):
+    """Safetensors files ckptconv did not write (save_pretrained, the Hub's conversion bot): their
+    headers, what the safetensors library sees, each tensor once, and the index (when there is one)
+    against the headers. What only a manifest could prove is listed in `report.notes`."""
+    report.notes.append(f"{where}: {FOREIGN_NOTE}")
+    located = {}
+    for path in files:
+        try:
+            m = MappedFile(path)
+            header = parse_header(m.view, m.size, path)
+        except BadInput as e:
+            report.add(path, str(e).split(": ", 1)[-1])
+            continue
+        for p in header.problems:
+            report.add(path, p)
+        if header.problems:
+            continue
+        _library_view(path, header, report)
+        for e in header.entries:
+            if e.name in located:
+                report.add(path, f"tensor {e.name!r} also appears in {located[e.name]}")
+            located[e.name] = path.name
+        report.files += 1
+        report.bytes += m.size
+        m.release(0, m.size)
+    for name, file in weight_map.items():
+        if located.get(name) != file:
+            report.add(where, f"tensor {name!r} is listed in {file} but is "
+                              + (f"in {located[name]}" if name in located else "in no file"))
+    for name, file in located.items():
+        if weight_map and name not in weight_map:
+            report.add(where, f"tensor {name!r} is in {file} but missing from the index")
+    report.tensors += len(located)
+
+
+def _verify_foreign_dir(path: Path, report: Report, progress=None):
+    """A directory of safetensors files without ckptconv's manifest: its one index and the files it
+    names, or every .safetensors file in it."""
+    entries = _scan(path, report)
+    indexes = sorted(n for n in entries if n.endswith(manifest_format.INDEX_SUFFIX))
+    weight_map = {}
+    if len(indexes) > 1:
+        report.add(path, f"holds {len(indexes)} indexes ({', '.join(indexes[:4])})")
+        return
+    if indexes:
+        raw = _json(path, indexes[0], entries, report, "the index")
+        weight_map, _, problems = manifest_format.check_index(raw) if raw is not None else ({}, None, [])
+        for p in problems:
+            report.add(path / indexes[0], p)
+        names = sorted(set((weight_map or {}).values()))
+    else:
+        names = sorted(n for n in entries if n.endswith(".safetensors"))
+    for n in names:
+        if n not in entries:
+            report.add(path / n, "listed in the index but missing")
+        elif not _regular(entries, n):
+            report.add(path / n, f"is {_kind(entries[n])}; not followed")
+    _verify_foreign_files(path, [path / n for n in names if _regular(entries, n)], weight_map or {}, report)
 
 
 def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key: True):
@@ -590,9 +657,12 @@ def verify(path, against=None, read=None, fmt=None, device=None, allow_fewer=Fal
     if not path.is_dir():
         raise UsageError(f"{path}: neither an output directory nor a .safetensors file")
     is_mesh = os.path.lexists(path / MESH)
-    if not is_mesh and not (os.path.lexists(path / MANIFEST) or any(
-            n.endswith(manifest_format.INDEX_SUFFIX) for n in os.listdir(path))):
-        raise UsageError(f"{path}: holds neither an index, {MANIFEST} nor {MESH}; not a ckptconv output")
+    names = os.listdir(path)
+    if not is_mesh and not os.path.lexists(path / MANIFEST) and not os.path.lexists(path / SUMS):
+        if not any(n.endswith((".safetensors", manifest_format.INDEX_SUFFIX)) for n in names):
+            raise UsageError(f"{path}: holds no safetensors files, index, {MANIFEST} or {MESH}; not a ckptconv output "
+                             "nor any other safetensors output")
+        return _verify_single(path, against, read, fmt, device, allow_fewer, progress, cluster, _verify_foreign_dir)
     mine = _share(path, is_mesh, cluster)
     report = Report()
     if is_mesh:
@@ -615,14 +685,18 @@ def verify(path, against=None, read=None, fmt=None, device=None, allow_fewer=Fal
     return report
 
 
-def _verify_single(path, against, read, fmt, device, allow_fewer, progress, cluster) -> Report:
-    """One file is checked whole by process 0; the others wait for its report."""
+def _verify_single(path, against, read, fmt, device, allow_fewer, progress, cluster, check=None) -> Report:
+    """One file (or an output ckptconv did not write) is checked whole by process 0; the others wait
+    for its report."""
     report = Report()
     if cluster is None or cluster.is_main:
-        verify_file(path, report, progress)
+        (check or verify_file)(path, report, progress)
         if against is not None and not report.problems:
             compare_against(path, against, read or ReadOptions(), fmt, report)
-        if device is not None and not report.problems:
+        if device is not None and not report.problems and report.notes:
+            report.notes.append(f"{path}: --device compares what reaches the device with the recorded digests; "
+                                "there are none here, so nothing was placed")
+        elif device is not None and not report.problems:
             from .device import device_check
             report.device = device_check(path, device, allow_fewer, report)
     _merge(cluster, "totals", report)
