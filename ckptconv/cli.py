@@ -39,7 +39,9 @@ from .readers import ReadOptions, Source, open_source, reader_for, readers
 from .sizes import format_size, parse_size
 
 
-def _fail(message: str, code: int = 2):
+def _fail(message: str, code: int = 2, as_json=False):
+    if as_json:
+        emit("error", {"ok": False, "exit_code": code, "error": printable(message)})
     click.echo(f"ckptconv: error: {printable(message)}", err=True)
     sys.exit(code)
 
@@ -49,21 +51,27 @@ def say(text: str = ""):
     click.echo(printable(text, limit=1 << 16))
 
 
+def emit(command_name: str, document: dict):
+    """A --json summary on stdout, tagged with its schema (docs/json.md): `ckptconv.COMMAND/1`."""
+    click.echo(json.dumps({"schema": f"ckptconv.{command_name}/1", **document}, indent=2))
+
+
 def command(fn):
-    """Common flags and error handling: one line per error unless --debug; terminating signals clean
-    up and exit 128 + n (signals.py)."""
+    """Common flags and error handling: one line per error unless --debug (and with --json, the error
+    as a JSON object on stdout too); terminating signals clean up and exit 128 + n (signals.py)."""
 
     @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
-    @click.option("--quiet", is_flag=True, help="No progress bars.")
-    @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
+    @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+    @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout (docs/json.md).")
     @functools.wraps(fn)
     def wrapper(*args, debug, **kwargs):
         signals.install()
         mapped.forget_changes()
+        as_json = kwargs.get("as_json")
         try:
             return fn(*args, **kwargs)
         except signals.Interrupted as e:
-            _interrupted(e)
+            _interrupted(e, as_json)
         except BrokenPipeError:  # stdout closed early (`| head`): not an error of ours
             sys.stderr.close()
             sys.exit(0)
@@ -71,14 +79,14 @@ def command(fn):
             if debug:
                 traceback.print_exc()
             if signals.received():
-                _interrupted(signals.received())
-            _fail(*_reason(e))
+                _interrupted(signals.received(), as_json)
+            _fail(*_reason(e), as_json=as_json)
 
     return wrapper
 
 
-def _interrupted(e: signals.Interrupted):
-    _fail(f"interrupted by {e.name}; no output was published", e.exit_code)
+def _interrupted(e: signals.Interrupted, as_json=False):
+    _fail(f"interrupted by {e.name}; no output was published", e.exit_code, as_json)
 
 
 def _reason(e: Exception) -> tuple:
@@ -262,7 +270,7 @@ def _convert_command(name, pickle_only, help_text):
         result = convert(source, out, ConvertOptions(strip_prefix, dtype, not no_copy_extras), write, cluster(),
                          lambda total: byte_progress(total, "convert", quiet))
         if as_json:
-            click.echo(json.dumps(result.to_json(), indent=2))
+            emit("convert", result.to_json())
         elif result.process is not None:
             say(f"process {result.process} of {result.processes}: wrote {len(result.files)} shard "
                 f"files of {result.out} in {result.seconds:.2f} s")
@@ -323,7 +331,7 @@ def reshard_cmd(src, out, mesh, dry_run, strip_prefix, write, fmt, read, cluster
     result = reshard(Source(src, fmt, read), out, mesh, write, dry_run, None if dry_run else cluster(),
                      lambda n: byte_progress(n, "reshard", quiet), strip_prefix)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        emit("reshard", result.to_json())
     elif dry_run:
         for line in plan_lines(result):
             say(line)
@@ -374,9 +382,9 @@ def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, q
     if changed:
         raise BadInput(f"{changed[0]}: changed while it was being read; it could not be verified")
     if as_json:
-        click.echo(json.dumps({"ok": not report.problems, "problems": report.problems, "files": report.files,
-                               "tensors": report.tensors, "bytes": report.bytes, "device": report.device,
-                               **({"notes": report.notes} if report.notes else {})}, indent=2))
+        emit("verify", {"ok": not report.problems, "problems": report.problems, "files": report.files,
+                        "tensor_count": report.tensors, "bytes": report.bytes, "device": report.device,
+                        **({"notes": report.notes} if report.notes else {})})
     elif cluster is not None and not cluster.is_main:
         say(f"process {cluster.process_id} of {cluster.num_processes}: checked its share; "
             f"{'no problems' if not report.problems else f'{len(report.problems)} problem(s)'} in the whole "
@@ -419,7 +427,7 @@ def plan_cmd(src, mesh, hosts, disk_gbps, max_shard_size, fmt, read, quiet, as_j
     ckpt = open_source(Source(src, fmt, read))
     result = plan_run(ckpt, hosts, disk_gbps, mesh, WriteOptions(parse_size(max_shard_size)))
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        emit("plan", {k if k != "tensors" else "tensor_count": v for k, v in result.items()})
         return
     tp = mesh.tp if mesh else None
     ep = mesh.ep if mesh else 1
@@ -449,7 +457,7 @@ def inspect_cmd(path, fmt, read, quiet, as_json):
             "model_files": found.model_files, **({"skipped_files": found.skipped_files} if found.skipped_files else {}),
             **({"also": found.also} if found.also else {})}
     if as_json:
-        click.echo(json.dumps(info, indent=2))
+        emit("inspect", info)
         return
     say(f"{path}: {found.format}, {len(found.tensors)} tensors, {format_size(found.total_bytes)}")
     say("dtypes: " + ", ".join(f"{k} {format_size(v)}" for k, v in found.dtypes.items()))

@@ -43,7 +43,8 @@ class ConvertResult:
         """The `--json` summary: the fields that apply to this run."""
         optional = ("resume_note", "skipped_files", "also", "process", "processes", "state_dict", "dropped",
                     "placeholders")
-        return {k: v for k, v in asdict(self).items() if k not in optional or v not in (None, [])}
+        return {"tensor_count" if k == "tensors" else k: v for k, v in asdict(self).items()
+                if k not in optional or v not in (None, [])}
 
 
 def single_file(out) -> bool:

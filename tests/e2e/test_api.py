@@ -67,3 +67,21 @@ def test_failures_are_ckpt_errors(ckpt, tmp_path):
         ckptconv.convert(src, tmp_path / "p", state_dict="ema")
     (tmp_path / "o" / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 8)
     assert not ckptconv.verify(tmp_path / "o").ok
+
+
+@pytest.mark.parametrize("args, schema", [(["inspect"], "ckptconv.inspect/1"), (["plan"], "ckptconv.plan/1")])
+def test_json_summaries_name_their_schema(ckpt, args, schema):
+    from tests.helpers import run
+    src, _ = ckpt
+    r = run(*args, src, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["schema"] == schema and doc["tensor_count"] == 3
+
+
+def test_with_json_an_error_is_json_on_stdout_too(tmp_path):
+    from tests.helpers import run_subprocess
+    r = run_subprocess("convert", tmp_path / "missing.pt", tmp_path / "out", "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 2 and doc == {"schema": "ckptconv.error/1", "ok": False, "exit_code": 2,
+                                         "error": f"{tmp_path / 'missing.pt'}: no such file or directory"}
+    assert r.stderr.count("\n") == 1

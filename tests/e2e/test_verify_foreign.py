@@ -30,7 +30,8 @@ def test_save_pretrained_output_verifies_against_its_source(saved, form):
     assert (out / "model.safetensors.index.json").exists() == (form == "sharded")
     r = run("verify", out, "--json")
     report = json.loads(r.stdout)
-    assert r.exit_code == 0 and report["ok"] and report["tensors"] > 10
+    assert r.exit_code == 0 and report["ok"] and report["tensor_count"] > 10
+    assert report["schema"] == "ckptconv.verify/1"
     assert any("no file or tensor digests are recorded" in n for n in report["notes"])
     r = run("verify", out, "--against", saved / "source.bin")
     assert r.exit_code == 0 and "matches the source" in r.stdout and "note:" in r.stdout, r.stdout
