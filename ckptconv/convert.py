@@ -1,9 +1,10 @@
 """convert: any supported source -> sharded safetensors, or one .safetensors file (reader ->
 transforms -> writer), atomically, on one process or several (runner.py)."""
+import json
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import dtypes, runner, transforms
+from . import dtypes, runner, safejson, transforms
 from .errors import BadInput, UsageError
 from .readers import Source, open_source, readers
 from .writers import WRITERS
@@ -47,6 +48,27 @@ class ConvertResult:
                 if k not in optional or v not in (None, [])}
 
 
+TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def _config_with_dtype(model_files, target, described) -> dict:
+    """After --dtype, the carried config.json says the new dtype (`torch_dtype`, and `dtype` as newer
+    transformers write it); the edit is recorded as source.config_edits. Other files, and a
+    config.json without those keys, are carried unchanged."""
+    path = dict(model_files).get("config.json")
+    if path is None:
+        return {}
+    config = safejson.load_file(path, "config.json", limit=64 << 20)
+    new = TORCH_DTYPE_NAMES[target.code]
+    keys = [k for k in ("torch_dtype", "dtype") if isinstance(config, dict) and isinstance(config.get(k), str)
+            and config[k] != new]
+    if not keys:
+        return {}
+    described["config_edits"] = {k: [config[k], new] for k in keys}
+    config.update({k: new for k in keys})
+    return {"config.json": (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")}
+
+
 def single_file(out) -> bool:
     """OUT ending in .safetensors asks for one file instead of a directory."""
     return str(out).endswith(".safetensors")
@@ -80,6 +102,8 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     carry = options.copy_extras and not one_file  # one file carries no model files
     content = Content(described, ckpt.extras, ckpt.manifest, ckpt.model_files if carry else [],
                       ckpt.skipped_files if carry else [])
+    if carry and target is not None:
+        content.edited = _config_with_dtype(ckpt.model_files, target, described)
     content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()}, ckpt.extras, ckpt.manifest,
                                                     [rel for rel, _ in content.model_files]])
     writer = WRITERS["single" if one_file else "sharded"](write, content, out)

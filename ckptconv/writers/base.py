@@ -50,6 +50,7 @@ class Content:
     model_files: list = field(default_factory=list)       # (name, path) carried into OUT
     skipped_files: list = field(default_factory=list)     # model files not carried: {"name", "reason"}
     identity: str | None = None                           # what the run reads (writers.sharded.source_id)
+    edited: dict = field(default_factory=dict)            # model file name -> the bytes written instead of it
 
     def skipped(self) -> dict:
         """The manifest's source entry listing the model files not carried, when there are any."""

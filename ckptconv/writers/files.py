@@ -181,13 +181,20 @@ def write_tensor(piece: TensorWriter, t, progress):
         t.release()
 
 
-def copy_files(out_dir, files, written: Written):
-    """Carry model files (config.json, tokenizer...) into OUT unchanged, hashed for the manifest. The
-    paths were resolved and checked by `readers.carried`; they are opened without following a link
-    (one swapped in since is refused), a copy never gets wider permissions than its source, and a file
-    that changes while it is copied stops the run."""
+def copy_files(out_dir, files, written: Written, edited=None):
+    """Carry model files (config.json, tokenizer...) into OUT unchanged, hashed for the manifest, or
+    for a name in `edited`, its new bytes (convert's --dtype edits config.json). The paths were
+    resolved and checked by `readers.carried`; they are opened without following a link (one swapped
+    in since is refused), a copy never gets wider permissions than its source, and a file that
+    changes while it is copied stops the run."""
     for rel, src in files:
         dst = os.path.join(out_dir, rel)
+        if rel in (edited or {}):
+            data = edited[rel]
+            with open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), "wb") as fo:
+                write_all(fo, data)
+            written.files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+            continue
         h = hashlib.sha256()
         try:
             fi = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -94,7 +94,7 @@ class ShardedWriter(Writer):
             r = by_name[shard.name]
             written.files[shard.name] = r["files"][shard.name]
             written.tensors.update({t.name: r["tensors"][t.name] for t in shard.tensors})
-        copy_files(tmp, self.content.model_files, written)
+        copy_files(tmp, self.content.model_files, written, self.content.edited)
         manifest = finish_dir(tmp, self.shards, written, {**self.content.source, **self.content.skipped()},
                               self.content.extras, self.content.manifest, self.options.stem)
         notes = [r["note"] for r in results if r.get("note")]

@@ -196,3 +196,23 @@ def test_big_endian_archive(tmp_path):
     got = load_output(convert(tmp_path / "be.pt", tmp_path / "out"))
     for name, t in state.items():
         assert_same(got[name], t.contiguous(), name)
+
+
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])   # transformers 4 and 5 spell it differently
+def test_after_a_cast_the_carried_config_says_the_new_dtype(hf_llama, tmp_path, key):
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(hf_llama["dir"], src)
+    before = {**json.loads((src / "config.json").read_text()), key: "float32"}
+    (src / "config.json").write_text(json.dumps(before))
+    out = tmp_path / "bf16"
+    assert run("convert", src, out, "--dtype", "bf16", "--quiet").exit_code == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config[key] == "bfloat16" and {k: v for k, v in config.items() if k != key} == \
+        {k: v for k, v in before.items() if k != key}
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["source"]["config_edits"] == {key: [before[key], "bfloat16"]}
+    assert run("verify", out, "--against", src).exit_code == 0
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype="auto")
+    assert model.dtype == torch.bfloat16
