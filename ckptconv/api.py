@@ -6,10 +6,14 @@ project's exceptions (docs/api.md). The command line is a thin layer over the sa
     report = ckptconv.verify("model.safetensors", against="model.ckpt")
     assert report.ok
 """
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 
 from . import convert as _convert, reshard as _reshard, verify as _verify
+from .dtypes import CAST_TARGETS
+from .errors import UsageError
+from .formats.manifest import stem_problem
 from .readers import ReadOptions, Source, open_source
 from .sizes import parse_size
 from .tp.presets import MeshSpec
@@ -20,15 +24,57 @@ ConvertResult, ReshardResult, Report = _convert.ConvertResult, _reshard.ReshardR
 __all__ = ["convert", "reshard", "verify", "inspect", "Inspection", "ConvertResult", "ReshardResult", "Report"]
 
 
+def _texts(value, what) -> list:
+    """A list of strings from one string or an iterable of them (a lone string is one item, not its
+    characters)."""
+    items = [value] if isinstance(value, str) else value
+    try:
+        items = list(items)
+    except TypeError:
+        raise UsageError(f"{what}: expected a string or a list of strings, not {type(value).__name__}") from None
+    if not all(isinstance(i, str) for i in items):
+        raise UsageError(f"{what}: expected strings, got {[type(i).__name__ for i in items][:4]}")
+    return items
+
+
+def _flag(value, what) -> bool:
+    if not isinstance(value, bool):
+        raise UsageError(f"{what}: expected True or False, not {value!r}")
+    return value
+
+
+def _path(value, what) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise UsageError(f"{what}: expected a path, not {type(value).__name__}")
+    return os.fspath(value)
+
+
 def _source(src, format, only, allow_globals, state_dict, skip_unsupported, workers, reader_options) -> Source:
-    return Source(str(src), format, ReadOptions(allow_globals=list(allow_globals), skip_unsupported=skip_unsupported,
-                                                only=list(only), workers=workers, state_dict=state_dict,
-                                                declared=dict(reader_options or {})))
+    if not isinstance(state_dict, str) or (format is not None and not isinstance(format, str)):
+        raise UsageError("state_dict and format are strings")
+    if not isinstance(reader_options, (dict, type(None))):
+        raise UsageError(f"reader_options: expected a dict, not {type(reader_options).__name__}")
+    if type(workers) is not int or not 1 <= workers <= 64:
+        raise UsageError(f"workers: expected a number from 1 to 64, not {workers!r}")
+    return Source(_path(src, "src"), format, ReadOptions(
+        allow_globals=_texts(allow_globals, "allow_globals"), skip_unsupported=_flag(skip_unsupported,
+                                                                                     "skip_unsupported"),
+        only=_texts(only, "only"), workers=workers, state_dict=state_dict, declared=dict(reader_options or {})))
 
 
 def _write(max_shard_size, name, overwrite, fsync, buffered_io, resume=False) -> WriteOptions:
-    size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
-    return WriteOptions(size, fsync, not buffered_io, overwrite, resume, name)
+    if isinstance(max_shard_size, str):
+        size = parse_size(max_shard_size)
+    elif type(max_shard_size) is int and max_shard_size > 0:
+        size = max_shard_size
+    else:
+        raise UsageError(f"max_shard_size: expected a positive number of bytes or a size like '5GB', not "
+                         f"{max_shard_size!r}")
+    problem = stem_problem(name) if isinstance(name, str) else "must be a string"
+    if problem:
+        raise UsageError(f"name {name!r}: {problem}")
+    return WriteOptions(size, _flag(fsync, "fsync"), not _flag(buffered_io, "buffered_io"),
+                        _flag(overwrite, "overwrite"), _flag(resume, "resume"), name)
 
 
 def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", state_dict="auto",
@@ -39,9 +85,12 @@ def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", 
     else a sharded directory. `reader_options` are the options a reader declares ({"dequantize":
     "bf16"} for Grok-1 directories); `progress(total_bytes)` may return a context manager yielding
     an update(nbytes) callable. Raises CkptError (BadInput, UsageError, OutputError)."""
+    if dtype not in ("keep", *CAST_TARGETS) or (strip_prefix is not None and not isinstance(strip_prefix, str)):
+        raise UsageError(f"dtype is one of keep, {', '.join(CAST_TARGETS)}; strip_prefix a string")
     return _convert.convert(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
                                     reader_options),
-                            out, _convert.ConvertOptions(strip_prefix, dtype, copy_extras),
+                            _path(out, "out"), _convert.ConvertOptions(strip_prefix, dtype, _flag(copy_extras,
+                                                                                                  "copy_extras")),
                             _write(max_shard_size, name, overwrite, fsync, buffered_io, resume), progress=progress)
 
 
@@ -51,7 +100,9 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
             fsync=False, buffered_io=False, workers=2, reader_options=None, progress=None) -> _reshard.ReshardResult:
     """`ckptconv reshard SRC OUT --tp N` (docs/reshard.md); with `dry_run`, the plan only (OUT may
     be None)."""
-    mesh = MeshSpec(tp, ep, preset, None if rules is None else str(rules),
+    if any(type(v) is not int or v < 1 for v in (tp, ep)):
+        raise UsageError(f"tp and ep: expected whole numbers of at least 1, not {tp!r}, {ep!r}")
+    mesh = MeshSpec(tp, ep, preset, None if rules is None else _path(rules, "rules"),
                     {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab)
     return _reshard.reshard(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
                                     reader_options),
@@ -65,7 +116,10 @@ def verify(path, against=None, *, device=None, allow_fewer_devices=False, format
     problem (`report.problems`, one sentence each); `report.ok` is True when there is none.
     `progress(nbytes)` is called as bytes are hashed."""
     read = _source(path, format, (), allow_globals, state_dict, False, workers, reader_options).options
-    return _verify.verify(path, against, read, format, device, allow_fewer_devices, progress)
+    if device not in (None, "cpu", "cuda", "tpu"):
+        raise UsageError(f"device: one of cpu, cuda, tpu, not {device!r}")
+    return _verify.verify(_path(path, "path"), None if against is None else _path(against, "against"), read, format,
+                          device, _flag(allow_fewer_devices, "allow_fewer_devices"), progress)
 
 
 @dataclass

@@ -413,10 +413,13 @@ def _verify_foreign_dir(path: Path, report: Report, progress=None):
     """A directory of safetensors files without ckptconv's manifest: its one index and the files it
     names, or every .safetensors file in it."""
     entries = _scan(path, report)
-    indexes = sorted(n for n in entries if n.endswith(manifest_format.INDEX_SUFFIX))
+    indexes = sorted(n for n in entries if n.endswith(manifest_format.INDEX_SUFFIX) and not n.startswith("."))
     weight_map = {}
     if len(indexes) > 1:
         report.add(path, f"holds {len(indexes)} indexes ({', '.join(indexes[:4])})")
+        return
+    if indexes and not _regular(entries, indexes[0]):
+        report.add(path / indexes[0], f"is {_kind(entries[indexes[0]])}; an index is a regular file (not followed)")
         return
     if indexes:
         raw = _json(path, indexes[0], entries, report, "the index")
@@ -424,8 +427,10 @@ def _verify_foreign_dir(path: Path, report: Report, progress=None):
         for p in problems:
             report.add(path / indexes[0], p)
         names = sorted(set((weight_map or {}).values()))
+        for n in sorted(n for n in entries if n.endswith(".safetensors") and n not in names):
+            report.add(path / n, "is not in the index: a consumer following the index never loads it")
     else:
-        names = sorted(n for n in entries if n.endswith(".safetensors"))
+        names = sorted(n for n in entries if n.endswith(".safetensors") and not n.startswith("."))
     for n in names:
         if n not in entries:
             report.add(path / n, "listed in the index but missing")
@@ -583,7 +588,12 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
     # into OUT (and listed in its sums) must not become "the output" that matches the source
     out = open_checkpoint(out_path, "mesh" if is_mesh else "safetensors", ReadOptions())
     recorded, manifest = _recorded_source(out_path, is_mesh)
-    read = _as_recorded(read, manifest)
+    applied = _as_recorded(read, manifest)
+    if applied != read:  # say so: "matches the source" then means the selection convert recorded
+        report.notes.append(f"{out_path}: compared with the part of the source the output records it was made "
+                            f"from: --state-dict {brief(applied.state_dict)}"
+                            + (f", --only {brief(applied.only)}" if applied.only else ""))
+    read = applied
     source = open_checkpoint(src, fmt, read)
     src_list = source.tensors
     prefix, cast_to = manifest.get("strip_prefix"), manifest.get("cast")
@@ -627,7 +637,8 @@ def _as_recorded(read: ReadOptions, manifest: dict) -> ReadOptions:
     wrapper, only = manifest.get("state_dict"), manifest.get("only")
     if isinstance(wrapper, str) and wrapper and read.state_dict == "auto":
         read = dataclasses.replace(read, state_dict=wrapper)
-    if isinstance(only, list) and only and all(isinstance(p, str) for p in only) and not read.only:
+    if isinstance(only, list) and 0 < len(only) <= 1000 and all(isinstance(p, str) and len(p) <= 1000 for p in only) \
+            and not read.only:
         read = dataclasses.replace(read, only=list(only))
     return read
 

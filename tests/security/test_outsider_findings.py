@@ -140,3 +140,68 @@ def test_name_is_refused_for_one_file(tmp_path):
     r = run_subprocess("convert", src, tmp_path / "x.safetensors", "--name", "adapter_model")
     assert r.returncode == 2 and "--name" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.pt"]
+
+
+# --- found by the outside attack on issue 14's additions
+
+
+def test_a_shared_argument_copied_by_many_calls_is_charged(tmp_path):
+    from tests.fixtures.attacks import Reduce
+    big = list(range(100_000))
+    src = tmp_path / "copies.pt"
+    torch.save({"w": torch.ones(1), "x": [Reduce(list, (big,)) for _ in range(3000)]}, src)  # 300M copies asked
+    out = tmp_path / "out"
+    assert_refused(cli("convert", src, out, "--quiet", timeout=60), out, "expands far beyond")
+
+
+@pytest.mark.parametrize("module, name", [("pathlib", "os.system"), ("_operator", "attrgetter"),
+                                          ("_posixsubprocess", "fork_exec"), ("torch.hub", "load"),
+                                          ("builtins", "exit")])
+def test_other_spellings_of_code_are_refused_even_in_dropped_state(tmp_path, module, name):
+    from tests.fixtures.attacks import _u, torch_zip
+    pkl = (b"\x80\x04}(" + _u("state_dict") + b"}" + _u("callbacks") + _u(module) + _u(name) + b"\x93" + _u("x")
+           + b"\x85Ru.")
+    src = tmp_path / "evil.pt"
+    src.write_bytes(torch_zip(pkl))
+    out = tmp_path / "out"
+    assert_refused(cli("convert", src, out, "--quiet", "--allow-global", f"{module.lstrip('_') or 'x'}.*"), out,
+                   "can run code")
+
+
+def test_a_class_on_no_allowlist_cannot_hide_in_a_key(tmp_path):
+    from tests.fixtures.lightning import ModelCheckpoint
+    src = tmp_path / "key.pt"
+    torch.save({"w": torch.ones(1), "meta": {ModelCheckpoint(): 1}}, src)
+    out = tmp_path / "out"
+    assert_refused(cli("convert", src, out, "--quiet"), out, "tests.fixtures.lightning.ModelCheckpoint")
+
+
+def test_the_suggested_allow_global_is_never_a_command_to_paste(tmp_path):
+    from tests.fixtures.attacks import _u, torch_zip
+    evil = "x';touch /tmp/never;'"
+    src = tmp_path / "quote.pt"
+    src.write_bytes(torch_zip(b"\x80\x04}" + _u("meta") + _u(evil) + _u("C") + b"\x93)\x81s."))
+    out = tmp_path / "out"
+    r = cli("convert", src, out, "--quiet")
+    assert_refused(r, out, "--allow-global MODULE.NAME")
+    assert "--allow-global 'x'" not in r.stderr
+
+
+def test_a_foreign_output_whose_index_is_a_link_is_a_problem(tmp_path):
+    out = tmp_path / "hub"
+    out.mkdir()
+    save_file({"x": torch.ones(1)}, out / "model.safetensors")
+    save_file({"x": torch.full((1,), 666.0)}, out / "evil.safetensors")
+    (tmp_path / "idx.json").write_text(json.dumps({"weight_map": {"x": "evil.safetensors"}}))
+    (out / "model.safetensors.index.json").symlink_to(tmp_path / "idx.json")
+    r = run("verify", out)
+    assert r.exit_code == 1 and "symbolic link" in r.stdout, r.stdout
+
+
+def test_verify_against_says_when_it_compared_a_recorded_selection(tmp_path):
+    src = tmp_path / "light.ckpt"
+    torch.save({"state_dict": {"a": torch.ones(2), "b": torch.zeros(2)}, "ema": {"a": torch.zeros(2)}}, src)
+    out = tmp_path / "ema"
+    assert run("convert", src, out, "--state-dict", "ema", "--quiet").exit_code == 0
+    r = run("verify", out, "--against", src)
+    assert r.exit_code == 0 and "note:" in r.stdout and "--state-dict 'ema'" in r.stdout, r.stdout

@@ -128,7 +128,8 @@ class StateDict(dict):
 
 def _ordered_dict(ctx, items=()):
     d = StateDict()
-    for kv in _items(ctx, items, "OrderedDict"):
+    ctx.copying(len(_items(ctx, items, "OrderedDict")))
+    for kv in items:
         if not (isinstance(kv, (tuple, list)) and len(kv) == 2):
             raise ctx.bad("OrderedDict item is not a (key, value) pair")
         ctx.hashing((kv[0],))
@@ -146,6 +147,7 @@ def _encode(ctx, text, encoding="latin1"):
     """_codecs.encode, as protocol-2 pickles use it to spell bytes; latin-1 only."""
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
         raise ctx.unsafe(f"_codecs.encode({type(text).__name__}, {encoding!r}) is not allowed")
+    ctx.copying(len(text))
     return text.encode("latin1")
 
 
@@ -154,6 +156,7 @@ def _bytearray(ctx, data=b"", encoding=None):
         data = _encode(ctx, data, encoding or "")
     if not isinstance(data, (bytes, bytearray)):
         raise ctx.unsafe(f"builtins.bytearray of a {type(data).__name__}")
+    ctx.copying(len(data))
     return bytearray(data)
 
 
@@ -187,8 +190,26 @@ CODE_NAMES = {(b, n) for b in ("builtins", "__builtin__") for n in (
     ("torch", "load"), ("torch.serialization", "load"), ("torch.jit", "load"), ("torch", "_load_global_deps")}
 
 
+# Reached through other spellings too: a dotted name (protocol 4 resolves `pathlib` + `os.system`),
+# a C twin (`_operator`, `_posixsubprocess`) or a Python 2 name; so every part of the dotted path is
+# looked at, leading underscores dropped.
+CODE_PARTS = {m.lstrip("_").lower() for m in CODE_MODULES} | {
+    "posixsubprocess", "imp", "frozen_importlib", "frozen_importlib_external", "thread", "stringio", "cstringio",
+    "urllib", "urllib2", "http", "httplib", "ftplib", "smtplib", "telnetlib", "pydoc", "cprofile", "profile",
+    "hub", "cpp_extension", "f2py", "distutils", "setuptools", "pip", "site", "builtins", "__builtin__"}
+CODE_LAST = {n for _, n in CODE_NAMES} | {"system", "popen", "spawn", "fork_exec", "load_inline", "urlopen",
+                                          "locate", "exit", "quit", "loads", "attrgetter", "methodcaller", "partial"}
+SAFE_BUILTINS = {"set", "frozenset", "bytearray", "object", "list", "dict", "tuple", "int", "long", "float", "str",
+                 "unicode", "bytes", "bool"}
+
+
 def runs_code(module: str, name: str) -> bool:
-    return (module, name) in CODE_NAMES or any(module == m or module.startswith(m + ".") for m in CODE_MODULES)
+    if (module, name) in CODE_NAMES or any(module == m or module.startswith(m + ".") for m in CODE_MODULES):
+        return True
+    parts = [p.lstrip("_").lower() for p in f"{module}.{name}".split(".")]
+    if parts[0] == "builtin" or parts[0] == "builtins":   # builtins: only the plain types below
+        return len(parts) != 2 or parts[1] not in SAFE_BUILTINS
+    return any(p in CODE_PARTS for p in parts) or parts[-1] in CODE_LAST or "." in name
 
 
 class Unlisted:
@@ -212,8 +233,8 @@ class Unlisted:
         listed = ", ".join(f"{q} (x{self.found[q][0]}, first at pickle offset {self.found[q][1]})"
                            for q in names[:self.SHOWN])
         more = f" and {len(names) - self.SHOWN} more" if len(names) > self.SHOWN else ""
-        modules = sorted({q.split(".", 1)[0] for q in names})   # top-level packages: `omegaconf.*`
-        hint = " ".join(f"--allow-global '{m}.*'" for m in modules[:4])
+        modules = sorted({q.split(".", 1)[0] for q in names if q.split(".", 1)[0].isidentifier()})
+        hint = " ".join(f"--allow-global '{m}.*'" for m in modules[:4]) or "--allow-global MODULE.NAME"
         return UnsafePickle(f"{self.path}: refused: {len(names)} global(s) in the state to be written are not on "
                             f"the allowlist: {printable(listed, 1000)}{more}; nothing was executed. To keep them as "
                             f"inert data (never imported or called): {printable(hint, 300)}; or leave that state "
@@ -227,11 +248,18 @@ class Unlisted:
 def holds_placeholder(value) -> bool:
     """Whether `value` reaches a Placeholder (a class on no allowlist) through containers and
     records; each object is looked at once."""
+    return _placeholder_in(value) is not None
+
+
+def _placeholder_in(value):
+    """The first Placeholder `value` reaches, or None."""
     todo, seen = [value], set()
     while todo:
         v = todo.pop()
-        if isinstance(v, Placeholder) or (isinstance(v, InertObject) and v.placeholder is not None):
-            return True
+        if isinstance(v, Placeholder):
+            return v
+        if isinstance(v, InertObject) and v.placeholder is not None:
+            return v.placeholder
         if id(v) in seen or not isinstance(v, (dict, list, tuple, set, frozenset, InertObject)):
             continue
         seen.add(id(v))
@@ -243,7 +271,7 @@ def holds_placeholder(value) -> bool:
             todo.extend(v.state.values())
         else:
             todo.extend(v)
-    return False
+    return None
 
 
 class Placeholder(StandIn):
@@ -274,6 +302,8 @@ def _container(kind):
             raise ctx.unsafe(f"builtins.{kind.__name__} of {type(items).__name__}")
         if kind in (list, tuple, set, frozenset, dict) and not isinstance(items, (list, tuple, set, frozenset, dict)):
             raise ctx.unsafe(f"builtins.{kind.__name__} of a {type(items).__name__}")
+        if isinstance(items, (list, tuple, set, frozenset, dict, str, bytes)):
+            ctx.copying(len(items))
         if kind is dict:
             return dict(zip(ctx.hashing(list(items)), items.values())) if isinstance(items, dict) else \
                 _ordered_dict(ctx, items)
@@ -330,7 +360,7 @@ def allow_globals(names) -> dict:
     out = {}
     for name in names or ():
         module, _, attr = name.rpartition(".")
-        if not module or not attr or "*" in module or ("*" in attr and attr != "*"):
+        if not module or not attr or "*" in module or ("*" in attr and attr != "*") or "" in module.split("."):
             raise UsageError(f"--allow-global {name!r}: expected MODULE.NAME or MODULE.*")
         out[(module, attr)] = InertClass(name)
     return out
@@ -380,8 +410,9 @@ class Context:
 
     def _made(self, obj, items, what):
         self.credit(self.pos)
-        depth, size = 1, 1
-        for x in items:
+        nested = [x for x in items if type(x) in (tuple, frozenset)]   # the rest are leaves: 1 each
+        depth, size = 1, 1 + len(items) - len(nested)
+        for x in nested:
             d, n = self._size(x)
             depth, size = max(depth, d + 1), size + n
         if depth > MAX_DEPTH:
@@ -393,11 +424,19 @@ class Context:
             self._shape[id(obj)] = (obj, depth, size)
         return obj
 
+    def copying(self, n: int):
+        """Charge for copying `n` items or bytes: a stand-in called again and again on one shared
+        (memoized) argument copies it every time, and a 6-byte call must not copy a megabyte free."""
+        self.credit(self.pos)
+        self.budget.spend(n + 1, "copies of shared objects")
+
     def tuple(self, items) -> tuple:
+        self.copying(len(items))
         items = tuple(items)
         return self._made(items, items, "tuple")
 
     def frozenset(self, items) -> frozenset:
+        self.copying(len(items))
         self.hashing(items)
         return self._made(frozenset(items), items, "frozenset")
 
@@ -998,9 +1037,12 @@ class Ref:
 
 
 def key_text(key) -> str:
-    """A dict key as a name part: scalars as str(), anything else as a short, deterministic repr."""
+    """A dict key as a name part: scalars as str(), anything else as a short, deterministic repr. A
+    key built from a class on no allowlist would carry it into a name: refused."""
     if isinstance(key, str):
         return key
+    if isinstance(key, (Placeholder, InertObject, tuple, frozenset)) and holds_placeholder(key):
+        raise _placeholder_in(key).unlisted.refusal()
     if isinstance(key, int) and key.bit_length() > 1024:
         return hex(key)  # str() of a 40,000-digit number is refused by Python itself
     if key is None or isinstance(key, (bool, int, float)):
