@@ -136,3 +136,14 @@ def test_allow_global_patterns_are_checked(tmp_path):
     for bad in ("*", "omegaconf.*.x", "x"):
         r = cli("convert", src, tmp_path / "o", "--allow-global", bad)
         assert_refused(r, tmp_path / "o", "--allow-global")
+
+
+@pytest.mark.parametrize("protocol", [1, 2])   # (protocol 0 spells storage ids as text: not read)
+def test_old_protocols_build_placeholders_too(tmp_path, protocol):
+    src = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "callbacks": {"cb": lightning.ModelCheckpoint()}}, src,
+               pickle_protocol=protocol)
+    out = tmp_path / "out"
+    r = run("convert", src, out)
+    assert r.exit_code == 0, r.stderr
+    assert manifest(out)["source"]["placeholders"][0]["global"] == "tests.fixtures.lightning.ModelCheckpoint"

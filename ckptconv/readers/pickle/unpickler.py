@@ -170,7 +170,7 @@ def _frozenset(ctx, items=()):
 
 def _reconstructor(ctx, cls, base, state=None):
     """copyreg._reconstructor: protocol 0/1 spelling of `object.__new__(cls)`, inert classes only."""
-    if not isinstance(cls, InertClass) or not isinstance(base, Marker) or base.value is not object:
+    if not isinstance(cls, (InertClass, Placeholder)) or not isinstance(base, Marker) or base.value is not object:
         raise ctx.unsafe(f"copyreg._reconstructor of {getattr(cls, 'qualname', type(cls).__name__)}")
     return cls.new((), {}, ctx)
 
