@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from . import dtypes, runner, safejson, transforms
 from .errors import BadInput, UsageError
 from .readers import Source, open_source, readers
+from .tp.rules import read_config
 from .writers import WRITERS
 from .writers.base import Content, WriteOptions
 from .writers.sharded import source_id
@@ -90,6 +91,9 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     if one_file and write.resume:
         raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
     tensors = transforms.strip_prefix(ckpt.tensors, options.strip_prefix)
+    aliases = {}
+    if (read_config(ckpt.model_files) or {}).get("tie_word_embeddings") is True:
+        tensors, aliases = transforms.untie(tensors)
     target = None if options.dtype == "keep" else dtypes.CAST_TARGETS[options.dtype]
     tensors = transforms.cast_floats(tensors, target)
     described = dict(ckpt.source)
@@ -100,8 +104,8 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     if source.options.only:
         described["only"] = list(source.options.only)   # verify --against compares the same selection
     carry = options.copy_extras and not one_file  # one file carries no model files
-    content = Content(described, ckpt.extras, ckpt.manifest, ckpt.model_files if carry else [],
-                      ckpt.skipped_files if carry else [])
+    content = Content(described, ckpt.extras, {**ckpt.manifest, **({"aliases": aliases} if aliases else {})},
+                      ckpt.model_files if carry else [], ckpt.skipped_files if carry else [])
     if carry and target is not None:
         content.edited = _config_with_dtype(ckpt.model_files, target, described)
     content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()}, ckpt.extras, ckpt.manifest,

@@ -19,6 +19,23 @@ def strip_prefix(tensors, prefix: str | None):
     return out
 
 
+def untie(tensors) -> tuple:
+    """(tensors, {alias: kept name}): of tensors that are the same bytes of the same file (tied
+    weights: the embeddings and the output head), the first is kept and the others become aliases,
+    as huggingface_hub's save_torch_state_dict writes them; from_pretrained ties them back."""
+    kept, aliases, first = [], {}, {}
+    for t in tensors:
+        span = t.file_span()
+        key = None if span is None else (id(span[0]), span[1], t.nbytes, t.dtype.code, tuple(t.shape))
+        if key is not None and key in first:
+            aliases[t.name] = first[key]
+            continue
+        if key is not None:
+            first[key] = t.name
+        kept.append(t)
+    return kept, aliases
+
+
 def cast_floats(tensors, dtype):
     """Cast floating tensors to `dtype` (a DType), rounding to nearest even; integers are untouched."""
     if dtype is None:

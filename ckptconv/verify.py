@@ -578,7 +578,11 @@ def _recorded_source(out_path: Path, is_mesh: bool) -> tuple:
         first = out_path / rank_dir(0) if is_mesh else out_path
         where, raw = first / MANIFEST, _checked_manifest(first) if (first / MANIFEST).is_file() else {}
     source = raw.get("source", {}) if isinstance(raw, dict) else {}
-    return where, source if isinstance(source, dict) else {}  # (informational otherwise: the tensors still compare)
+    aliases = raw.get("aliases", {}) if isinstance(raw, dict) else {}
+    aliases = {a: b for a, b in aliases.items() if isinstance(a, str) and isinstance(b, str)} \
+        if isinstance(aliases, dict) else {}
+    # (a malformed source is informational: the tensors still compare)
+    return where, source if isinstance(source, dict) else {}, aliases
 
 
 def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report, mine=lambda kind, key: True):
@@ -587,7 +591,7 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
     # what OUT holds is read as what ckptconv writes, never by detection: a .pt or .metadata slipped
     # into OUT (and listed in its sums) must not become "the output" that matches the source
     out = open_checkpoint(out_path, "mesh" if is_mesh else "safetensors", ReadOptions())
-    recorded, manifest = _recorded_source(out_path, is_mesh)
+    recorded, manifest, aliases = _recorded_source(out_path, is_mesh)
     applied = _as_recorded(read, manifest)
     if applied != read:  # say so: "matches the source" then means the selection convert recorded
         report.notes.append(f"{out_path}: compared with the part of the source the output records it was made "
@@ -613,8 +617,10 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
             report.add(recorded, f"source.cast {brief(cast_to)} is not a --dtype ckptconv casts to")
             return
     src_tensors = {t.name: t for t in src_list}
-    for t in out.tensors:
-        s = src_tensors.pop(t.name, None)
+    written = {t.name: t for t in out.tensors}
+    tied = [(written[aliases[n]], src_tensors.pop(n)) for n in list(src_tensors)
+            if n in aliases and aliases[n] in written]   # written once (tied weights): the same bytes
+    for t, s in [(t, src_tensors.pop(t.name, None)) for t in out.tensors] + tied:
         if not mine("tensor", t.name):
             continue
         if s is None:

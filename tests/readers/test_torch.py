@@ -216,3 +216,28 @@ def test_after_a_cast_the_carried_config_says_the_new_dtype(hf_llama, tmp_path, 
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype="auto")
     assert model.dtype == torch.bfloat16
+
+
+def test_tied_embeddings_are_written_once_and_load_back_tied(tmp_path):
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    src = tmp_path / "src"
+    src.mkdir()
+    cfg.save_pretrained(src)
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    torch.save(state, src / "pytorch_model.bin")                       # both names, one storage
+    out = tmp_path / "out"
+    assert run("convert", src, out, "--quiet").exit_code == 0
+    written = load_output(out)
+    assert "lm_head.weight" not in written and "model.embed_tokens.weight" in written
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([[1, 5, 9, 33]])
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+    assert run("verify", out, "--against", src).exit_code == 0
