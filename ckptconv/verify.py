@@ -174,14 +174,10 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
             continue
         if not _regular(entries, shard):
             continue  # never opened; the directory check below reports what it is
-        try:
-            m = MappedFile(path)
-            header = parse_header(m.view, m.size, path)
-        except BadInput as e:
-            found.add(path, str(e).split(": ", 1)[-1])
+        parsed = _parsed(path, found)
+        if parsed is None:
             continue
-        for p in header.problems:
-            found.add(path, p)
+        m, header = parsed
         if structural and not header.problems:
             _library_view(path, header, report)
         for e in header.entries:
@@ -246,6 +242,20 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
         elif name != SUMS and name not in listed:
             report.add(d / name, "file is not listed in SHA256SUMS or the manifest")
     return {n: m_tensors[n] for n in located if m_tensors.get(n) is not None}
+
+
+def _parsed(path: Path, report: Report):
+    """(mapping, header) of a safetensors file, its header's problems reported; None (reported too)
+    when the header cannot be read at all."""
+    try:
+        m = MappedFile(path)
+        header = parse_header(m.view, m.size, path)
+    except BadInput as e:
+        report.add(path, str(e).split(": ", 1)[-1])
+        return None
+    for p in header.problems:
+        report.add(path, p)
+    return m, header
 
 
 def _library_view(path: Path, header, report: Report):
@@ -381,16 +391,10 @@ def _verify_foreign_files(where: Path, files: list, weight_map: dict, report: Re
     report.notes.append(f"{where}: {FOREIGN_NOTE}")
     located = {}
     for path in files:
-        try:
-            m = MappedFile(path)
-            header = parse_header(m.view, m.size, path)
-        except BadInput as e:
-            report.add(path, str(e).split(": ", 1)[-1])
+        parsed = _parsed(path, report)
+        if parsed is None or parsed[1].problems:
             continue
-        for p in header.problems:
-            report.add(path, p)
-        if header.problems:
-            continue
+        m, header = parsed
         _library_view(path, header, report)
         for e in header.entries:
             if e.name in located:
