@@ -130,12 +130,10 @@ def read_options(fn):
                   "skipped and listed.")
     @functools.wraps(fn)
     def wrapper(*args, only, allow_global, skip_unsupported, state_dict, workers, max_extra_size, **kwargs):
+        given = {d: kwargs.pop(d) for d in declared}
         kwargs["read"] = ReadOptions(allow_globals=list(allow_global), skip_unsupported=skip_unsupported,
                                      only=list(only), workers=workers, max_extra_size=parse_size(max_extra_size),
-                                     state_dict=state_dict,
-                                     declared={d: kwargs.pop(d) for d in declared if kwargs.get(d) is not None})
-        for d in declared:
-            kwargs.pop(d, None)
+                                     state_dict=state_dict, declared={d: v for d, v in given.items() if v is not None})
         return fn(*args, **kwargs)
 
     return wrapper

@@ -28,9 +28,14 @@ def test_text_referenced_many_times_is_charged_by_its_length(tmp_path):
     assert not out.exists()
 
 
-def test_bytes_referenced_many_times_are_hashed_once(tmp_path):
-    src = tmp_path / "blob.pt"
+def test_bytes_referenced_many_times_are_hashed_once(tmp_path, monkeypatch):
+    from ckptconv.readers.pickle import unpickler
+    real, hashed = unpickler.hashlib.sha256, []
+    monkeypatch.setattr(unpickler.hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real(data))
     blob = b"a" * (1 << 20)
+    extras = unpickler.extras_json({"x": [blob] * 3000}, unpickler.Budget("blob", 1 << 20))
+    assert hashed == [1 << 20] and len(extras["x"]) == 3000      # one digest, however often it is reached
+    src = tmp_path / "blob.pt"
     torch.save({"w": torch.ones(2), "x": [blob] * 3000}, src)              # 3 GB to hash, were each reference hashed
     out = tmp_path / "out"
     r = cli("convert", src, out, "--quiet", timeout=60)

@@ -855,39 +855,20 @@ def _frozenset_op(vm, op):
 
 # --- memo
 
-@_op(0x70)  # PUT (text)
-def _put(vm, op):
-    vm.memo_put(int(vm.line()))
+def _memo_ops(put, get, index):
+    """PUT/GET in one spelling of the memo index (text line, one byte, four bytes)."""
+    _OPS[put] = lambda vm, op: vm.memo_put(index(vm))
+    _OPS[get] = lambda vm, op: vm.memo_get(index(vm))
 
 
-@_op(0x71)  # BINPUT
-def _binput(vm, op):
-    vm.memo_put(vm.byte())
-
-
-@_op(0x72)  # LONG_BINPUT
-def _long_binput(vm, op):
-    vm.memo_put(vm.unpack(_U32))
+_memo_ops(0x70, 0x67, lambda vm: int(vm.line()))    # PUT, GET (text)
+_memo_ops(0x71, 0x68, lambda vm: vm.byte())         # BINPUT, BINGET
+_memo_ops(0x72, 0x6A, lambda vm: vm.unpack(_U32))   # LONG_BINPUT, LONG_BINGET
 
 
 @_op(0x94)  # MEMOIZE
 def _memoize(vm, op):
     vm.memo_put(len(vm.memo))
-
-
-@_op(0x67)  # GET (text)
-def _get(vm, op):
-    vm.memo_get(int(vm.line()))
-
-
-@_op(0x68)  # BINGET
-def _binget(vm, op):
-    vm.memo_get(vm.byte())
-
-
-@_op(0x6A)  # LONG_BINGET
-def _long_binget(vm, op):
-    vm.memo_get(vm.unpack(_U32))
 
 
 # --- SECURITY: every opcode that names a global, calls, instantiates, sets state or reaches outside
