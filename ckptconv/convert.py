@@ -4,7 +4,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import dtypes, runner, safejson, transforms
+from . import dtypes, runner, transforms
 from .errors import BadInput, UsageError
 from .readers import Source, open_source, readers
 from .tp.rules import read_config
@@ -52,22 +52,26 @@ class ConvertResult:
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
-def _config_with_dtype(model_files, target, described) -> dict:
+def _config(model_files) -> dict:
+    """The carried config.json as an object, or {}: one that does not parse is carried unchanged and
+    read for nothing (convert never needed it before it tied weights or edited the dtype)."""
+    try:
+        return read_config(model_files) or {}
+    except BadInput:
+        return {}
+
+
+def _config_with_dtype(config: dict, target, described) -> dict:
     """After --dtype, the carried config.json says the new dtype (`torch_dtype`, and `dtype` as newer
     transformers write it); the edit is recorded as source.config_edits. Other files, and a
     config.json without those keys, are carried unchanged."""
-    path = dict(model_files).get("config.json")
-    if path is None:
-        return {}
-    config = safejson.load_file(path, "config.json", limit=64 << 20)
     new = TORCH_DTYPE_NAMES[target.code]
-    keys = [k for k in ("torch_dtype", "dtype") if isinstance(config, dict) and isinstance(config.get(k), str)
-            and config[k] != new]
+    keys = [k for k in ("torch_dtype", "dtype") if isinstance(config.get(k), str) and config[k] != new]
     if not keys:
         return {}
     described["config_edits"] = {k: [config[k], new] for k in keys}
-    config.update({k: new for k in keys})
-    return {"config.json": (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")}
+    edited = {**config, **{k: new for k in keys}}
+    return {"config.json": (json.dumps(edited, indent=2, ensure_ascii=False) + "\n").encode("utf-8")}
 
 
 def single_file(out) -> bool:
@@ -91,8 +95,8 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     if one_file and write.resume:
         raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
     tensors = transforms.strip_prefix(ckpt.tensors, options.strip_prefix)
-    aliases = {}
-    if (read_config(ckpt.model_files) or {}).get("tie_word_embeddings") is True:
+    aliases, config = {}, _config(ckpt.model_files)
+    if config.get("tie_word_embeddings") is True:
         tensors, aliases = transforms.untie(tensors)
     target = None if options.dtype == "keep" else dtypes.CAST_TARGETS[options.dtype]
     tensors = transforms.cast_floats(tensors, target)
@@ -107,7 +111,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     content = Content(described, ckpt.extras, {**ckpt.manifest, **({"aliases": aliases} if aliases else {})},
                       ckpt.model_files if carry else [], ckpt.skipped_files if carry else [])
     if carry and target is not None:
-        content.edited = _config_with_dtype(ckpt.model_files, target, described)
+        content.edited = _config_with_dtype(config, target, described)
     content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()}, ckpt.extras, ckpt.manifest,
                                                     [rel for rel, _ in content.model_files]])
     writer = WRITERS["single" if one_file else "sharded"](write, content, out)

@@ -241,3 +241,16 @@ def test_tied_embeddings_are_written_once_and_load_back_tied(tmp_path):
     with torch.no_grad():
         assert torch.equal(back(ids).logits, model(ids).logits)
     assert run("verify", out, "--against", src).exit_code == 0
+
+
+@pytest.mark.parametrize("extra", [[], ["--dtype", "bf16"]])
+def test_a_config_that_does_not_parse_is_carried_unchanged(tmp_path, extra):
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save({"w": torch.ones(2)}, src / "pytorch_model.bin")
+    (src / "config.json").write_text('{"tie_word_embeddings": true, "torch_dtype": "float32"')   # cut short
+    out = tmp_path / "out"
+    r = run("convert", src, out, "--quiet", *extra)
+    assert r.exit_code == 0, r.stderr
+    assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    assert "config_edits" not in json.loads((out / "manifest.json").read_text())["source"]
