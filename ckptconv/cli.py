@@ -284,8 +284,9 @@ def _convert_command(name, pickle_only, help_text):
                                                          for s in result.skipped_files))
             if result.state_dict:
                 say(f"wrote the tensors of {result.state_dict!r} under their own names (--state-dict none keeps "
-                    "everything)" + ("; left out: " + "; ".join(f"{d['name']} ({d['reason']})" for d in result.dropped)
-                                     if result.dropped else ""))
+                    "everything)")
+            if result.dropped:
+                say("left out: " + "; ".join(f"{d['name']} ({d['reason']})" for d in result.dropped))
             if result.placeholders:
                 say("left out, built as inert placeholders: " + ", ".join(
                     f"{p['global']} (x{p['count']})" for p in result.placeholders))

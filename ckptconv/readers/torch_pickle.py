@@ -84,7 +84,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         t, e, s = flatten(obj, shard, skip_unsupported=options.skip_unsupported, budget=budget)
         if listed is not None:
             check_listed(target, shard.name, listed[shard.name], set(t) | {x["name"] for x in s})
-        _justified(m, t.values())
+        justified(m, t.values())
         for name, src in t.items():
             if wanted(name, options.only):
                 tensors.append(src)
@@ -115,7 +115,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     return Checkpoint(tensors, extras, source, files, mapped)
 
 
-def _justified(m: MappedFile, tensors):
+def justified(m: MappedFile, tensors):
     """Views may repeat bytes (tied weights) or stretch them (a stride-0 `expand`), but the tensors of
     a file may not describe far more bytes than it holds: a 620-byte file is not 2 GB of output."""
     described = sum(t.nbytes for t in tensors)
@@ -161,13 +161,19 @@ def _holds_tensor(value, depth=0) -> bool:
     return False
 
 
-def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=None):
-    """Unpickle a torch zip archive at [base, base+length) of `m` (DCP chunks are such archives)."""
-    entries = ziparchive.read_entries(m, base, length)
+def archive_prefix(m: MappedFile, entries) -> str:
+    """The folder inside a torch zip archive that holds its one data.pkl (`archive/`, or the stem)."""
     pkl = [n for n in entries if n == "data.pkl" or n.endswith("/data.pkl")]
     if len(pkl) != 1:
         raise BadInput(f"{m.path}: torch zip archive must hold exactly one data.pkl, found {len(pkl)}")
-    prefix = pkl[0][:-len("data.pkl")]
+    return pkl[0][:-len("data.pkl")]
+
+
+def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=None, entries=None):
+    """Unpickle a torch zip archive at [base, base+length) of `m` (DCP chunks are such archives);
+    `entries` if the caller has read them already."""
+    entries = entries if entries is not None else ziparchive.read_entries(m, base, length)
+    prefix = archive_prefix(m, entries)
     order = entries.get(prefix + "byteorder")
     big = order is not None and bytes(ziparchive.read_small(m, order, 16)).strip() == b"big"
     storages = {}
@@ -183,18 +189,21 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
         entry = entries.get(f"{prefix}data/{key}")
         if entry is None:
             raise ctx.bad(f"storage {key!r} has no entry data/{key} in the archive")
+        if entry.method:
+            raise ctx.bad(f"storage {key!r}: its entry data/{key} is compressed (torch stores tensor data "
+                          "uncompressed - was this archive repacked?)")
         nbytes = numel * _itemsize(storage_dtype(stype, ctx))
         if nbytes > entry.size:
             raise ctx.bad(f"storage {key!r} needs {nbytes} bytes but its entry holds {entry.size}")
         storages[key] = Storage(key, storage_dtype(stype, ctx), m, entry.offset, nbytes, big)
         return storages[key]
 
-    entry = entries[pkl[0]]
+    entry = entries[prefix + "data.pkl"]
     data = ziparchive.read_small(m, entry)
     try:
         return unpickler.load(data, allow, m.path, entry.offset, persistent_load, budget, unlisted)
     finally:
-        m.release(entry.offset, entry.size)  # parsed: its pages go (a DCP checkpoint has one per chunk)
+        m.release(entry.offset, entry.span)  # parsed: its pages go (a DCP checkpoint has one per chunk)
 
 
 def _load_legacy(m: MappedFile, allow, budget, unlisted=None):

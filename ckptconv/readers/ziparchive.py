@@ -1,8 +1,10 @@
-"""A strict reader for the stored (uncompressed) zip archives torch.save writes, over a mapped file.
+"""A strict reader for the zip archives torch.save and torch.jit.save write, over a mapped file.
 
-Only what torch produces is accepted: stored entries, no encryption, unique relative names, local
-headers that agree with the central directory, data inside the file and not overlapping. Each
-entry's data offset is computed from its local header, so tensors can be views of the mapping.
+Only what torch produces is accepted: no encryption, unique relative names, local headers that agree
+with the central directory, data inside the file and not overlapping. Each entry's data offset is
+computed from its local header, so stored entries (all tensor data) can be views of the mapping.
+torch.jit.save deflates its `code/` entries: an archive may hold compressed entries, and one is
+refused only if it is read, and then inflated no further than its declared size and a fixed ratio.
 """
 import struct
 import zlib
@@ -17,8 +19,17 @@ _EOCD, _EOCD64, _LOC64, _CEN, _LOC = 0x06054B50, 0x06064B50, 0x07064B50, 0x02014
 class Entry:
     name: str
     offset: int   # of the data, in the file
-    size: int
+    size: int     # once inflated (stored entries: as stored)
     crc: int
+    method: int = 0   # 0 stored, 8 deflated
+    stored: int = -1  # bytes in the file (compressed size); -1: same as size
+
+    @property
+    def span(self) -> int:
+        return self.size if self.stored < 0 else self.stored
+
+
+INFLATE_RATIO = 64       # the most an entry may inflate to, per byte in the file (beyond 1 MiB)
 
 
 def is_zip(mapped) -> bool:
@@ -67,9 +78,9 @@ def read_entries(mapped, base=0, length=None) -> dict:
 
     ordered = sorted(entries.values(), key=lambda e: e.offset)
     for a, b in zip(ordered, ordered[1:]):
-        if a.offset + a.size > b.offset - 30:
+        if a.offset + a.span > b.offset - 30:
             raise bad(f"entries {a.name!r} and {b.name!r} overlap")
-    if ordered and ordered[-1].offset + ordered[-1].size > base + cd_offset:
+    if ordered and ordered[-1].offset + ordered[-1].span > base + cd_offset:
         raise bad(f"entry {ordered[-1].name!r} overlaps the central directory")
     return entries
 
@@ -101,10 +112,7 @@ def _directory(view, base, length, cd_offset, cd_size, count, fill_at, bad) -> d
             raise bad(f"entry {name!r} appears twice")
         if flags & 0x1:
             raise bad(f"entry {name!r} is encrypted")
-        if method != 0:
-            raise bad(f"entry {name!r} is compressed (method {method}); torch.save writes stored entries "
-                      "only - was this archive repacked?")
-        if csize != usize:
+        if method == 0 and csize != usize:
             raise bad(f"entry {name!r} is stored but its sizes differ ({csize} != {usize})")
         local = bytearray(30 + nlen)
         if hdr + len(local) > length:
@@ -117,10 +125,11 @@ def _directory(view, base, length, cd_offset, cd_size, count, fill_at, bad) -> d
         if lnlen != nlen or bytes(local[30:]) != raw_name or lmethod != method:
             raise bad(f"entry {name!r}: local header disagrees with the central directory")
         data = hdr + 30 + lnlen + lxlen
-        if data + usize > length:
-            raise bad(f"entry {name!r} claims {usize} bytes at offset {base + data}, beyond the end of the file "
+        if data + csize > length:
+            raise bad(f"entry {name!r} claims {csize} bytes at offset {base + data}, beyond the end of the file "
                       "(truncated?)")
-        entries[name] = Entry(name, base + data, usize, crc)
+        entries[name] = Entry(name, base + data, usize, crc) if method == 0 else \
+            Entry(name, base + data, usize, crc, method, csize)
     return entries
 
 
@@ -148,11 +157,34 @@ def _zip64(extra, usize, csize, hdr, bad, name):
     return usize, csize, hdr
 
 
-def read_small(mapped, entry: Entry, limit=1 << 31) -> memoryview:
-    """An entry's bytes (a view), CRC-checked: for pickles and small metadata, not tensor data."""
+def read_small(mapped, entry: Entry, limit=1 << 31):
+    """An entry's bytes, CRC-checked: for pickles and small metadata, not tensor data. A stored entry
+    is a view of the mapping; a deflated one is inflated into memory, no further than its declared
+    size, `limit` and INFLATE_RATIO times its bytes in the file (so memory follows the bytes present)."""
     if entry.size > limit:
         raise BadInput(f"{mapped.path}: entry {entry.name!r} is unexpectedly large ({entry.size} bytes)")
-    data = mapped.view[entry.offset:entry.offset + entry.size]
+    if entry.method == 0:
+        data = mapped.view[entry.offset:entry.offset + entry.size]
+    elif entry.method == 8:
+        data = _inflate(mapped, entry)
+    else:
+        raise BadInput(f"{mapped.path}: entry {entry.name!r} is compressed with method {entry.method}; only "
+                       "stored and deflated entries can be read")
     if zlib.crc32(data) != entry.crc:
         raise BadInput(f"{mapped.path}: entry {entry.name!r} fails its CRC check (corrupt file)")
+    return data
+
+
+def _inflate(mapped, entry: Entry) -> bytes:
+    if entry.size > INFLATE_RATIO * entry.stored + (1 << 20):
+        raise BadInput(f"{mapped.path}: entry {entry.name!r} claims to inflate from {entry.stored} to {entry.size} "
+                       f"bytes (over {INFLATE_RATIO}x); refused")
+    inflater = zlib.decompressobj(-15)
+    try:
+        data = inflater.decompress(mapped.view[entry.offset:entry.offset + entry.stored], entry.size + 1)
+    except zlib.error as e:
+        raise BadInput(f"{mapped.path}: entry {entry.name!r} does not inflate ({e})") from None
+    if len(data) != entry.size or not inflater.eof:
+        raise BadInput(f"{mapped.path}: entry {entry.name!r} inflates to {'more' if len(data) > entry.size else 'less'}"
+                       f" than the {entry.size} bytes its header declares (corrupt file)")
     return data

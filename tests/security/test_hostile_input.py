@@ -78,7 +78,30 @@ def test_compressed_entry_refused(tmp_path):
         for item in zin.infolist():
             zout.writestr(item.filename, zin.read(item))
     r = run("convert", repacked, tmp_path / "out")
-    assert r.exit_code == 2 and "compressed" in r.stderr
+    assert r.exit_code == 2 and "compressed" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_deflated_pickle_is_inflated_with_a_cap(tmp_path):
+    """A repacked archive whose data.pkl is deflated (tensor data stored) converts; one whose data.pkl
+    claims to inflate far beyond its bytes is refused before anything is inflated."""
+    src = tmp_path / "w.pt"
+    torch.save({"w": torch.arange(10.0), "note": "x" * 100}, src)
+    repacked = tmp_path / "repacked.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(repacked, "w") as zout:
+        for item in zin.infolist():
+            zout.writestr(item.filename, zin.read(item),
+                          zipfile.ZIP_DEFLATED if item.filename.endswith("data.pkl") else zipfile.ZIP_STORED)
+    r = run("convert", repacked, tmp_path / "out", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(tmp_path / "out" / "model-00001-of-00001.safetensors")["w"], torch.arange(10.0))
+    data = bytearray(repacked.read_bytes())   # the central directory's uncompressed size of data.pkl: 1 GB
+    at = data.rindex(b"w/data.pkl") - 46 + 24
+    data[at:at + 4] = struct.pack("<I", 1 << 30)
+    bomb = tmp_path / "bomb.pt"
+    bomb.write_bytes(bytes(data))
+    r = run("convert", bomb, tmp_path / "out2", "--from", "torch")
+    assert r.exit_code == 2 and "claims to inflate" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_tensor_reaching_past_its_storage_refused(tmp_path):

@@ -83,6 +83,10 @@ class InertClass(StandIn):
     def __init__(self, qualname):
         self.qualname = qualname
 
+    def named(self, qualname) -> "InertClass":
+        """The class a `MODULE.*` pattern gives for one global it matches."""
+        return InertClass(qualname)
+
     def call(self, args, ctx):
         return InertObject(self.qualname, list(_args(ctx, args, self.qualname)))
 
@@ -880,16 +884,18 @@ def _memoize(vm, op):
 def _resolve(vm, module, name):
     if not isinstance(module, str) or not isinstance(name, str):
         raise vm.ctx.unsafe("STACK_GLOBAL with non-string operands")
-    if runs_code(module, name):
+    standin = vm.allowlist.get((module, name))
+    # A stand-in we wrote for exactly this name is our code (torch.jit._pickle's list tags would match
+    # the `pickle` part); anything else a code-running name resolves to is refused, --allow-global too.
+    if runs_code(module, name) and not isinstance(standin, (Function, Marker)):
         raise vm.ctx.unsafe(f"global '{module}.{name}' is not on the allowlist, and it can run code or reach the "
                             "system")
-    standin = vm.allowlist.get((module, name))
     if standin is None:  # `--allow-global 'omegaconf.*'`: a module and the modules below it
         parts = module.split(".")
         standin = next((vm.allowlist[(".".join(parts[:i]), "*")] for i in range(len(parts), 0, -1)
                         if (".".join(parts[:i]), "*") in vm.allowlist), None)
         if standin is not None:
-            standin = InertClass(f"{module}.{name}")
+            standin = standin.named(f"{module}.{name}")
     if standin is None:
         if vm.ctx.unlisted is None:
             raise vm.ctx.unsafe(f"global '{module}.{name}' is not on the allowlist")

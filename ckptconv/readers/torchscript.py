@@ -1,0 +1,174 @@
+"""Reader for TorchScript archives (torch.jit.save, torch.jit.trace + save): the module's parameters
+and buffers by attribute path (`encoder.0.weight`), as `torch.jit.load(f).state_dict()` names them.
+
+The archive is a torch zip whose data.pkl pickles the module tree as `__torch__.*` objects; it runs
+through the allowlisting unpickler with the TorchScript stand-ins, so each module is a record of its
+attributes and each tensor a view of its stored entry. Which attributes are parameters and which
+buffers is declared only in the class's TorchScript source (`__parameters__ = ["weight", "bias", ]`
+in `code/__torch__/....py`): those two lines are matched as text and nothing else of the source is
+looked at; it is never compiled or run, and `constants.pkl` is never read. Tensor attributes that are
+neither (a plain `self.t = torch.ones(2)`) are not in the state dict: they are left out and listed;
+other attributes become extras. See docs/convert.md#torchscript.
+"""
+import re
+from pathlib import Path
+
+from . import ReadOptions, wanted
+from .base import Reader, register
+from . import ziparchive
+from .pickle import unpickler
+from .pickle.torch_globals import TorchTensor, TorchTensorUnsupported, flatten, torch_globals
+from .pickle.torchscript_globals import SCRIPT_MODULE, ScriptObject, script_globals
+from .torch_pickle import archive_prefix, justified, load_zip
+from ..errors import BadInput, printable
+from ..io.mapped import MappedFile
+from ..limits import MAX_DEPTH, Budget
+from ..tensor import Checkpoint
+
+NAME = "torchscript"
+BOOKKEEPING = ("training", "_is_full_backward_hook")   # every nn.Module's, not model state
+MAX_SOURCE = 16 << 20   # the most one class's source entry may inflate to
+_DECLARED = re.compile(r'^  (__parameters__|__buffers__) = \[((?:"[^"\\\n]*", )*)\]$', re.M)
+
+
+def _entries(path: Path):
+    """The archive's entries and the folder of its data.pkl, if `path` is a TorchScript archive (a
+    torch zip with `code/` beside data.pkl); else None."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return None
+        m = MappedFile(path)
+        entries = ziparchive.read_entries(m)
+        prefix = archive_prefix(m, entries)
+    except (OSError, BadInput):
+        return None
+    return (m, entries, prefix) if any(n.startswith(prefix + "code/") for n in entries) else None
+
+
+def detect(path: Path) -> bool:
+    return path.is_file() and _entries(path) is not None
+
+
+def load(path: Path, options: ReadOptions) -> Checkpoint:
+    found = _entries(path)
+    if found is None:
+        raise BadInput(f"{path}: not a TorchScript archive (a torch zip archive with code/ beside data.pkl)")
+    m, entries, prefix = found
+    allow = torch_globals()
+    allow.update(unpickler.allow_globals(options.allow_globals))
+    allow.update(script_globals())
+    budget, unlisted = Budget(path), unpickler.Unlisted(path)
+    root = load_zip(m, allow, budget=budget, unlisted=unlisted, entries=entries)
+    tree = _ModuleTree(m, entries, prefix, budget, options.skip_unsupported)
+    if not isinstance(root, ScriptObject):
+        raise BadInput(f"{path}: its data.pkl holds a {type(root).__name__}, not a TorchScript module")
+    if not tree.is_module(root):
+        raise BadInput(f"{path}: its data.pkl holds a TorchScript {root.qualname}, which is not a module")
+    tree.visit(root, "", 0, set())
+    tensors = [t.source(name) for name, t in tree.tensors]
+    justified(m, tensors)
+    tensors = [t for t in tensors if wanted(t.name, options.only)]
+    extras = unpickler.extras_json({k: v for k, v in tree.extras.items() if wanted(k, options.only)}, budget)
+    source = {"format": NAME, "path": str(path), "files": [path.name], "module": root.qualname}
+    if tree.skipped:
+        source["skipped"] = tree.skipped
+    if tree.dropped:
+        source["dropped"] = tree.dropped
+    return Checkpoint(tensors, extras, source, [], [m])
+
+
+class _ModuleTree:
+    """One walk of the module tree in state-dict order: a module's parameters, then its buffers, then
+    its submodules, each by its attribute path. Every attribute visited is charged to the pickle's
+    budget, so a submodule shared many times over cannot multiply the work beyond the file's size."""
+
+    def __init__(self, m, entries, prefix, budget, skip_unsupported):
+        self.m, self.entries, self.prefix, self.budget = m, entries, prefix, budget
+        self.skip_unsupported = skip_unsupported
+        self.tensors, self.extras, self.dropped, self.skipped = [], {}, [], []
+        self.declared = {}   # qualname -> (is a module, parameters, buffers)
+
+    def visit(self, obj: ScriptObject, prefix: str, depth: int, above: set):
+        if depth >= MAX_DEPTH:
+            raise BadInput(f"{self.m.path}: TorchScript modules nested more than {MAX_DEPTH} deep")
+        if id(obj) in above:
+            raise BadInput(f"{self.m.path}: TorchScript module {prefix.rstrip('.')!r} contains itself")
+        state = obj.state
+        if not isinstance(state, dict):
+            raise BadInput(f"{self.m.path}: TorchScript module {obj.qualname} has no attribute dict")
+        self.budget.spend(1 + len(state), "the TorchScript module tree")
+        _, params, buffers = self.classes(obj.qualname)
+        for key in params + buffers:
+            if key not in state:
+                raise BadInput(f"{self.m.path}: {obj.qualname} declares {key!r} a parameter or buffer, but the "
+                               f"module {prefix.rstrip('.') or '(root)'} has no such attribute")
+            self.tensor(state[key], prefix + key)
+        for key, value in state.items():
+            key = unpickler.key_text(key)
+            if key in params or key in buffers or key in BOOKKEEPING:
+                continue
+            if isinstance(value, ScriptObject) and self.is_module(value):
+                self.visit(value, f"{prefix}{key}.", depth + 1, above | {id(obj)})
+            else:
+                self.attribute(value, prefix + key)
+
+    def tensor(self, value, name):
+        if value is None:   # an optional parameter left unset (Linear(bias=False)): not in the state dict
+            return
+        if isinstance(value, (TorchTensor, TorchTensorUnsupported)) and value.unsupported:
+            if not self.skip_unsupported:
+                raise BadInput(f"{self.m.path}: tensor {name!r} has dtype {value.unsupported}, which safetensors "
+                               "cannot store (use --skip-unsupported to leave it out)")
+            self.skipped.append({"name": name, "reason": value.unsupported})
+            return
+        if not isinstance(value, TorchTensor):
+            raise BadInput(f"{self.m.path}: parameter or buffer {name!r} is a {type(value).__name__}, not a tensor")
+        self.tensors.append((name, value))
+
+    def attribute(self, value, name):
+        """Neither parameter, buffer nor submodule: its non-tensor parts are extras; tensors and
+        TorchScript objects in it are not part of the state dict, and are listed as left out."""
+        if isinstance(value, ScriptObject):
+            self.dropped.append({"name": name, "reason": f"TorchScript object of class {value.qualname}"})
+            return
+        tensors, extras, skipped = flatten(value, self.m.path, prefix=name, skip_unsupported=True, budget=self.budget)
+        self.extras.update(extras)
+        if tensors or skipped:
+            self.dropped.append({"name": name, "reason": "tensor attribute that is neither a parameter nor a "
+                                                         "buffer (not in the state dict)"})
+
+    def is_module(self, obj: ScriptObject) -> bool:
+        return self.classes(obj.qualname)[0]
+
+    def classes(self, qualname: str) -> tuple:
+        """(is an nn.Module, its parameter names, its buffer names), from the two declaration lines
+        of its class in the archive's TorchScript source."""
+        if qualname not in self.declared:
+            self.declared[qualname] = self._declared(qualname)
+        return self.declared[qualname]
+
+    def _declared(self, qualname):
+        module, _, cls = qualname.rpartition(".")
+        if not module or not module.startswith(SCRIPT_MODULE) or not cls.isidentifier():
+            raise BadInput(f"{self.m.path}: TorchScript class name {printable(qualname, 200)!r} is malformed")
+        name = f"{self.prefix}code/{module.replace('.', '/')}.py"
+        entry = self.entries.get(name)
+        if entry is None:
+            raise BadInput(f"{self.m.path}: the source of TorchScript class {qualname} ({name}) is missing")
+        text = bytes(ziparchive.read_small(self.m, entry, MAX_SOURCE)).decode("utf-8", "replace")
+        head = re.search(rf"^class {re.escape(cls)}(?:\((\w*)\))?:$", text, re.M)
+        if head is None:
+            raise BadInput(f"{self.m.path}: {name} does not define TorchScript class {cls}")
+        end = re.compile(r"^\S", re.M).search(text, head.end() + 1)
+        body = text[head.end():end.start() if end else len(text)]
+        found = {kind: re.findall(r'"([^"]*)"', names) for kind, names in _DECLARED.findall(body)}
+        is_module = head.group(1) == "Module"
+        if is_module and set(found) != {"__parameters__", "__buffers__"}:
+            raise BadInput(f"{self.m.path}: {name}: TorchScript module {cls} does not declare its parameters and "
+                           "buffers in the form torch.jit.save writes")
+        return is_module, found.get("__parameters__", []), found.get("__buffers__", [])
+
+
+READER = register(Reader(NAME, "TorchScript archives (torch.jit.save): parameters and buffers by attribute path",
+                         detect, load, priority=35, parses_pickles=True))
