@@ -11,6 +11,7 @@ import functools
 import importlib
 import os
 import pkgutil
+import re
 import stat
 from pathlib import Path
 
@@ -76,6 +77,9 @@ def open_checkpoint(path, fmt=None, options=None):
     ckpt = reader.load(Path(path), options)
     ckpt.format, ckpt.also = reader.name, also
     ckpt.model_files, ckpt.skipped_files = carried(ckpt.model_files, source_root(Path(path)), options.max_extra_size)
+    if Path(path).is_dir():
+        ckpt.skipped_files += [{"name": p.name, "reason": f"training state: {what}"}
+                               for p, what in training_files(Path(path))]
     for m in ckpt.mapped:
         # Reading headers touched a page of the mapping per tensor, and the kernel may map a whole 2 MiB
         # folio of the page cache for each (measured: 290 MB of RSS after opening a 2 GB .pt of 165
@@ -88,6 +92,29 @@ WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".safetensors", ".distcp", ".
 OUTPUT_METADATA = (MANIFEST, SUMS, MESH)
 
 
+# What a transformers Trainer writes into `checkpoint-N/` beside the model (and DeepSpeed beside it):
+# never weights, never carried; named in the summary.
+_TRAINING_STATE = [
+    (re.compile(r"optimizer\.(pt|bin)"), "optimizer"),
+    (re.compile(r"scheduler\.pt"), "learning-rate scheduler"),
+    (re.compile(r"scaler\.pt"), "mixed-precision grad scaler"),
+    (re.compile(r"rng_state(_\d+)?\.pth"), "random number generator states"),
+    (re.compile(r"training_args\.bin"), "TrainingArguments, a pickled Python object"),
+    (re.compile(r"trainer_state\.json"), "Trainer progress and logs"),
+    (re.compile(r"latest|zero_to_fp32\.py"), "DeepSpeed"),
+]
+
+
+def training_state(name: str):
+    """What a Trainer checkpoint file beside the model holds (its description), or None."""
+    return next((what for pattern, what in _TRAINING_STATE if pattern.fullmatch(name)), None)
+
+
+def training_files(directory: Path) -> list:
+    """(path, description) of the training-state files in a directory (a Trainer `checkpoint-N/`)."""
+    return [(p, training_state(p.name)) for p in sorted(directory.iterdir()) if training_state(p.name)]
+
+
 def model_files(directory: Path, consumed=()) -> list:
     """Files beside the weights (config.json, tokenizer, README...) that may be carried into OUT:
     (name, path) candidates; `carried` decides which are."""
@@ -95,7 +122,7 @@ def model_files(directory: Path, consumed=()) -> list:
     out = []
     for p in sorted(directory.iterdir()):
         if (p.name.startswith(".") or os.path.abspath(p) in consumed or p.name.endswith(WEIGHT_SUFFIXES)
-                or p.name in OUTPUT_METADATA or p.is_dir()):
+                or p.name in OUTPUT_METADATA or p.is_dir() or training_state(p.name)):
             continue
         out.append((p.name, p))
     return out
