@@ -8,7 +8,7 @@ __version__ = "0.1.0"   # the one place the version is written (pyproject.toml r
 from .errors import BadInput, CkptError, OutputError, UnsafePickle, UsageError  # noqa: E402
 # (these names are also the command modules' names: the functions are bound last, so
 # `ckptconv.convert` is the function; the modules stay importable as `ckptconv.convert` submodules)
-from .api import ConvertResult, Inspection, Report, ReshardResult, convert, inspect, reshard, verify  # noqa: E402
+from .api import ConvertResult, Inspection, Problem, Report, ReshardResult, convert, inspect, reshard, verify  # noqa: E402
 
-__all__ = ["convert", "reshard", "verify", "inspect", "ConvertResult", "ReshardResult", "Report", "Inspection",
+__all__ = ["convert", "reshard", "verify", "inspect", "ConvertResult", "ReshardResult", "Report", "Problem", "Inspection",
            "CkptError", "BadInput", "UnsafePickle", "UsageError", "OutputError", "__version__"]

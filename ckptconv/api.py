@@ -19,7 +19,7 @@ from .sizes import parse_size
 from .tp.presets import MeshSpec
 from .writers.base import WriteOptions
 
-ConvertResult, ReshardResult, Report = _convert.ConvertResult, _reshard.ReshardResult, _verify.Report
+ConvertResult, ReshardResult, Report, Problem = _convert.ConvertResult, _reshard.ReshardResult, _verify.Report, _verify.Problem
 
 __all__ = ["convert", "reshard", "verify", "inspect", "Inspection", "ConvertResult", "ReshardResult", "Report"]
 
@@ -113,7 +113,8 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
 def verify(path, against=None, *, device=None, allow_fewer_devices=False, format=None, allow_globals=(),
            state_dict="auto", workers=2, reader_options=None, progress=None) -> _verify.Report:
     """`ckptconv verify PATH [--against SRC] [--device ...]` (docs/verify.md). The report lists every
-    problem (`report.problems`, one sentence each); `report.ok` is True when there is none.
+    problem (`report.problems`: `Problem`s with a kind, file, tensor and detail; `str()` of one is the
+    line the command prints); `report.ok` is True when there is none.
     `progress(nbytes)` is called as bytes are hashed."""
     read = _source(path, format, (), allow_globals, state_dict, False, workers, reader_options).options
     if device not in (None, "cpu", "cuda", "tpu"):

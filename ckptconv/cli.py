@@ -51,9 +51,21 @@ def say(text: str = ""):
     click.echo(printable(text, limit=1 << 16))
 
 
+SCHEMA_VERSIONS = {"verify": 2}   # verify/2: problems are objects (kind, file, tensor, detail, message)
+
+
 def emit(command_name: str, document: dict):
-    """A --json summary on stdout, tagged with its schema (docs/json.md): `ckptconv.COMMAND/1`."""
-    click.echo(json.dumps({"schema": f"ckptconv.{command_name}/1", **document}, indent=2))
+    """A --json summary on stdout, tagged with its schema (docs/json.md): `ckptconv.COMMAND/N`."""
+    version = SCHEMA_VERSIONS.get(command_name, 1)
+    click.echo(json.dumps({"schema": f"ckptconv.{command_name}/{version}", **document}, indent=2))
+
+
+_VERBOSE = "ckptconv.verbose"
+
+
+def verbose() -> bool:
+    """Whether this command was given -v."""
+    return click.get_current_context().meta.get(_VERBOSE, False)
 
 
 def command(fn):
@@ -62,9 +74,12 @@ def command(fn):
 
     @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
     @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+    @click.option("--verbose", "-v", is_flag=True, help="Say more in the summary: the files written (convert), each "
+                  "tensor's rule (reshard), each problem's kind and what was checked (verify).")
     @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout (docs/json.md).")
     @functools.wraps(fn)
-    def wrapper(*args, debug, **kwargs):
+    def wrapper(*args, debug, verbose, **kwargs):
+        click.get_current_context().meta[_VERBOSE] = verbose
         signals.install()
         mapped.forget_changes()
         as_json = kwargs.get("as_json")
@@ -279,6 +294,11 @@ def _convert_command(name, pickle_only, help_text):
                    if result.resumed_bytes else ""))
             if result.resume_note:
                 say(f"--resume: {result.resume_note}")
+            if verbose():
+                for name in result.files:
+                    path = Path(result.out) if len(result.files) == 1 and result.out.endswith(".safetensors") \
+                        else Path(result.out) / name
+                    say(f"  {name}  {format_size(path.stat().st_size)}")
             if result.skipped_files:
                 say("not carried into OUT: " + "; ".join(f"{s['name']} ({s['reason']})"
                                                          for s in result.skipped_files))
@@ -338,6 +358,24 @@ def reshard_cmd(src, out, mesh, dry_run, strip_prefix, write, fmt, read, cluster
         say(f"wrote {result.out}: {result.ranks} ranks ({result.preset} rules, "
             f"{result.split} tensors split, {len(result.replicated)} replicated), "
             f"{format_size(result.bytes_written)} in {result.seconds:.2f} s")
+        if verbose():
+            for line in plan_lines(result):
+                say(line)
+
+
+def _checks(report, against) -> list:
+    """What a verify run checked, for -v."""
+    done = [f"structure and metadata of {report.files} file(s) and {report.tensors} tensors",
+            "what the safetensors library reads"]
+    done.append("file and tensor sha256 against the recorded digests" if not report.notes
+                else "no digests (none recorded)")
+    if against:   # verify compares with the source only once the output itself is sound
+        compared = not report.problems or any(p.kind == "source" for p in report.problems)
+        done.append(f"every tensor against {against}, bit for bit" if compared
+                    else f"not compared with {against}: the output itself has problems")
+    if report.device:
+        done.append(f"every piece placed on {report.device['platform']} devices")
+    return done
 
 
 def plan_lines(result) -> list:
@@ -381,7 +419,8 @@ def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, q
     if changed:
         raise BadInput(f"{changed[0]}: changed while it was being read; it could not be verified")
     if as_json:
-        emit("verify", {"ok": not report.problems, "problems": report.problems, "files": report.files,
+        emit("verify", {"ok": not report.problems, "problems": [p.to_json() for p in report.problems],
+                        "files": report.files,
                         "tensor_count": report.tensors, "bytes": report.bytes, "device": report.device,
                         **({"notes": report.notes} if report.notes else {})})
     elif cluster is not None and not cluster.is_main:
@@ -390,7 +429,7 @@ def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, q
             "output (process 0 prints the report)")
     else:
         for p in report.problems:
-            say(p)
+            say(f"[{p.kind}] {p}" if verbose() else str(p))
         for note in report.notes:
             say(f"note: {note}")
         status = "OK" if not report.problems else f"{len(report.problems)} problem(s)"
@@ -398,6 +437,8 @@ def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, q
             f"{format_size(report.bytes)} {'read' if report.notes else 'hashed'}"
             + (", matches the source" if against and not report.problems
                                                      else ""))
+        if verbose():
+            say("checked: " + "; ".join(_checks(report, against)))
         if report.device:
             d = report.device
             say(f"device {d['platform']}: {d['ranks']} rank(s) on {d['devices']} device(s), "

@@ -11,7 +11,7 @@ import math
 import os
 import stat
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +32,35 @@ from .formats.manifest import MANIFEST
 from .formats.mesh import MESH, intervals, parse_mesh, rank_dir, rank_dirs, rank_number, read_regular
 
 
+# What a problem is about (docs/verify.md#problems): a listed file or tensor that is absent; one present
+# that nothing lists; one in another place than listed, or twice; bytes whose digest or size differs;
+# a metadata file or header that is malformed or disagrees; an entry that is not a regular file; one
+# that cannot be read; what the safetensors library sees differing from ckptconv; rank pieces that do
+# not fit mesh.json; a tensor that differs from the --against source.
+KINDS = ("missing", "unlisted", "misplaced", "digest", "metadata", "not-regular", "unreadable", "consumer", "mesh",
+         "source")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding: its kind, the file it is in, the tensor it concerns (if one), what is wrong."""
+
+    kind: str
+    file: str
+    detail: str
+    tensor: str | None = None
+
+    def __str__(self) -> str:
+        return printable(f"{self.file}: {self.detail}")   # a file called "a\nb" stays one line
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "file": printable(self.file), "tensor": self.tensor,
+                "detail": printable(self.detail), "message": str(self)}
+
+
 @dataclass
 class Report:
-    problems: list = field(default_factory=list)
+    problems: list = field(default_factory=list)   # Problem
     files: int = 0
     tensors: int = 0
     bytes: int = 0
@@ -42,8 +68,9 @@ class Report:
     shared: int = 0   # problems already merged across processes
     notes: list = field(default_factory=list)   # checks that could not be done (an output ckptconv did not write)
 
-    def add(self, where, what):
-        self.problems.append(printable(f"{where}: {what}"))  # a file called "a\nb" stays one line
+    def add(self, where, what: str, kind: str, tensor: str | None = None):
+        assert kind in KINDS, kind
+        self.problems.append(Problem(kind, str(where), what, tensor))
 
     @property
     def ok(self) -> bool:
@@ -64,7 +91,7 @@ def _scan(d: Path, report: Report) -> dict:
                 except FileNotFoundError:
                     continue
     except OSError as e:
-        report.add(d, f"cannot list the directory: {e.strerror}")
+        report.add(d, f"cannot list the directory: {e.strerror}", "unreadable")
     return entries
 
 
@@ -87,14 +114,14 @@ def _read(d: Path, name: str, entries: dict, report: Report, what: str):
     """The bytes of a metadata file of `d`; None (and a problem) if it is missing or unreadable. A
     non-regular entry is not opened: the directory check reports it."""
     if name not in entries:
-        report.add(d / name, f"{what} is missing")
+        report.add(d / name, f"{what} is missing", "missing")
         return None
     if not _regular(entries, name):
         return None
     try:
         return read_regular(d / name)
     except BadInput as e:
-        report.add(d / name, f"{what} cannot be read: {str(e).split(': ', 1)[-1]}")
+        report.add(d / name, f"{what} cannot be read: {str(e).split(': ', 1)[-1]}", "unreadable")
         return None
 
 
@@ -105,7 +132,7 @@ def _json(d: Path, name: str, entries: dict, report: Report, what: str):
     try:
         return safejson.loads(data, d / name, what)
     except BadInput as e:
-        report.add(d / name, str(e).split(": ", 1)[-1])
+        report.add(d / name, str(e).split(": ", 1)[-1], "metadata")
     return None
 
 
@@ -116,7 +143,7 @@ def _sums(d: Path, entries: dict, report: Report):
         return None
     sums, problems = parse_sums(data)
     for p in problems:
-        report.add(d / SUMS, p)
+        report.add(d / SUMS, p, "metadata")
     return sums
 
 
@@ -145,11 +172,11 @@ def _read_meta(d: Path, entries: dict, report: Report):
     raw = _json(d, index, entries, report, "the index")
     weight_map, index_names, problems = manifest_format.check_index(raw) if raw is not None else (None, None, [])
     for p in problems:
-        report.add(d / index, p)
+        report.add(d / index, p, "metadata")
     raw = _json(d, MANIFEST, entries, report, MANIFEST)
     m_files, m_tensors, problems = manifest_format.check_manifest(raw) if raw is not None else (None, None, [])
     for p in problems:
-        report.add(d / MANIFEST, p)
+        report.add(d / MANIFEST, p, "metadata")
     sums = _sums(d, entries, report)
     return index, weight_map, index_names, m_files, m_tensors, sums
 
@@ -170,7 +197,7 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
     for shard in shard_names:
         path = d / shard
         if shard not in entries:
-            found.add(path, "shard is missing")
+            found.add(path, "shard is missing", "missing")
             continue
         if not _regular(entries, shard):
             continue  # never opened; the directory check below reports what it is
@@ -182,7 +209,7 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
             _library_view(path, header, report)
         for e in header.entries:
             if e.name in located:
-                found.add(path, f"tensor {e.name!r} also appears in {located[e.name][0]}")
+                found.add(path, f"tensor {e.name!r} also appears in {located[e.name][0]}", "misplaced", tensor=e.name)
             else:
                 located[e.name] = (shard, e)
         if hash_only is None or shard in hash_only:
@@ -193,54 +220,54 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
 
     for name, file in (weight_map or {}).items():
         if name not in located:
-            report.add(d / index, f"tensor {name!r} is listed in the index (in {file}) but is in no shard")
+            report.add(d / index, f"tensor {name!r} is listed in the index (in {file}) but is in no shard", "missing", tensor=name)
         elif located[name][0] != file:
-            report.add(d / index, f"tensor {name!r} is listed in {file} but is in {located[name][0]}")
+            report.add(d / index, f"tensor {name!r} is listed in {file} but is in {located[name][0]}", "misplaced", tensor=name)
     for name, (file, _) in located.items():
         if index_names is not None and name not in index_names:
-            report.add(d / file, f"tensor {name!r} is in the shard but missing from the index")
+            report.add(d / file, f"tensor {name!r} is in the shard but missing from the index", "unlisted", tensor=name)
         if manifest_ok and name not in m_tensors:
-            report.add(d / file, f"tensor {name!r} is in the shard but missing from manifest.json")
+            report.add(d / file, f"tensor {name!r} is in the shard but missing from manifest.json", "unlisted", tensor=name)
     for name, entry in m_tensors.items():
         if name not in located:
-            report.add(d / MANIFEST, f"tensor {name!r} is in the manifest but in no shard")
+            report.add(d / MANIFEST, f"tensor {name!r} is in the manifest but in no shard", "missing", tensor=name)
             continue
         if entry is None:
             continue  # malformed: reported
         file, e = located[name]
         if entry["dtype"] != e.dtype.code or entry["shape"] != list(e.shape):
             report.add(d / file, f"tensor {name!r} is {e.dtype.code}{list(e.shape)}, the manifest says "
-                                 f"{entry['dtype']}{entry['shape']}")
+                                 f"{entry['dtype']}{entry['shape']}", "metadata", tensor=name)
         if entry["file"] != file:
-            report.add(d / file, f"tensor {name!r} is here, the manifest says {entry['file']}")
+            report.add(d / file, f"tensor {name!r} is here, the manifest says {entry['file']}", "misplaced", tensor=name)
     report.tensors += len(located)
 
     listed = set(sums) | set(m_files) | set(shard_names)
     for name in sorted(listed - set(shard_names)):
         path = d / name
         if name not in entries:
-            report.add(path, "listed in the manifest or SHA256SUMS but missing")
+            report.add(path, "listed in the manifest or SHA256SUMS but missing", "missing")
             continue
         digest = _sha256_regular(path) if _regular(entries, name) else None
         if digest is None:
             continue  # not a regular file: reported below, never opened
         if m_files.get(name) is not None and m_files[name]["sha256"] != digest:
-            report.add(path, "sha256 differs from manifest.json")
+            report.add(path, "sha256 differs from manifest.json", "digest")
         if name in sums and sums[name] != digest:
-            report.add(path, "sha256 differs from SHA256SUMS")
+            report.add(path, "sha256 differs from SHA256SUMS", "digest")
     if sums_ok:
         if MANIFEST not in sums:
-            report.add(d / SUMS, "does not list manifest.json")
+            report.add(d / SUMS, "does not list manifest.json", "unlisted")
         for name in sorted(set(m_files) - set(sums)):
-            report.add(d / name, "listed in manifest.json but not in SHA256SUMS")
+            report.add(d / name, "listed in manifest.json but not in SHA256SUMS", "unlisted")
         if manifest_ok:
             for name in sorted(set(sums) - set(m_files) - {MANIFEST}):
-                report.add(d / name, "listed in SHA256SUMS but not in manifest.json")
+                report.add(d / name, "listed in SHA256SUMS but not in manifest.json", "unlisted")
     for name, st in sorted(entries.items()):
         if not stat.S_ISREG(st.st_mode):
-            report.add(d / name, f"is {_kind(st)}; an output directory holds only regular files (not followed)")
+            report.add(d / name, f"is {_kind(st)}; an output directory holds only regular files (not followed)", "not-regular")
         elif name != SUMS and name not in listed:
-            report.add(d / name, "file is not listed in SHA256SUMS or the manifest")
+            report.add(d / name, "file is not listed in SHA256SUMS or the manifest", "unlisted")
     return {n: m_tensors[n] for n in located if m_tensors.get(n) is not None}
 
 
@@ -251,10 +278,10 @@ def _parsed(path: Path, report: Report):
         m = MappedFile(path)
         header = parse_header(m.view, m.size, path)
     except BadInput as e:
-        report.add(path, str(e).split(": ", 1)[-1])
+        report.add(path, str(e).split(": ", 1)[-1], "metadata")
         return None
     for p in header.problems:
-        report.add(path, p)
+        report.add(path, p, "metadata")
     return m, header
 
 
@@ -273,15 +300,15 @@ def _library_view(path: Path, header, report: Report):
                 theirs[name] = (piece.get_dtype(), list(piece.get_shape()))
             metadata = f.metadata() or {}
     except Exception as e:  # its own error types, whatever they are: the file is what is wrong
-        report.add(path, f"the safetensors library cannot open it: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        report.add(path, f"the safetensors library cannot open it: {str(e).splitlines()[0] if str(e) else type(e).__name__}", "consumer")
         return
     ours = {e.name: (e.dtype.code, list(e.shape)) for e in header.entries}
     for name in sorted(set(ours) | set(theirs)):
         if ours.get(name) != theirs.get(name):
             report.add(path, f"tensor {name!r}: the safetensors library sees {theirs.get(name)}, ckptconv "
-                             f"{ours.get(name)}")
+                             f"{ours.get(name)}", "consumer", tensor=name)
     if metadata != header.metadata:
-        report.add(path, "the safetensors library sees different __metadata__")
+        report.add(path, "the safetensors library sees different __metadata__", "consumer")
 
 
 def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
@@ -328,19 +355,19 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
     if m_files is None:
         pass  # a single-file output: it cannot record its own digest
     elif shard not in m_files:
-        report.add(path, "shard is not listed in manifest.json files")
+        report.add(path, "shard is not listed in manifest.json files", "unlisted")
     elif info is not None:  # (a malformed entry is reported with the manifest)
         if info.get("size") != m.size:
-            report.add(path, f"size is {m.size} bytes, the manifest says {info.get('size')} (truncated?)")
+            report.add(path, f"size is {m.size} bytes, the manifest says {info.get('size')} (truncated?)", "digest")
         if info.get("sha256") != file_digest:
-            report.add(path, "sha256 differs from manifest.json")
+            report.add(path, "sha256 differs from manifest.json", "digest")
     if shard in sums and sums[shard] != file_digest:
-        report.add(path, "sha256 differs from SHA256SUMS")
+        report.add(path, "sha256 differs from SHA256SUMS", "digest")
     for entry, digest in digests:
         want = (m_tensors.get(entry.name) or {}).get("sha256")
         if want is not None and want != digest.result():
             report.add(path, f"tensor {entry.name!r}: sha256 differs from the manifest (its bytes "
-                             f"{entry.begin}..{entry.end} are corrupted)")
+                             f"{entry.begin}..{entry.end} are corrupted)", "digest", tensor=entry.name)
 
 
 def verify_file(path: Path, report: Report, progress=None):
@@ -352,27 +379,27 @@ def verify_file(path: Path, report: Report, progress=None):
         header = parse_header(m.view, m.size, path)
         raw = manifest_format.single_document(header.metadata, path)
     except BadInput as e:
-        report.add(path, str(e).split(": ", 1)[-1])
+        report.add(path, str(e).split(": ", 1)[-1], "metadata")
         return
     if raw is None:
         _verify_foreign_files(path, [path], {}, report)
         return
     for p in header.problems:
-        report.add(path, p)
+        report.add(path, p, "metadata")
     if header.problems:
         return
     _library_view(path, header, report)
     if header.metadata.get("format") != "pt":
-        report.add(path, f"__metadata__ format is {brief(header.metadata.get('format'))}, not 'pt'")
+        report.add(path, f"__metadata__ format is {brief(header.metadata.get('format'))}, not 'pt'", "metadata")
     tensors, problems = manifest_format.check_single(raw)
     for p in problems:
-        report.add(path, f"__metadata__ {manifest_format.SINGLE_KEY!r}: {p}")
+        report.add(path, f"__metadata__ {manifest_format.SINGLE_KEY!r}: {p}", "metadata")
     present = {e.name for e in header.entries}
     for name in tensors:
         if name not in present:
-            report.add(path, f"tensor {name!r} is in the manifest but not in the file")
+            report.add(path, f"tensor {name!r} is in the manifest but not in the file", "missing", tensor=name)
     for name in sorted(present - set(tensors)):
-        report.add(path, f"tensor {name!r} is in the file but missing from the manifest")
+        report.add(path, f"tensor {name!r} is in the file but missing from the manifest", "unlisted", tensor=name)
     _hash_shard(m, header, path.name, None, {n: {"sha256": d} for n, d in tensors.items() if d}, {}, report,
                 progress)
     report.files += 1
@@ -398,7 +425,7 @@ def _verify_foreign_files(where: Path, files: list, weight_map: dict, report: Re
         _library_view(path, header, report)
         for e in header.entries:
             if e.name in located:
-                report.add(path, f"tensor {e.name!r} also appears in {located[e.name]}")
+                report.add(path, f"tensor {e.name!r} also appears in {located[e.name]}", "misplaced", tensor=e.name)
             located[e.name] = path.name
         report.files += 1
         report.bytes += m.size
@@ -406,10 +433,10 @@ def _verify_foreign_files(where: Path, files: list, weight_map: dict, report: Re
     for name, file in weight_map.items():
         if located.get(name) != file:
             report.add(where, f"tensor {name!r} is listed in {file} but is "
-                              + (f"in {located[name]}" if name in located else "in no file"))
+                              + (f"in {located[name]}" if name in located else "in no file"), "misplaced" if name in located else "missing", tensor=name)
     for name, file in located.items():
         if weight_map and name not in weight_map:
-            report.add(where, f"tensor {name!r} is in {file} but missing from the index")
+            report.add(where, f"tensor {name!r} is in {file} but missing from the index", "unlisted", tensor=name)
     report.tensors += len(located)
 
 
@@ -420,26 +447,26 @@ def _verify_foreign_dir(path: Path, report: Report, progress=None):
     indexes = sorted(n for n in entries if n.endswith(manifest_format.INDEX_SUFFIX) and not n.startswith("."))
     weight_map = {}
     if len(indexes) > 1:
-        report.add(path, f"holds {len(indexes)} indexes ({', '.join(indexes[:4])})")
+        report.add(path, f"holds {len(indexes)} indexes ({', '.join(indexes[:4])})", "metadata")
         return
     if indexes and not _regular(entries, indexes[0]):
-        report.add(path / indexes[0], f"is {_kind(entries[indexes[0]])}; an index is a regular file (not followed)")
+        report.add(path / indexes[0], f"is {_kind(entries[indexes[0]])}; an index is a regular file (not followed)", "not-regular")
         return
     if indexes:
         raw = _json(path, indexes[0], entries, report, "the index")
         weight_map, _, problems = manifest_format.check_index(raw) if raw is not None else ({}, None, [])
         for p in problems:
-            report.add(path / indexes[0], p)
+            report.add(path / indexes[0], p, "metadata")
         names = sorted(set((weight_map or {}).values()))
         for n in sorted(n for n in entries if n.endswith(".safetensors") and n not in names):
-            report.add(path / n, "is not in the index: a consumer following the index never loads it")
+            report.add(path / n, "is not in the index: a consumer following the index never loads it", "unlisted")
     else:
         names = sorted(n for n in entries if n.endswith(".safetensors") and not n.startswith("."))
     for n in names:
         if n not in entries:
-            report.add(path / n, "listed in the index but missing")
+            report.add(path / n, "listed in the index but missing", "missing")
         elif not _regular(entries, n):
-            report.add(path / n, f"is {_kind(entries[n])}; not followed")
+            report.add(path / n, f"is {_kind(entries[n])}; not followed", "not-regular")
     _verify_foreign_files(path, [path / n for n in names if _regular(entries, n)], weight_map or {}, report)
 
 
@@ -459,38 +486,38 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
             dirs[r] = name
         elif not stat.S_ISREG(st.st_mode):
             found.add(path / name, f"is {_kind(st)}; a reshard output holds only its rank directories and regular "
-                                   "files (not followed)")
+                                   "files (not followed)", "not-regular")
         elif name != SUMS and name not in (sums or {}):
-            found.add(path / name, "file is not listed in SHA256SUMS")
+            found.add(path / name, "file is not listed in SHA256SUMS", "unlisted")
     mesh = None
     if data is not None:
         try:  # its rank count must be the number of rank directories before anything loops over it
             mesh = check_recorded(parse_mesh(data, path / MESH, len(dirs)), path / MESH)
         except BadInput as e:
-            found.add(path / MESH, str(e).split(": ", 1)[-1])
+            found.add(path / MESH, str(e).split(": ", 1)[-1], "metadata")
     if sums is not None:
         if MESH not in sums:
-            found.add(path / SUMS, "does not list mesh.json")
+            found.add(path / SUMS, "does not list mesh.json", "unlisted")
         for name in sorted(sums):
             if name not in entries:
-                found.add(path / name, "listed in SHA256SUMS but missing")
+                found.add(path / name, "listed in SHA256SUMS but missing", "missing")
             elif stat.S_ISDIR(entries[name].st_mode):
-                found.add(path / name, "listed in SHA256SUMS but is a directory")
+                found.add(path / name, "listed in SHA256SUMS but is a directory", "not-regular")
             elif _regular(entries, name):
                 digest = hashlib.sha256(data).hexdigest() if name == MESH and data is not None \
                     else _sha256_regular(path / name)
                 if digest is not None and digest != sums[name]:
-                    found.add(path / name, "sha256 differs from SHA256SUMS")
+                    found.add(path / name, "sha256 differs from SHA256SUMS", "digest")
     present = dirs
     if mesh is not None:  # as many directories as ranks (checked): rank-00000 … exactly, or some are off
         ranks = mesh["ranks"]
         present = {r: n for r, n in dirs.items() if r < ranks}
         for r, name in sorted(dirs.items()):
             if r >= ranks:
-                found.add(path / name, f"rank directory beyond the {ranks} ranks of mesh.json")
+                found.add(path / name, f"rank directory beyond the {ranks} ranks of mesh.json", "unlisted")
         for r in range(ranks):
             if r not in dirs:
-                found.add(path / rank_dir(r), "rank directory is missing")
+                found.add(path / rank_dir(r), "rank directory is missing", "missing")
     for r, name in sorted(present.items()):
         if mine("rank", r):
             verify_dir(path / name, report, progress)
@@ -508,9 +535,9 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
             held.setdefault(name, []).append(r)
     if mine("structure", None):
         for name in sorted(set(held) - set(mesh["tensors"])):
-            report.add(path / MESH, f"tensor {name!r} is on ranks {_ranks(held[name])} but not in mesh.json")
+            report.add(path / MESH, f"tensor {name!r} is on ranks {_ranks(held[name])} but not in mesh.json", "unlisted", tensor=name)
         for name in sorted(set(mesh["tensors"]) - set(held)):
-            report.add(path / MESH, f"tensor {name!r} is in mesh.json but in no rank directory")
+            report.add(path / MESH, f"tensor {name!r} is in mesh.json but in no rank directory", "missing", tensor=name)
     pieces, _ = mesh_reader.rank_pieces(path, ranks)  # headers parsed once, for every check below
     for name, entry in mesh["tensors"].items():
         if not mine("tensor", name) or name not in held:
@@ -520,23 +547,23 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
             digests = {per_rank[r][name]["sha256"] for r in holders}
             if len(holders) != ranks:
                 report.add(path / MESH, f"replicated tensor {name!r} is missing on ranks "
-                                               f"{_ranks(sorted(set(range(ranks)) - set(holders)))}")
+                                               f"{_ranks(sorted(set(range(ranks)) - set(holders)))}", "missing", tensor=name)
             if len(digests) > 1:
-                report.add(path / MESH, f"replicated tensor {name!r} differs between ranks")
+                report.add(path / MESH, f"replicated tensor {name!r} differs between ranks", "mesh", tensor=name)
         else:
             expected = [r for r in range(ranks) if intervals(entry, ranks, r, name)]
             if holders != expected:
                 report.add(path / MESH, f"tensor {name!r} has pieces on ranks {_ranks(holders)}, mesh.json "
-                                               f"puts them on ranks {_ranks(expected)}")
+                                               f"puts them on ranks {_ranks(expected)}", "mesh", tensor=name)
                 continue
             _check_shared_intervals(name, entry, pieces, path, report)
         try:
             if sha256_of(mesh_reader.assemble(name, entry, pieces, ranks)) != entry["sha256"]:
                 report.add(path / MESH, f"tensor {name!r}: the global tensor reassembled from the rank "
                                                "pieces does not match its sha256 (a piece is on the wrong rank "
-                                               "or cut on the wrong axis)")
+                                               "or cut on the wrong axis)", "mesh", tensor=name)
         except BadInput as e:
-            report.add(path / MESH, str(e))
+            report.add(path / MESH, str(e), "mesh")
 
 
 def _ranks(rs, limit=16) -> str:
@@ -563,7 +590,7 @@ def _check_shared_intervals(name, entry, pieces, path, report):
         digests = {sha256_of(pieces[r][name].sliced(axis, at, at + b - a)) for r, at in holders}
         if len(digests) > 1:
             report.add(path / MESH, f"tensor {name!r}: interval {a}..{b} of axis {axis} differs between "
-                                           f"ranks {[r for r, _ in holders]}")
+                                           f"ranks {[r for r, _ in holders]}", "mesh", tensor=name)
 
 
 def _checked_manifest(d: Path) -> dict:
@@ -609,16 +636,16 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
         try:
             src_list = transforms.strip_prefix(src_list, prefix if isinstance(prefix, str) and prefix else None)
         except UsageError as e:
-            report.add(recorded, f"source.strip_prefix {brief(prefix)}: {e}")
+            report.add(recorded, f"source.strip_prefix {brief(prefix)}: {e}", "metadata")
             return
         if not isinstance(prefix, str) or not prefix:
-            report.add(recorded, f"source.strip_prefix {brief(prefix)} is not a prefix")
+            report.add(recorded, f"source.strip_prefix {brief(prefix)} is not a prefix", "metadata")
             return
     target = None
     if cast_to is not None:
         target = next((d for d in dtypes.CAST_TARGETS.values() if d.code == cast_to), None)
         if target is None:
-            report.add(recorded, f"source.cast {brief(cast_to)} is not a --dtype ckptconv casts to")
+            report.add(recorded, f"source.cast {brief(cast_to)} is not a --dtype ckptconv casts to", "metadata")
             return
     src_tensors = {t.name: t for t in src_list}
     written = {t.name: t for t in out.tensors}
@@ -628,17 +655,17 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
         if not mine("tensor", t.name):
             continue
         if s is None:
-            report.add(out_path, f"tensor {t.name!r} is not in the source {src}")
+            report.add(out_path, f"tensor {t.name!r} is not in the source {src}", "source", tensor=t.name)
             continue
         if target is not None and s.dtype.is_float:
             s = cast(s, target)
         if s.dtype != t.dtype or s.shape != t.shape:
             report.add(out_path, f"tensor {t.name!r} is {t.dtype.code}{list(t.shape)}, the source has "
-                                 f"{s.dtype.code}{list(s.shape)}")
+                                 f"{s.dtype.code}{list(s.shape)}", "source", tensor=t.name)
             continue
         _compare(t, s, out_path, report)
     for name in src_tensors if mine("structure", None) else ():
-        report.add(out_path, f"tensor {name!r} of the source is missing from the output")
+        report.add(out_path, f"tensor {name!r} of the source is missing from the output", "source", tensor=name)
 
 
 def _as_recorded(read: ReadOptions, manifest: dict) -> ReadOptions:
@@ -661,7 +688,7 @@ def _compare(a, b, where, report):
             i = int(np.flatnonzero(np.frombuffer(xb, np.uint8) != np.frombuffer(yb, np.uint8))[0]) // x.dtype.itemsize
             index = np.unravel_index(done + i, a.shape) if a.shape else ()
             report.add(where, f"tensor {a.name!r} differs from the source at index {tuple(int(v) for v in index)}: "
-                              f"{x.reshape(-1)[i]!r} != {y.reshape(-1)[i]!r}")
+                              f"{x.reshape(-1)[i]!r} != {y.reshape(-1)[i]!r}", "source", tensor=a.name)
             break
         done += x.size
         a.release()
@@ -767,17 +794,19 @@ def _merge(cluster, stage, report: Report):
     if cluster is None:
         return
     from .cluster import gather
-    found = {"problems": report.problems[report.shared:]}
+    found = {"problems": [asdict(p) for p in report.problems[report.shared:]]}
     if stage == "totals":
         found.update(files=report.files, tensors=report.tensors, bytes=report.bytes)
     results = gather(cluster, f"verify/{stage}", found)
     if cluster.is_main:
-        merged = {"problems": report.problems[:report.shared] + [p for r in results for p in r["problems"]]}
+        merged = {"problems": [asdict(p) for p in report.problems[:report.shared]]
+                  + [p for r in results for p in r["problems"]]}
         if stage == "totals":
             merged.update({k: sum(r[k] for r in results) for k in ("files", "tensors", "bytes")})
         cluster.put(f"verify/{stage}/all", merged)
     total = cluster.get(f"verify/{stage}/all", "process 0")
-    report.problems, report.shared = list(total["problems"]), len(total["problems"])
+    report.problems = [Problem(**p) for p in total["problems"]]
+    report.shared = len(report.problems)
     if stage == "totals":
         report.files, report.tensors, report.bytes = total["files"], total["tensors"], total["bytes"]
 

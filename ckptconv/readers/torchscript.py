@@ -135,8 +135,7 @@ class _ModuleTree:
         tensors, extras, skipped = flatten(value, self.m.path, prefix=name, skip_unsupported=True, budget=self.budget)
         self.extras.update(extras)
         if tensors or skipped:
-            self.dropped.append({"name": name, "reason": "tensor attribute that is neither a parameter nor a "
-                                                         "buffer (not in the state dict)"})
+            self.dropped.append({"name": name, "reason": "a tensor attribute, not a parameter or buffer"})
 
     def is_module(self, obj: ScriptObject) -> bool:
         return self.classes(obj.qualname)[0]

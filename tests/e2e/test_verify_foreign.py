@@ -31,7 +31,7 @@ def test_save_pretrained_output_verifies_against_its_source(saved, form):
     r = run("verify", out, "--json")
     report = json.loads(r.stdout)
     assert r.exit_code == 0 and report["ok"] and report["tensor_count"] > 10
-    assert report["schema"] == "ckptconv.verify/1"
+    assert report["schema"] == "ckptconv.verify/2" and report["problems"] == []
     assert any("no file or tensor digests are recorded" in n for n in report["notes"])
     r = run("verify", out, "--against", saved / "source.bin")
     assert r.exit_code == 0 and "matches the source" in r.stdout and "note:" in r.stdout, r.stdout
@@ -48,6 +48,11 @@ def test_a_single_foreign_file_verifies_and_a_transposed_tensor_is_caught(saved,
     save_file(tensors, bad, metadata={"format": "pt"})
     r = run("verify", bad, "--against", saved / "source.bin")
     assert r.exit_code == 1 and name in r.stdout and "the source has" in r.stdout, r.stdout
+    r = run("verify", bad, "--against", saved / "source.bin", "--json")
+    problems = json.loads(r.stdout)["problems"]
+    assert r.exit_code == 1 and len(problems) == 1
+    assert problems[0]["kind"] == "source" and problems[0]["tensor"] == name and problems[0]["file"] == str(bad)
+    assert "the source has" in problems[0]["detail"] and problems[0]["message"].startswith(f"{bad}: tensor ")
 
 
 def test_a_tampered_foreign_index_is_reported(saved, tmp_path):
@@ -60,6 +65,8 @@ def test_a_tampered_foreign_index_is_reported(saved, tmp_path):
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     r = run("verify", out)
     assert r.exit_code == 1 and name in r.stdout
+    problems = json.loads(run("verify", out, "--json").stdout)["problems"]
+    assert {(p["kind"], p["tensor"]) for p in problems} == {("misplaced", name), ("missing", None)}, problems
 
 
 def test_a_directory_with_nothing_to_verify_is_refused(tmp_path):
