@@ -220,14 +220,17 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
 
     for name, file in (weight_map or {}).items():
         if name not in located:
-            report.add(d / index, f"tensor {name!r} is listed in the index (in {file}) but is in no shard", "missing", tensor=name)
+            report.add(d / index, f"tensor {name!r} is listed in the index (in {file}) but is in no shard",
+                       "missing", tensor=name)
         elif located[name][0] != file:
-            report.add(d / index, f"tensor {name!r} is listed in {file} but is in {located[name][0]}", "misplaced", tensor=name)
+            report.add(d / index, f"tensor {name!r} is listed in {file} but is in {located[name][0]}",
+                       "misplaced", tensor=name)
     for name, (file, _) in located.items():
         if index_names is not None and name not in index_names:
             report.add(d / file, f"tensor {name!r} is in the shard but missing from the index", "unlisted", tensor=name)
         if manifest_ok and name not in m_tensors:
-            report.add(d / file, f"tensor {name!r} is in the shard but missing from manifest.json", "unlisted", tensor=name)
+            report.add(d / file, f"tensor {name!r} is in the shard but missing from manifest.json",
+                       "unlisted", tensor=name)
     for name, entry in m_tensors.items():
         if name not in located:
             report.add(d / MANIFEST, f"tensor {name!r} is in the manifest but in no shard", "missing", tensor=name)
@@ -239,7 +242,8 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
             report.add(d / file, f"tensor {name!r} is {e.dtype.code}{list(e.shape)}, the manifest says "
                                  f"{entry['dtype']}{entry['shape']}", "metadata", tensor=name)
         if entry["file"] != file:
-            report.add(d / file, f"tensor {name!r} is here, the manifest says {entry['file']}", "misplaced", tensor=name)
+            report.add(d / file, f"tensor {name!r} is here, the manifest says {entry['file']}",
+                       "misplaced", tensor=name)
     report.tensors += len(located)
 
     listed = set(sums) | set(m_files) | set(shard_names)
@@ -265,7 +269,8 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
                 report.add(d / name, "listed in SHA256SUMS but not in manifest.json", "unlisted")
     for name, st in sorted(entries.items()):
         if not stat.S_ISREG(st.st_mode):
-            report.add(d / name, f"is {_kind(st)}; an output directory holds only regular files (not followed)", "not-regular")
+            report.add(d / name, f"is {_kind(st)}; an output directory holds only regular files (not followed)",
+                       "not-regular")
         elif name != SUMS and name not in listed:
             report.add(d / name, "file is not listed in SHA256SUMS or the manifest", "unlisted")
     return {n: m_tensors[n] for n in located if m_tensors.get(n) is not None}
@@ -300,7 +305,8 @@ def _library_view(path: Path, header, report: Report):
                 theirs[name] = (piece.get_dtype(), list(piece.get_shape()))
             metadata = f.metadata() or {}
     except Exception as e:  # its own error types, whatever they are: the file is what is wrong
-        report.add(path, f"the safetensors library cannot open it: {str(e).splitlines()[0] if str(e) else type(e).__name__}", "consumer")
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        report.add(path, f"the safetensors library cannot open it: {why}", "consumer")
         return
     ours = {e.name: (e.dtype.code, list(e.shape)) for e in header.entries}
     for name in sorted(set(ours) | set(theirs)):
@@ -433,7 +439,8 @@ def _verify_foreign_files(where: Path, files: list, weight_map: dict, report: Re
     for name, file in weight_map.items():
         if located.get(name) != file:
             report.add(where, f"tensor {name!r} is listed in {file} but is "
-                              + (f"in {located[name]}" if name in located else "in no file"), "misplaced" if name in located else "missing", tensor=name)
+                              + (f"in {located[name]}" if name in located else "in no file"),
+                              "misplaced" if name in located else "missing", tensor=name)
     for name, file in located.items():
         if weight_map and name not in weight_map:
             report.add(where, f"tensor {name!r} is in {file} but missing from the index", "unlisted", tensor=name)
@@ -450,7 +457,8 @@ def _verify_foreign_dir(path: Path, report: Report, progress=None):
         report.add(path, f"holds {len(indexes)} indexes ({', '.join(indexes[:4])})", "metadata")
         return
     if indexes and not _regular(entries, indexes[0]):
-        report.add(path / indexes[0], f"is {_kind(entries[indexes[0]])}; an index is a regular file (not followed)", "not-regular")
+        report.add(path / indexes[0], f"is {_kind(entries[indexes[0]])}; an index is a regular file (not followed)",
+                   "not-regular")
         return
     if indexes:
         raw = _json(path, indexes[0], entries, report, "the index")
@@ -535,7 +543,8 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
             held.setdefault(name, []).append(r)
     if mine("structure", None):
         for name in sorted(set(held) - set(mesh["tensors"])):
-            report.add(path / MESH, f"tensor {name!r} is on ranks {_ranks(held[name])} but not in mesh.json", "unlisted", tensor=name)
+            report.add(path / MESH, f"tensor {name!r} is on ranks {_ranks(held[name])} but not in mesh.json",
+                       "unlisted", tensor=name)
         for name in sorted(set(mesh["tensors"]) - set(held)):
             report.add(path / MESH, f"tensor {name!r} is in mesh.json but in no rank directory", "missing", tensor=name)
     pieces, _ = mesh_reader.rank_pieces(path, ranks)  # headers parsed once, for every check below
@@ -547,7 +556,8 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
             digests = {per_rank[r][name]["sha256"] for r in holders}
             if len(holders) != ranks:
                 report.add(path / MESH, f"replicated tensor {name!r} is missing on ranks "
-                                               f"{_ranks(sorted(set(range(ranks)) - set(holders)))}", "missing", tensor=name)
+                                               f"{_ranks(sorted(set(range(ranks)) - set(holders)))}",
+                                               "missing", tensor=name)
             if len(digests) > 1:
                 report.add(path / MESH, f"replicated tensor {name!r} differs between ranks", "mesh", tensor=name)
         else:
