@@ -3,6 +3,7 @@ import contextlib
 import functools
 import gc
 import json
+import re
 import os
 from pathlib import Path
 import signal
@@ -231,10 +232,18 @@ def mesh_options(tp_required: bool):
         @click.option("--head-dim", type=click.IntRange(1), help="Head dimension (overrides config.json).")
         @click.option("--pad-vocab", is_flag=True, help="Zero-pad vocab rows (embeddings, lm_head) up to a multiple "
                       "of --tp instead of refusing; recorded as padded_shape in mesh.json.")
+        @click.option("--allow-replicate", multiple=True, metavar="PATTERN", help="Tensors (regular expression, full "
+                      "match) that may be copied whole to every rank although no rule says 'replicate' (repeatable).")
         @functools.wraps(fn)
-        def wrapper(*args, tp, ep, preset, rules_file, heads, kv_heads, head_dim, pad_vocab, **kwargs):
+        def wrapper(*args, tp, ep, preset, rules_file, heads, kv_heads, head_dim, pad_vocab, allow_replicate,
+                    **kwargs):
+            for pattern in allow_replicate:
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise click.BadParameter(f"{pattern!r}: {e}", param_hint="--allow-replicate") from None
             kwargs["mesh"] = None if tp is None else MeshSpec(tp, ep, preset, rules_file, {
-                "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab)
+                "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab, tuple(allow_replicate))
             return fn(*args, **kwargs)
         return wrapper
     return decorate
@@ -389,9 +398,12 @@ def plan_lines(result) -> list:
                      + ("  uneven: ranges" if "ranges" in t else ""))
     per = result.bytes_per_rank
     lines.append(f"totals: source {format_size(result.source_bytes)}; per rank {format_size(min(per))}"
-                 f"..{format_size(max(per))}; {result.split} split, {len(result.replicated)} replicated")
+                 f"..{format_size(max(per))}; {result.split} split, {len(result.replicated)} replicated "
+                 f"({format_size(result.replicated_bytes)} whole on every rank)")
     if result.replicated:
         lines.append("replicated: " + ", ".join(result.replicated))
+    if result.refusal:
+        lines.append(f"a run would stop: {result.refusal}")
     return lines
 
 

@@ -6,12 +6,13 @@ needs is read. Layout of the output, mesh.json and `ranges`: docs/output.md.
 """
 import dataclasses
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from . import runner, transforms
 from .errors import UsageError
 from .readers import Source, open_source, readers
-from .tp.layout import plan, plan_summary
+from .sizes import format_size
+from .tp.layout import REPLICATED_SHARE, plan, plan_summary, silent_replication
 from .tp.presets import MeshSpec, choose_rules
 from .writers import WRITERS
 from .writers.base import Content, WriteOptions
@@ -32,6 +33,9 @@ class ReshardResult:
     replicated: list
     bytes_per_rank: list
     source_bytes: int
+    replicated_bytes: int = 0    # per rank: what every rank holds whole
+    unasked: list = field(default_factory=list)   # [{name, bytes}] replicated though nothing asked (refused)
+    refusal: str | None = None   # why a run of this plan stops (unasked replication)
     out: str | None = None
     seconds: float | None = None
     bytes_written: int | None = None
@@ -39,7 +43,7 @@ class ReshardResult:
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None or k not in ("out", "seconds", "bytes_written",
-                                                                                      "gb_per_s")}
+                                                                                      "gb_per_s", "refusal")}
 
 
 def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry_run=False, cluster=None,
@@ -58,8 +62,13 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
         raise UsageError(f"{source.path}: the {rules.name} rules split no tensor of this checkpoint; an output in "
                          "which nothing is split would be a mistake (check --preset/--rules)")
     result = ReshardResult(**plan_summary(plans, rules, mesh.tp, mesh.ep))
+    result.unasked = [{"name": n, "bytes": b} for n, b in silent_replication(plans, rules, mesh.allow_replicate)]
+    if result.unasked:
+        result.refusal = f"{source.path}: {replication_refusal(result.unasked, rules)}"
     if dry_run:
         return result
+    if result.refusal:
+        raise UsageError(result.refusal)
     if not readers()[ckpt.format].holds_data:
         raise UsageError(f"{source.path}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
     content = Content(described, ckpt.extras, {}, ckpt.model_files, ckpt.skipped_files)
@@ -70,3 +79,13 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
     result.out, result.seconds, result.bytes_written = str(out), round(seconds, 3), total
     result.gb_per_s = round(total / seconds / 1e9, 3) if seconds else None
     return result
+
+
+def replication_refusal(unasked, rules) -> str:
+    """Why a reshard that would copy big tensors whole to every rank stops, and the ways on."""
+    shown = ", ".join(f"{u['name']} ({format_size(u['bytes'])} per rank)" for u in unasked[:8])
+    more = f" and {len(unasked) - 8} more" if len(unasked) > 8 else ""
+    why = (f"the {rules.name} preset was guessed from tensor names (config.json names no model_type a preset "
+           "serves)" if rules.guessed else f"each holds more than {REPLICATED_SHARE:.0%} of the model")
+    return (f"{len(unasked)} tensor(s) would be copied whole to every rank, {why}: {shown}{more}; give --preset or "
+            "--rules that split them, rules that say 'replicate', or --allow-replicate PATTERN")

@@ -183,6 +183,29 @@ def _scales_plan(t, w: TensorPlan) -> TensorPlan:
     return TensorPlan(t.name, t.shape, t.dtype, f"scales by group ({ss} groups)", w.axis, ranges, even)
 
 
+REPLICATED_SHARE = 0.01   # a replicated tensor holding more of the model than this is a mistake, unless asked for
+
+
+def silent_replication(plans, rules: RuleSet, allow=()) -> list:
+    """(name, bytes) of replicated tensors of two or more dimensions that nothing asked to replicate
+    (no `replicate` rule, no --allow-replicate pattern): all of them when the preset was guessed from
+    tensor names, else those holding more than REPLICATED_SHARE of the model's bytes. A norm or bias
+    (one dimension) is always replicated; a whole expert or projection on every rank rarely is meant."""
+    total = sum(math.prod(p.shape) * p.dtype.itemsize for p in plans)
+    found = []
+    for p in plans:
+        if p.axis is not None or len(p.shape) < 2:
+            continue
+        nbytes = math.prod(p.shape) * p.dtype.itemsize
+        if not (rules.guessed or nbytes > REPLICATED_SHARE * total):
+            continue
+        rule = rules.match(p.name)
+        if (rule is not None and rule.kind == "replicate") or any(re.fullmatch(a, p.name) for a in allow):
+            continue
+        found.append((p.name, nbytes))
+    return found
+
+
 def plan_summary(plans, rules, tp, ep) -> dict:
     ranks = tp * ep
     rows = [{"name": p.name, "rule": p.rule, "axis": p.axis, "shape": list(p.shape), "dtype": p.dtype.code,
@@ -193,5 +216,6 @@ def plan_summary(plans, rules, tp, ep) -> dict:
             "ranks": ranks, "tensors": rows,
             "split": sum(p.axis is not None for p in plans),
             "replicated": [p.name for p in plans if p.axis is None],
+            "replicated_bytes": sum(math.prod(p.shape) * p.dtype.itemsize for p in plans if p.axis is None),
             "bytes_per_rank": [sum(p.piece_bytes(r) for p in plans) for r in range(ranks)],
             "source_bytes": sum(math.prod(p.shape) * p.dtype.itemsize for p in plans)}

@@ -42,6 +42,7 @@ class MeshSpec:
     rules_file: str | None = None
     heads: dict = field(default_factory=dict)   # --heads/--kv-heads/--head-dim overrides
     pad_vocab: bool = False
+    allow_replicate: tuple = ()                  # --allow-replicate PATTERN: whole on every rank, knowingly
 
 
 def choose_rules(ckpt, spec: MeshSpec) -> RuleSet:
@@ -52,7 +53,9 @@ def choose_rules(ckpt, spec: MeshSpec) -> RuleSet:
     if spec.preset is None and ckpt.recorded_rules is not None:
         return recorded(ckpt.recorded_rules)
     config = read_config(ckpt.model_files) or ckpt.config or {}
-    name = spec.preset or _by_model_type(config) or _by_names([t.name for t in ckpt.tensors])
+    name = spec.preset or _by_model_type(config)
+    guessed = name is None
+    name = name or _by_names([t.name for t in ckpt.tensors])
     if name is None:
         raise UsageError("no partition preset fits this checkpoint (known: " + ", ".join(PRESETS) +
                          "; config.json model_type or tensor names decide); give --preset or --rules FILE. "
@@ -63,10 +66,12 @@ def choose_rules(ckpt, spec: MeshSpec) -> RuleSet:
     overrides = {k: v for k, v in spec.heads.items() if v}
     params = {**chosen.defaults, **overrides} if chosen.defaults else model_params(config, overrides)
     try:
-        return chosen.build(params)
+        rules = chosen.build(params)
     except KeyError as e:
         raise UsageError(f"preset {name}: no {e.args[0]!r} in config.json (give --heads/--kv-heads/--head-dim "
                          "or --rules)") from None
+    rules.guessed = guessed and not chosen.defaults   # a family with fixed shapes (Grok-1) is recognised, not guessed
+    return rules
 
 
 def _by_model_type(config: dict) -> str | None:
@@ -140,6 +145,7 @@ def grok1(cfg: dict) -> RuleSet:
         Rule(p + r"multi_head_attention\.linear\.w" + w, "row"),
         Rule(p + r"moe\.(?:linear|linear_v)\.w" + w, "column", experts=True),
         Rule(p + r"moe\.linear_1\.w" + w, "row", experts=True),
+        Rule(p + r"router\.w" + w, "replicate"),
     ]
     return RuleSet("grok-1", "jax", rules, {"heads": heads, "kv_heads": kv, "head_dim": hd})
 
@@ -160,6 +166,7 @@ def llama(cfg: dict) -> RuleSet:
         Rule(p + r"mlp\.down_proj\.weight", "row"),
         Rule(p + r"block_sparse_moe\.experts\.\d+\.w[13]\.weight", "column"),
         Rule(p + r"block_sparse_moe\.experts\.\d+\.w2\.weight", "row"),
+        Rule(p + r"(?:block_sparse_moe|mlp)\.gate\.weight", "replicate"),   # MoE routers: small, on every rank
         Rule(r"lm_head\.weight", "vocab"),
     ]
     return RuleSet("llama", "torch", rules, {"heads": heads, "kv_heads": kv, "head_dim": hd})
@@ -173,6 +180,7 @@ def gpt2(cfg: dict) -> RuleSet:
     qkv = dict(heads=heads, kv_heads=heads, head_dim=hd)
     rules = [
         Rule(r"(?:transformer\.)?wte\.weight", "vocab"),
+        Rule(r"(?:transformer\.)?wpe\.weight", "replicate"),   # position embeddings: every rank, as Megatron
         Rule(p + r"attn\.c_attn\.(?:weight|bias)", "qkv", **qkv),
         Rule(p + r"attn\.c_proj\.weight", "row"),
         Rule(p + r"mlp\.c_fc\.(?:weight|bias)", "column"),

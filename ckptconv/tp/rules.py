@@ -42,6 +42,7 @@ class RuleSet:
     layout: str
     rules: list
     params: dict = field(default_factory=dict)
+    guessed: bool = False   # chosen from tensor names alone (not recorded: a fact of this run)
 
     def match(self, name: str):
         for rule in self.rules:

@@ -70,7 +70,7 @@ def test_reshard_straight_from_dcp_chunks(dcp_dirs, tmp_path):
     rules = tmp_path / "rules.toml"
     rules.write_text('[[rule]]\npattern = "cols"\naxis = 1\n[[rule]]\npattern = "rows"\nkind = "column"\n')
     out = tmp_path / "tp2"
-    r = run("reshard", dcp_dirs / "dtensor", out, "--tp", 2, "--rules", rules, "--quiet")
+    r = run("reshard", dcp_dirs / "dtensor", out, "--tp", 2, "--rules", rules, "--allow-replicate", "uneven", "--quiet")
     assert r.exit_code == 0, r.stderr
     want = reference(dcp_dirs, "dtensor")
     from safetensors.torch import load_file

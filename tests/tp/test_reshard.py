@@ -197,7 +197,7 @@ def test_group_straddling_ranks_refused(tmp_path):
     r = run("reshard", src, tmp_path / "out", "--tp", 16, "--rules", rules)
     assert r.exit_code == 2 and "straddle" in r.stderr and "--dequantize" in r.stderr
     assert not (tmp_path / "out").exists()
-    r = run("reshard", src, tmp_path / "out", "--tp", 8, "--rules", rules)
+    r = run("reshard", src, tmp_path / "out", "--tp", 8, "--rules", rules, "--allow-replicate", ".*")
     assert r.exit_code == 0, r.stderr
     r = run("reshard", src, tmp_path / "out2", "--tp", 16, "--heads", 4, "--kv-heads", 2, "--head-dim", 32)
     assert r.exit_code == 2 and "4 query heads cannot be split over tp=16" in r.stderr
@@ -327,3 +327,45 @@ def test_reshard_takes_convert_selection_flags(tmp_path):
     assert mesh["tensors"]["model.layers.0.mlp.up_proj.weight"]["axis"] == 0
     r = run("verify", out, "--against", src)                 # the recorded --only and prefix are applied
     assert r.exit_code == 0, r.stdout
+
+
+def stacked_moe_state(layers=1, experts=4, hidden=16, inter=8, vocab=32):
+    """Qwen3-MoE names with the experts stacked as transformers 5 holds them in memory, saved as is."""
+    g = torch.Generator().manual_seed(7)
+    sd = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name, shape in [("self_attn.q_proj.weight", (hidden, hidden)), ("self_attn.k_proj.weight", (8, hidden)),
+                            ("self_attn.v_proj.weight", (8, hidden)), ("self_attn.o_proj.weight", (hidden, hidden)),
+                            ("mlp.gate.weight", (experts, hidden)),
+                            ("mlp.experts.gate_up_proj", (experts, 2 * inter, hidden)),
+                            ("mlp.experts.down_proj", (experts, hidden, inter))]:
+            sd[p + name] = torch.randn(*shape, generator=g)
+    sd["lm_head.weight"] = torch.randn(vocab, hidden, generator=g)
+    return sd
+
+
+def test_no_silent_replication(tmp_path):
+    """A stacked-expert MoE read with rules that do not know it: the experts would be whole on every
+    rank. Refused, naming them and their bytes per rank, whether the preset was guessed from names or
+    config.json named a family whose rules leave them out; --allow-replicate is the way to ask."""
+    src = tmp_path / "moe.pt"
+    torch.save(stacked_moe_state(), src)
+    heads = ["--heads", 4, "--kv-heads", 2, "--head-dim", 4]
+    r = run("reshard", src, tmp_path / "out", "--tp", 2, *heads)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "model.layers.0.mlp.experts.gate_up_proj (4.10 KB per rank)" in r.stderr and "guessed" in r.stderr
+    assert "mlp.gate.weight" not in r.stderr            # the router: a rule says replicate
+    assert not (tmp_path / "out").exists()
+    d = tmp_path / "with_config"
+    d.mkdir()
+    torch.save(stacked_moe_state(), d / "pytorch_model.bin")
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 4,
+                                               "num_key_value_heads": 2, "head_dim": 4, "hidden_size": 16}))
+    r = run("reshard", d, tmp_path / "out", "--tp", 2)
+    assert r.exit_code == 2 and "more than 1% of the model" in r.stderr and "experts.down_proj" in r.stderr
+    r = run("reshard", d, tmp_path / "out", "--tp", 2, "--dry-run")
+    assert r.exit_code == 0 and "a run would stop:" in r.stdout and "whole on every rank" in r.stdout
+    r = run("reshard", d, tmp_path / "out", "--tp", 2, "--allow-replicate", r".*\.experts\..*", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    assert run("verify", tmp_path / "out", "--against", d).exit_code == 0
