@@ -54,8 +54,9 @@ class Problem:
         return printable(f"{self.file}: {self.detail}")   # a file called "a\nb" stays one line
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "file": printable(self.file), "tensor": self.tensor,
-                "detail": printable(self.detail), "message": str(self)}
+        """The fields as they are (JSON escapes what it must); `message` is the printed line."""
+        return {"kind": self.kind, "file": self.file, "tensor": self.tensor, "detail": self.detail,
+                "message": str(self)}
 
 
 @dataclass

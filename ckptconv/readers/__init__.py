@@ -152,6 +152,17 @@ def confined(path: Path, root: str) -> Path:
     return path
 
 
+def weights_file(path: Path, root: str) -> Path:
+    """`path` confined to the source, and not a Trainer's training state (an index or a link that
+    leads to optimizer.pt is not the model's weights)."""
+    confined(path, root)
+    for name in (path.name, os.path.basename(os.path.realpath(path))):
+        if training_state(name):
+            raise BadInput(f"{path}: is (or leads to) {name}, a Trainer's {training_state(name)}, not model weights; "
+                           "refused (give that file as SRC to convert it)")
+    return path
+
+
 def carried(candidates, root: str, max_size: int):
     """Split model files into those carried into OUT — regular files resolving inside the source, at
     most `max_size` bytes — and those skipped, each with the reason (listed in the summary and the

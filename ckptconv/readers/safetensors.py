@@ -13,7 +13,7 @@ from ..io.mapped import MappedFile
 from ..formats.manifest import INDEX_SUFFIX
 from ..formats.safetensors import parse_header
 from ..tensor import ArraySource, Checkpoint
-from . import ReadOptions, by_shard, check_listed, confined, model_files, source_root, wanted, weight_map
+from . import ReadOptions, by_shard, check_listed, model_files, source_root, wanted, weight_map, weights_file
 
 NAME = "safetensors"
 
@@ -49,11 +49,11 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         raise BadInput(f"{path}: holds {len(indexes)} indexes ({', '.join(t.name for t in indexes[:4])}); "
                        "give the one to read as SRC")
     if path.is_dir():
-        targets = [confined(t, source_root(path)) for t in targets]
+        targets = [weights_file(t, source_root(path)) for t in targets]
     target, files, listed = targets[0], targets, None
     if target.name.endswith(".index.json"):
         listed = by_shard(weight_map(target, options.only))
-        files = [confined(target.parent / f, source_root(target)) for f in sorted(listed)]
+        files = [weights_file(target.parent / f, source_root(target)) for f in sorted(listed)]
     tensors, mapped = [], []
     for f in files:
         m = MappedFile(f)

@@ -16,8 +16,8 @@ from ..io.mapped import MappedFile
 from ..tensor import Checkpoint
 from .pickle.numpy_globals import NumpyArray
 from .pickle.torch_globals import Storage, TorchTensor, flatten, storage_dtype, torch_globals
-from . import (ReadOptions, by_shard, check_listed, confined, inside, model_files, source_root, training_state, wanted,
-               weight_map)
+from . import (ReadOptions, by_shard, check_listed, inside, model_files, source_root, training_state, wanted,
+               weight_map, weights_file)
 
 NAME = "torch"
 
@@ -69,13 +69,13 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
             what = "indexes" if found and found[0].name.endswith(".index.json") else "torch files and no index"
             raise BadInput(f"{path}: holds {len(found)} {what} ({', '.join(p.name for p in found[:4])}); give the "
                            "one to read as SRC")
-        target = confined(found[0], source_root(path))
+        target = weights_file(found[0], source_root(path))
     else:
         target = path
     shards, listed = [target], None
     if target.name.endswith(".index.json"):
         listed = by_shard(weight_map(target, options.only))
-        shards = [confined(target.parent / f, source_root(target)) for f in sorted(listed)]
+        shards = [weights_file(target.parent / f, source_root(target)) for f in sorted(listed)]
     tensors, extras, skipped, mapped, dropped, placeholders, unwrapped = [], {}, [], [], [], [], None
     for shard in shards:
         m = MappedFile(shard)
@@ -130,7 +130,11 @@ def _load_file(m: MappedFile, allow, budget, unlisted):
         return _load_legacy(m, allow, budget, unlisted)
     if not ziparchive.is_zip(m):
         raise BadInput(f"{m.path}: not a torch.save file (neither a zip archive nor the legacy format)")
-    return load_zip(m, allow, budget=budget, unlisted=unlisted)
+    entries = ziparchive.read_entries(m)
+    if any(n.startswith(archive_prefix(m, entries) + "code/") for n in entries):
+        raise BadInput(f"{m.path}: is a TorchScript archive (torch.jit.save), read by the torchscript reader: give "
+                       "the file itself as SRC, or --from torchscript")
+    return load_zip(m, allow, budget=budget, unlisted=unlisted, entries=entries)
 
 
 WRAPPER_KEY = "state_dict"   # PyTorch Lightning, Stable Diffusion: the model's tensors beside training state
@@ -200,6 +204,10 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
         return storages[key]
 
     entry = entries[prefix + "data.pkl"]
+    if entry.method:
+        raise BadInput(f"{m.path}: its {entry.name} is compressed; torch stores pickles uncompressed, and a "
+                       "compressed one could build far more than the file holds (was this archive repacked? "
+                       "store it again with `zip -0`)")
     data = ziparchive.read_small(m, entry)
     try:
         return unpickler.load(data, allow, m.path, entry.offset, persistent_load, budget, unlisted)

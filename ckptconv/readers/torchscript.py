@@ -29,6 +29,8 @@ NAME = "torchscript"
 BOOKKEEPING = ("training", "_is_full_backward_hook")   # every nn.Module's, not model state
 MAX_SOURCE = 16 << 20   # the most one class's source entry may inflate to
 _DECLARED = re.compile(r'^  (__parameters__|__buffers__) = \[((?:"[^"\\\n]*", )*)\]$', re.M)
+_CLASS = re.compile(r"^class (\w+)(?:\((\w*)\))?:$", re.M)
+CUSTOM_CLASSES = SCRIPT_MODULE + ".torch.classes"   # C++ classes (torch.classes.*): no TorchScript source
 
 
 def _entries(path: Path):
@@ -90,6 +92,8 @@ class _ModuleTree:
         self.declared = {}   # qualname -> (is a module, parameters, buffers)
 
     def visit(self, obj: ScriptObject, prefix: str, depth: int, above: set):
+        """Depth first, in state-dict order; `above` holds the modules on the path here (a module that
+        contains itself would never end)."""
         if depth >= MAX_DEPTH:
             raise BadInput(f"{self.m.path}: TorchScript modules nested more than {MAX_DEPTH} deep")
         if id(obj) in above:
@@ -98,7 +102,7 @@ class _ModuleTree:
         if not isinstance(state, dict):
             raise BadInput(f"{self.m.path}: TorchScript module {obj.qualname} has no attribute dict")
         self.budget.spend(1 + len(state), "the TorchScript module tree")
-        _, params, buffers = self.classes(obj.qualname)
+        _, params, buffers, declared = self.classes(obj.qualname)
         for key in params + buffers:
             if key not in state:
                 raise BadInput(f"{self.m.path}: {obj.qualname} declares {key!r} a parameter or buffer, but the "
@@ -106,7 +110,7 @@ class _ModuleTree:
             self.tensor(state[key], prefix + key)
         for key, value in state.items():
             key = unpickler.key_text(key)
-            if key in params or key in buffers or key in BOOKKEEPING:
+            if key in declared or key in BOOKKEEPING:
                 continue
             if isinstance(value, ScriptObject) and self.is_module(value):
                 self.visit(value, f"{prefix}{key}.", depth + 1, above | {id(obj)})
@@ -141,32 +145,51 @@ class _ModuleTree:
         return self.classes(obj.qualname)[0]
 
     def classes(self, qualname: str) -> tuple:
-        """(is an nn.Module, its parameter names, its buffer names), from the two declaration lines
-        of its class in the archive's TorchScript source."""
-        if qualname not in self.declared:
-            self.declared[qualname] = self._declared(qualname)
-        return self.declared[qualname]
-
-    def _declared(self, qualname):
+        """(is an nn.Module, its parameter names, its buffer names), from the declaration lines of its
+        class in the archive's TorchScript source. Each source entry is read and scanned once."""
         module, _, cls = qualname.rpartition(".")
         if not module or not module.startswith(SCRIPT_MODULE) or not cls.isidentifier():
             raise BadInput(f"{self.m.path}: TorchScript class name {printable(qualname, 200)!r} is malformed")
+        if module == CUSTOM_CLASSES or module.startswith(CUSTOM_CLASSES + "."):
+            raise BadInput(f"{self.m.path}: {qualname} is a TorchScript custom C++ class (such as a quantized "
+                           "model's packed parameters), whose state only its C++ code can read; not supported")
         name = f"{self.prefix}code/{module.replace('.', '/')}.py"
-        entry = self.entries.get(name)
-        if entry is None:
-            raise BadInput(f"{self.m.path}: the source of TorchScript class {qualname} ({name}) is missing")
-        text = bytes(ziparchive.read_small(self.m, entry, MAX_SOURCE)).decode("utf-8", "replace")
-        head = re.search(rf"^class {re.escape(cls)}(?:\((\w*)\))?:$", text, re.M)
-        if head is None:
+        if name not in self.declared:
+            entry = self.entries.get(name)
+            if entry is None:
+                raise BadInput(f"{self.m.path}: the source of TorchScript class {qualname} ({name}) is missing")
+            text = bytes(ziparchive.read_small(self.m, entry, MAX_SOURCE)).decode("utf-8", "replace")
+            self.declared[name] = _classes(text, f"{self.m.path}: {name}")
+        found = self.declared[name].get(cls)
+        if found is None:
             raise BadInput(f"{self.m.path}: {name} does not define TorchScript class {cls}")
-        end = re.compile(r"^\S", re.M).search(text, head.end() + 1)
-        body = text[head.end():end.start() if end else len(text)]
-        found = {kind: re.findall(r'"([^"]*)"', names) for kind, names in _DECLARED.findall(body)}
-        is_module = head.group(1) == "Module"
+        return found
+
+
+def _classes(text: str, where: str) -> dict:
+    """{class: (is an nn.Module, parameter names, buffer names)} of one TorchScript source file, in one
+    pass: each top-level `class` line, and the declaration lines in its body."""
+    heads = list(_CLASS.finditer(text))
+    out = {}
+    for i, head in enumerate(heads):
+        body = text[head.end():heads[i + 1].start() if i + 1 < len(heads) else len(text)]
+        end = re.search(r"^\S", body, re.M)   # the class ends where the next top-level statement starts
+        body = body[:end.start()] if end else body
+        found = {}
+        for kind, names in _DECLARED.findall(body):
+            if kind in found:
+                raise BadInput(f"{where}: class {head.group(1)} declares {kind} twice")
+            found[kind] = re.findall(r'"([^"]*)"', names)
+        is_module = head.group(2) == "Module"
         if is_module and set(found) != {"__parameters__", "__buffers__"}:
-            raise BadInput(f"{self.m.path}: {name}: TorchScript module {cls} does not declare its parameters and "
-                           "buffers in the form torch.jit.save writes")
-        return is_module, found.get("__parameters__", []), found.get("__buffers__", [])
+            raise BadInput(f"{where}: TorchScript module {head.group(1)} does not declare its parameters and buffers "
+                           "in the form torch.jit.save writes")
+        params, buffers = found.get("__parameters__", []), found.get("__buffers__", [])
+        names = params + buffers
+        if len(set(names)) != len(names) or "" in names:
+            raise BadInput(f"{where}: class {head.group(1)} declares a parameter or buffer name twice, or an empty one")
+        out[head.group(1)] = (is_module, tuple(params), tuple(buffers), frozenset(names))
+    return out
 
 
 READER = register(Reader(NAME, "TorchScript archives (torch.jit.save): parameters and buffers by attribute path",

@@ -5,6 +5,8 @@ with the central directory, data inside the file and not overlapping. Each entry
 computed from its local header, so stored entries (all tensor data) can be views of the mapping.
 torch.jit.save deflates its `code/` entries: an archive may hold compressed entries, and one is
 refused only if it is read, and then inflated no further than its declared size and a fixed ratio.
+Pickles are read only stored (as torch writes them): an inflated pickle would build objects in
+proportion to its inflated size, not to the bytes in the file.
 """
 import struct
 import zlib
@@ -184,7 +186,7 @@ def _inflate(mapped, entry: Entry) -> bytes:
         data = inflater.decompress(mapped.view[entry.offset:entry.offset + entry.stored], entry.size + 1)
     except zlib.error as e:
         raise BadInput(f"{mapped.path}: entry {entry.name!r} does not inflate ({e})") from None
-    if len(data) != entry.size or not inflater.eof:
-        raise BadInput(f"{mapped.path}: entry {entry.name!r} inflates to {'more' if len(data) > entry.size else 'less'}"
-                       f" than the {entry.size} bytes its header declares (corrupt file)")
+    if len(data) != entry.size or not inflater.eof or inflater.unused_data:
+        raise BadInput(f"{mapped.path}: entry {entry.name!r} does not inflate to exactly the {entry.size} bytes its "
+                       "header declares (corrupt file)")
     return data

@@ -93,7 +93,9 @@ def test_entries_never_read_do_not_stop_the_run(archives, tmp_path):
     ("ghost parameter", "declares 'ghost' a parameter or buffer"),
     ("undeclared", "does not declare its parameters"),
     ("self", "contains itself"),
-    ("os.system", "can run code"),
+    ("os.system", "names a code-running entry point"),
+    ("declared twice", "declares a parameter or buffer name twice"),
+    ("declaration line twice", "declares __parameters__ twice"),
     ("deflated storage", "is compressed"),
 ])
 def test_hostile_archive_refused(archives, tmp_path, case, fragment):
@@ -109,6 +111,10 @@ def test_hostile_archive_refused(archives, tmp_path, case, fragment):
         "missing source": dict(drop=(name,)),
         "ghost parameter": dict(replace={name: container.replace(b"__parameters__ = []", b'__parameters__ = ["ghost", ]')}),
         "undeclared": dict(replace={name: container.replace(b"  __buffers__ = []\n", b"")}),
+        "declared twice": dict(replace={name: container.replace(b"__parameters__ = []",
+                                                                b'__parameters__ = ["a", "a", ]')}),
+        "declaration line twice": dict(replace={name: container.replace(b"  __parameters__ = []\n",
+                                                                        b"  __parameters__ = []\n" * 2)}),
         "self": dict(replace={"data.pkl": pickles["self"]}),
         "os.system": dict(replace={"data.pkl": pickles["os.system"]}),
         "deflated storage": dict(compress=zipfile.ZIP_DEFLATED),
@@ -118,3 +124,19 @@ def test_hostile_archive_refused(archives, tmp_path, case, fragment):
     assert r.exit_code == 2, (r.exit_code, r.stderr)
     assert r.stderr.count("\n") == 1 and str(bad) in r.stderr and fragment in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_each_source_file_is_scanned_once(archives, tmp_path, monkeypatch):
+    """However many modules share a class file, its text is inflated and scanned once (the run stays
+    linear in the archive's bytes)."""
+    from ckptconv.readers import torchscript as reader
+    scanned = []
+    real = reader._classes
+    monkeypatch.setattr(reader, "_classes", lambda text, where: scanned.append(where) or real(text, where))
+    assert run("convert", archives["scripted"][0], tmp_path / "out", "--quiet").exit_code == 0
+    assert len(scanned) == len(set(scanned)) and any("linear" in w for w in scanned)
+
+
+def test_the_torch_reader_names_a_torchscript_archive(archives, tmp_path):
+    r = run("convert", archives["traced"][0], tmp_path / "out", "--from", "torch")
+    assert r.exit_code == 2 and "is a TorchScript archive" in r.stderr and "--from torchscript" in r.stderr

@@ -53,3 +53,17 @@ def test_json_lists_the_training_state(checkpoints, tmp_path):
     r = run("convert", checkpoints["safetensors"], tmp_path / "out", "--json")
     skipped = json.loads(r.stdout)["skipped_files"]
     assert {s["name"]: s["reason"] for s in skipped}["optimizer.pt"] == "training state: optimizer"
+
+
+def test_an_index_or_link_leading_to_training_state_is_refused(checkpoints, tmp_path):
+    import shutil
+    src = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoints["bin, tied"], src)
+    (src / "pytorch_model.bin").unlink()
+    (src / "pytorch_model.bin").symlink_to("optimizer.pt")     # the optimizer's state posing as the model
+    r = run("convert", src, tmp_path / "out")
+    assert r.exit_code == 2 and "leads to) optimizer.pt, a Trainer's optimizer" in r.stderr, r.stderr
+    (src / "pytorch_model.bin").unlink()
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"w": "optimizer.pt"}}))
+    r = run("convert", src, tmp_path / "out")
+    assert r.exit_code == 2 and "optimizer.pt" in r.stderr and not (tmp_path / "out").exists()

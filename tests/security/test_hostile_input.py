@@ -81,9 +81,10 @@ def test_compressed_entry_refused(tmp_path):
     assert r.exit_code == 2 and "compressed" in r.stderr and r.stderr.count("\n") == 1
 
 
-def test_deflated_pickle_is_inflated_with_a_cap(tmp_path):
-    """A repacked archive whose data.pkl is deflated (tensor data stored) converts; one whose data.pkl
-    claims to inflate far beyond its bytes is refused before anything is inflated."""
+def test_deflated_pickle_refused_and_inflation_capped(tmp_path):
+    """A repacked archive whose data.pkl is deflated is refused (an inflated pickle builds objects in
+    proportion to its inflated size, not to the file). Entries that are read inflated (TorchScript
+    source) inflate no further than their declared size and 64x their bytes, to exactly that size."""
     src = tmp_path / "w.pt"
     torch.save({"w": torch.arange(10.0), "note": "x" * 100}, src)
     repacked = tmp_path / "repacked.pt"
@@ -91,17 +92,40 @@ def test_deflated_pickle_is_inflated_with_a_cap(tmp_path):
         for item in zin.infolist():
             zout.writestr(item.filename, zin.read(item),
                           zipfile.ZIP_DEFLATED if item.filename.endswith("data.pkl") else zipfile.ZIP_STORED)
-    r = run("convert", repacked, tmp_path / "out", "--quiet")
-    assert r.exit_code == 0, r.stderr
-    from safetensors.torch import load_file
-    assert torch.equal(load_file(tmp_path / "out" / "model-00001-of-00001.safetensors")["w"], torch.arange(10.0))
-    data = bytearray(repacked.read_bytes())   # the central directory's uncompressed size of data.pkl: 1 GB
-    at = data.rindex(b"w/data.pkl") - 46 + 24
-    data[at:at + 4] = struct.pack("<I", 1 << 30)
-    bomb = tmp_path / "bomb.pt"
-    bomb.write_bytes(bytes(data))
-    r = run("convert", bomb, tmp_path / "out2", "--from", "torch")
-    assert r.exit_code == 2 and "claims to inflate" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    r = run("convert", repacked, tmp_path / "out")
+    assert r.exit_code == 2 and "data.pkl is compressed" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+    def deflated(name, body, declared=None, tail=b""):
+        path = tmp_path / name
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("a/code/x.py", body, zipfile.ZIP_DEFLATED)
+        data = bytearray(path.read_bytes())
+        if declared is not None:   # the central directory's uncompressed size
+            at = data.rindex(b"a/code/x.py") - 46 + 24
+            data[at:at + 4] = struct.pack("<I", declared)
+        if tail:   # bytes after the deflate stream, inside the entry: the sizes grow to hold them
+            entries = ziparchive.read_entries(MappedFile(_written(path, data)))
+            e = entries["a/code/x.py"]
+            data[e.offset + e.stored:e.offset + e.stored] = tail
+            for at in (data.index(b"a/code/x.py") - 30 + 18, data.rindex(b"a/code/x.py") - 46 + 20):
+                data[at:at + 4] = struct.pack("<I", e.stored + len(tail))
+            cd = data.rindex(b"PK\x01\x02")   # the central directory and its end record move too
+            end = data.rindex(b"PK\x05\x06")
+            data[end + 16:end + 20] = struct.pack("<I", cd)
+        return MappedFile(_written(path, data))
+
+    body = b"#" + b" " * (1 << 20)
+    m = deflated("ok.zip", body)
+    assert bytes(ziparchive.read_small(m, ziparchive.read_entries(m)["a/code/x.py"])) == body
+    for m, fragment in [(deflated("bomb.zip", body, declared=1 << 30), "claims to inflate"),
+                        (deflated("tail.zip", body, tail=b"garbage"), "does not inflate to exactly")]:
+        with pytest.raises(BadInput, match=fragment):
+            ziparchive.read_small(m, ziparchive.read_entries(m)["a/code/x.py"])
+
+
+def _written(path, data):
+    path.write_bytes(bytes(data))
+    return path
 
 
 def test_tensor_reaching_past_its_storage_refused(tmp_path):

@@ -31,6 +31,8 @@ class ScriptObject:
 class ScriptClass(StandIn):
     """`__torch__.*`: instantiated (NEWOBJ with no arguments) as a `ScriptObject`, never called."""
 
+    namespace = True
+
     def __init__(self, qualname=SCRIPT_MODULE + ".*"):
         self.qualname = qualname
 

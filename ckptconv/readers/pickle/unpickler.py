@@ -50,6 +50,7 @@ class StandIn:
     """What an allowlisted global resolves to. Subclasses override the operations they permit."""
 
     qualname = "?"
+    namespace = False   # as a `MODULE.*` pattern: a namespace of its own, whose names are never Python's
 
     def call(self, args, ctx):
         raise ctx.unsafe(f"global {self.qualname!r} cannot be called")
@@ -885,17 +886,24 @@ def _resolve(vm, module, name):
     if not isinstance(module, str) or not isinstance(name, str):
         raise vm.ctx.unsafe("STACK_GLOBAL with non-string operands")
     standin = vm.allowlist.get((module, name))
-    # A stand-in we wrote for exactly this name is our code (torch.jit._pickle's list tags would match
-    # the `pickle` part); anything else a code-running name resolves to is refused, --allow-global too.
-    if runs_code(module, name) and not isinstance(standin, (Function, Marker)):
+    parts = module.split(".")
+    prefix = None if standin is not None else next(   # `--allow-global 'omegaconf.*'`: a module and those below
+        (".".join(parts[:i]) for i in range(len(parts), 0, -1) if (".".join(parts[:i]), "*") in vm.allowlist), None)
+    pattern = vm.allowlist[(prefix, "*")] if prefix is not None else None
+    if pattern is not None and pattern.namespace:
+        # TorchScript's `__torch__.*`: names there are the model's own classes, never Python modules
+        # (`__torch__.mypkg.io.Input` is no `io`), so only a name spelling a code-running entry point
+        # exactly, below the namespace, is refused
+        inner = module[len(prefix) + 1:]
+        if (inner, name) in CODE_NAMES or inner.split(".")[0] in CODE_MODULES:
+            raise vm.ctx.unsafe(f"global '{module}.{name}' names a code-running entry point")
+    elif runs_code(module, name) and not isinstance(standin, (Function, Marker)):
+        # a stand-in we wrote for exactly this name is our code (torch.jit._pickle's list tags match
+        # the `pickle` part); anything else a code-running name resolves to is refused, --allow-global too
         raise vm.ctx.unsafe(f"global '{module}.{name}' is not on the allowlist, and it can run code or reach the "
                             "system")
-    if standin is None:  # `--allow-global 'omegaconf.*'`: a module and the modules below it
-        parts = module.split(".")
-        standin = next((vm.allowlist[(".".join(parts[:i]), "*")] for i in range(len(parts), 0, -1)
-                        if (".".join(parts[:i]), "*") in vm.allowlist), None)
-        if standin is not None:
-            standin = standin.named(f"{module}.{name}")
+    if pattern is not None:
+        standin = pattern.named(f"{module}.{name}")
     if standin is None:
         if vm.ctx.unlisted is None:
             raise vm.ctx.unsafe(f"global '{module}.{name}' is not on the allowlist")
