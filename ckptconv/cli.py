@@ -32,7 +32,7 @@ from .errors import BadInput, CkptError, UsageError, printable
 from .formats.manifest import STEM, stem_problem
 from .plan import plan_run
 from .progress import byte_progress
-from .reshard import reshard
+from .reshard import TARGETS, reshard
 from .verify import total_bytes, verify
 from .tp.presets import PRESETS, MeshSpec
 from .writers.base import WriteOptions
@@ -343,21 +343,25 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @click.option("--dry-run", is_flag=True, help="Print the plan (rule, axis, bytes per rank) and write nothing.")
 @click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from tensor names that start with it "
               "(before the rules match them).")
+@click.option("--target", type=click.Choice(TARGETS), default="mesh", show_default=True,
+              help="The layout: ckptconv's rank directories, or also vLLM's pre-sharded files "
+              "(model-rank-R-part-P.safetensors with vLLM's own tensor names; docs/reshard.md#vllm).")
 @write_options(resume=False)
 @read_options
 @cluster_options
 @command
-def reshard_cmd(src, out, mesh, dry_run, strip_prefix, write, fmt, read, cluster, quiet, as_json):
+def reshard_cmd(src, out, mesh, dry_run, strip_prefix, target, write, fmt, read, cluster, quiet, as_json):
     """Slice SRC for a tensor-parallel (and expert-parallel) mesh: OUT/mesh.json and OUT/rank-XXXXX/.
 
     Each rank directory is a complete sharded-safetensors output holding exactly what that rank
     loads (column-parallel layers their output features, row-parallel their input features,
-    attention whole heads). Example: ckptconv reshard model/ out/ --tp 8
+    attention whole heads). With --target vllm, OUT is also what vLLM's load_format="sharded_state"
+    loads. Example: ckptconv reshard model/ out/ --tp 8
     """
     if out is None and not dry_run:
         raise UsageError("OUT is required unless --dry-run")
     result = reshard(Source(src, fmt, read), out, mesh, write, dry_run, None if dry_run else cluster(),
-                     lambda n: byte_progress(n, "reshard", quiet), strip_prefix)
+                     lambda n: byte_progress(n, "reshard", quiet), strip_prefix, target)
     if as_json:
         emit("reshard", result.to_json())
     elif dry_run:

@@ -13,7 +13,9 @@ from .errors import UsageError
 from .readers import Source, open_source, readers
 from .sizes import format_size
 from .tp.layout import REPLICATED_SHARE, plan, plan_summary, silent_replication
-from .tp.presets import MeshSpec, choose_rules
+from .tp import vllm
+from .tp.presets import MeshSpec, choose_rules, model_params
+from .tp.rules import read_config
 from .writers import WRITERS
 from .writers.base import Content, WriteOptions
 
@@ -46,17 +48,23 @@ class ReshardResult:
                                                                                       "gb_per_s", "refusal")}
 
 
+TARGETS = ("mesh", vllm.TARGET)   # --target: the layout written (writers/mesh.py, writers/vllm.py)
+
+
 def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry_run=False, cluster=None,
-            progress=None, strip_prefix: str | None = None) -> ReshardResult:
+            progress=None, strip_prefix: str | None = None, target: str = "mesh") -> ReshardResult:
     """Plan (and unless `dry_run`, write) `source` sliced for `mesh` into `out`, names without
-    `strip_prefix` (as convert's). `progress` as in convert.convert."""
+    `strip_prefix` (as convert's), in the layout `target` names. `progress` as in convert.convert."""
     write = write or WriteOptions()
     started = time.perf_counter()
     ckpt = open_source(source)
     tensors = transforms.strip_prefix(ckpt.tensors, strip_prefix)
     described = dict(ckpt.source, **({"strip_prefix": strip_prefix} if strip_prefix else {}),
                      **({"only": list(source.options.only)} if source.options.only else {}))
-    rules = choose_rules(ckpt if tensors is ckpt.tensors else dataclasses.replace(ckpt, tensors=tensors), mesh)
+    if target == vllm.TARGET:
+        tensors, rules, described["target"] = _for_vllm(ckpt, tensors, mesh)
+    else:
+        rules = choose_rules(ckpt if tensors is ckpt.tensors else dataclasses.replace(ckpt, tensors=tensors), mesh)
     plans = plan(tensors, rules, mesh.tp, mesh.ep, mesh.pad_vocab)
     if not any(p.axis is not None for p in plans):
         raise UsageError(f"{source.path}: the {rules.name} rules split no tensor of this checkpoint; an output in "
@@ -72,7 +80,7 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
     if not readers()[ckpt.format].holds_data:
         raise UsageError(f"{source.path}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
     content = Content(described, ckpt.extras, {}, ckpt.model_files, ckpt.skipped_files)
-    writer = WRITERS["mesh"](write, content, out, plans, rules, mesh.tp, mesh.ep, {t.name: t for t in tensors})
+    writer = WRITERS[target](write, content, out, plans, rules, mesh.tp, mesh.ep, {t.name: t for t in tensors})
     total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
     runner.run(writer, tensors, out, write, ckpt.inputs(source.path), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started
@@ -89,3 +97,22 @@ def replication_refusal(unasked, rules) -> str:
            "serves)" if rules.guessed else f"each holds more than {REPLICATED_SHARE:.0%} of the model")
     return (f"{len(unasked)} tensor(s) would be copied whole to every rank, {why}: {shown}{more}; give --preset or "
             "--rules that split them, rules that say 'replicate', or --allow-replicate PATTERN")
+
+
+def _for_vllm(ckpt, tensors, mesh: MeshSpec) -> tuple:
+    """(vLLM's global tensors, the rules that split them, what the output records of the target:
+    verify --against applies the same transform to the source)."""
+    if mesh.ep > 1:
+        raise UsageError("--target vllm with --ep: vLLM's expert-parallel layout is not written; vLLM's pre-sharded "
+                         "files hold every expert on every tp rank (use --tp only)")
+    if mesh.rules_file or mesh.preset:
+        raise UsageError("--target vllm: the layout is vLLM's own; --rules and --preset do not apply")
+    config = read_config(ckpt.model_files) or {}
+    model_type = vllm.check_model_type(config)
+    params = model_params(config, {k: v for k, v in mesh.heads.items() if v})
+    missing = [k for k in ("heads", "kv_heads", "head_dim") if k not in params]
+    if missing:
+        raise UsageError(f"--target vllm: config.json lacks {', '.join(missing)} (give --heads/--kv-heads/--head-dim)")
+    tied = config.get("tie_word_embeddings") is True
+    recorded = {"engine": vllm.TARGET, "model_type": model_type, "tied": tied}
+    return vllm.to_vllm(tensors, model_type, tied), vllm.vllm_rules(params), recorded

@@ -195,6 +195,58 @@ class Computed(TensorSource):
             s.release()
 
 
+class Stacked(TensorSource):
+    """Sources of one shape stacked on a new leading axis (per-expert weights as one [E, ...] tensor).
+    A slice along a later axis is the stack of the parts' slices, so it keeps their file spans."""
+
+    def __init__(self, name, parts):
+        first = parts[0]
+        for p in parts:
+            if p.dtype != first.dtype or p.shape != first.shape:
+                raise BadInput(f"tensor {name!r}: {first.name!r} is {first.shape}/{first.dtype.code} and "
+                               f"{p.name!r} {p.shape}/{p.dtype.code}; they cannot be stacked")
+        self.name, self.parts, self.dtype = name, list(parts), first.dtype
+        self.shape = (len(parts),) + first.shape
+
+    def _region(self, index):
+        blocks = [self.parts[e].region(index[1:]) for e in range(index[0].start, index[0].stop)]
+        if not blocks:
+            return np.empty(tuple(s.stop - s.start for s in index), self.dtype.numpy)
+        return np.stack(blocks)
+
+    def sliced(self, axis: int, start: int, stop: int) -> TensorSource:
+        if axis == 0:
+            return Stacked(self.name, self.parts[start:stop]) if stop > start else Slice(self, axis, start, stop)
+        return Stacked(self.name, [p.sliced(axis - 1, start, stop) for p in self.parts])
+
+    def release(self):
+        for p in self.parts:
+            p.release()
+
+
+def constant(name, dtype: DType, shape, value) -> TensorSource:
+    """A tensor every element of which is `value` (an engine's scale buffers, 1.0)."""
+    return Computed(name, dtype, shape, lambda index: np.full(tuple(s.stop - s.start for s in index), value,
+                                                              dtype.numpy))
+
+
+def zero_padded(src: TensorSource, axis: int, size: int) -> TensorSource:
+    """`src` with zero rows appended along `axis` up to `size` (a vocabulary padded for its split)."""
+    n = src.shape[axis]
+    shape = src.shape[:axis] + (size,) + src.shape[axis + 1:]
+
+    def compute(index):
+        out = np.zeros(tuple(s.stop - s.start for s in index), src.dtype.numpy)
+        start, stop = index[axis].start, min(index[axis].stop, n)
+        if start < stop:  # the part of the region that lies inside the real tensor
+            dest, real = [slice(None)] * len(index), list(index)
+            dest[axis], real[axis] = slice(0, stop - start), slice(start, stop)
+            out[tuple(dest)] = src.region(tuple(real))
+        return out
+
+    return Computed(src.name, src.dtype, shape, compute, (src,))
+
+
 def cast(src: TensorSource, dtype: DType) -> TensorSource:
     """Cast a floating tensor (ml_dtypes rounds to nearest even), computed block by block."""
     if src.dtype == dtype:

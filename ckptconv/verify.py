@@ -18,12 +18,13 @@ import numpy as np
 
 from . import safejson
 from .io import sha256
-from .errors import BadInput, UsageError, brief, printable
+from .errors import BadInput, CkptError, UsageError, brief, printable
 from .io.hashing import CHUNK, HashLanes
 from .io.mapped import MappedFile
 from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint
 from .formats.safetensors import parse_header
 from .formats.sums import NAME as SUMS, parse_sums
+from .tp import vllm
 from .tp.rules import check_recorded
 from .tensor import as_bytes, cast, iter_blocks, sha256_of
 from . import dtypes, transforms
@@ -651,6 +652,17 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
             return
         if not isinstance(prefix, str) or not prefix:
             report.add(recorded, f"source.strip_prefix {brief(prefix)} is not a prefix", "metadata")
+            return
+    engine = manifest.get("target")
+    if engine is not None:   # reshard --target vllm: the source as that engine holds it
+        if not (isinstance(engine, dict) and engine.get("engine") == vllm.TARGET
+                and engine.get("model_type") in vllm.MODEL_TYPES and isinstance(engine.get("tied"), bool)):
+            report.add(recorded, f"source.target {brief(engine)} is not a layout ckptconv writes", "metadata")
+            return
+        try:
+            src_list = vllm.to_vllm(src_list, engine["model_type"], engine["tied"])
+        except CkptError as e:
+            report.add(recorded, f"the source cannot be laid out as vLLM holds it: {e}", "source")
             return
     target = None
     if cast_to is not None:

@@ -11,6 +11,7 @@ from typing import Callable
 
 from ..errors import BadInput, UsageError, brief
 from .rules import Rule, RuleSet, load_rules_file, read_config
+from .vllm import vllm_rules
 
 
 @dataclass(frozen=True)
@@ -150,10 +151,14 @@ def grok1(cfg: dict) -> RuleSet:
     return RuleSet("grok-1", "jax", rules, {"heads": heads, "kv_heads": kv, "head_dim": hd})
 
 
-@preset("llama", model_types=("llama", "mistral", "qwen2", "mixtral", "qwen3"),
+@preset("llama", model_types=("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen2_moe", "qwen3_moe"),
         marker=r"(?:model\.)?layers\.\d+\.self_attn\.q_proj\.weight")
 def llama(cfg: dict) -> RuleSet:
-    """Llama and its relatives (Mistral, Qwen2, Mixtral naming), GQA: torch layout."""
+    """Llama and its relatives (Mistral, Qwen2/3, and the MoE ones: Mixtral, Qwen2-MoE, Qwen3-MoE),
+    GQA: torch layout. Experts per expert as save_pretrained writes them (Mixtral w1/w3/w2, Qwen
+    gate/up/down_proj) or stacked [E, ...] as transformers holds them in memory (gate_up_proj
+    [E, 2I, H], down_proj [E, H, I]): tp splits each expert's intermediate axis, --ep the experts;
+    Qwen2-MoE's shared expert is split like a dense MLP; routers are replicated."""
     heads, kv, hd = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     p = r"(?:model\.)?layers\.\d+\."
     rules = [
@@ -166,7 +171,13 @@ def llama(cfg: dict) -> RuleSet:
         Rule(p + r"mlp\.down_proj\.weight", "row"),
         Rule(p + r"block_sparse_moe\.experts\.\d+\.w[13]\.weight", "column"),
         Rule(p + r"block_sparse_moe\.experts\.\d+\.w2\.weight", "row"),
-        Rule(p + r"(?:block_sparse_moe|mlp)\.gate\.weight", "replicate"),   # MoE routers: small, on every rank
+        Rule(p + r"mlp\.experts\.\d+\.(?:gate|up)_proj\.weight", "column"),
+        Rule(p + r"mlp\.experts\.\d+\.down_proj\.weight", "row"),
+        Rule(p + r"mlp\.experts\.gate_up_proj", "gate_up", experts=True),
+        Rule(p + r"mlp\.experts\.down_proj", "row", experts=True),
+        Rule(p + r"mlp\.shared_expert\.(?:gate|up)_proj\.weight", "column"),
+        Rule(p + r"mlp\.shared_expert\.down_proj\.weight", "row"),
+        Rule(p + r"(?:block_sparse_moe|mlp)\.gate\.weight|mlp\.shared_expert_gate\.weight", "replicate"),   # routers
         Rule(r"lm_head\.weight", "vocab"),
     ]
     return RuleSet("llama", "torch", rules, {"heads": heads, "kv_heads": kv, "head_dim": hd})
@@ -205,3 +216,10 @@ def gpt_neox(cfg: dict) -> RuleSet:
         Rule(r"(?:embed_out|lm_head)\.weight", "vocab"),
     ]
     return RuleSet("gpt-neox", "torch", rules, {"heads": heads})
+
+
+@preset("vllm")
+def vllm_names(cfg: dict) -> RuleSet:
+    """vLLM's own tensor names (a `reshard --target vllm` output, resharded again): fused qkv and
+    gate_up, stacked experts (tp/vllm.py)."""
+    return vllm_rules(cfg)

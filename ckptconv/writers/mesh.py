@@ -19,7 +19,7 @@ from ..io import sha256
 from ..errors import BadInput
 from ..formats import mesh as fmt
 from ..io.hashing import CHUNK, Pipeline
-from ..tensor import Computed, Concat, as_bytes, sha256_of
+from ..tensor import Concat, as_bytes, sha256_of, zero_padded
 from .base import Content, WriteOptions, Writer, assign, register
 from .files import OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json
 
@@ -44,23 +44,6 @@ def rank_pieces(sources: dict, plans, rank) -> list:
         parts = [src.sliced(p.axis, a, b) for a, b in p.ranges[rank]]
         out.append(parts[0].renamed(p.name) if len(parts) == 1 else Concat(p.name, parts, p.axis))
     return out
-
-
-def zero_padded(src, axis, size) -> Computed:
-    """`src` with zero rows appended along `axis` up to `size` (--pad-vocab)."""
-    n = src.shape[axis]
-    shape = src.shape[:axis] + (size,) + src.shape[axis + 1:]
-
-    def compute(index):
-        out = np.zeros(tuple(s.stop - s.start for s in index), src.dtype.numpy)
-        start, stop = index[axis].start, min(index[axis].stop, n)
-        if start < stop:  # the part of the region that lies inside the real tensor
-            dest, real = [slice(None)] * len(index), list(index)
-            dest[axis], real[axis] = slice(0, stop - start), slice(start, stop)
-            out[tuple(dest)] = src.region(tuple(real))
-        return out
-
-    return Computed(src.name, src.dtype, shape, compute, (src,))
 
 
 def _streams_in_order(p) -> bool:

@@ -330,7 +330,7 @@ def test_reshard_takes_convert_selection_flags(tmp_path):
 
 
 def stacked_moe_state(layers=1, experts=4, hidden=16, inter=8, vocab=32):
-    """Qwen3-MoE names with the experts stacked as transformers 5 holds them in memory, saved as is."""
+    """Llama-like attention and experts stacked under names no preset knows (a custom MoE block)."""
     g = torch.Generator().manual_seed(7)
     sd = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g)}
     for i in range(layers):
@@ -338,8 +338,8 @@ def stacked_moe_state(layers=1, experts=4, hidden=16, inter=8, vocab=32):
         for name, shape in [("self_attn.q_proj.weight", (hidden, hidden)), ("self_attn.k_proj.weight", (8, hidden)),
                             ("self_attn.v_proj.weight", (8, hidden)), ("self_attn.o_proj.weight", (hidden, hidden)),
                             ("mlp.gate.weight", (experts, hidden)),
-                            ("mlp.experts.gate_up_proj", (experts, 2 * inter, hidden)),
-                            ("mlp.experts.down_proj", (experts, hidden, inter))]:
+                            ("mlp.moe.w_in", (experts, 2 * inter, hidden)),
+                            ("mlp.moe.w_out", (experts, hidden, inter))]:
             sd[p + name] = torch.randn(*shape, generator=g)
     sd["lm_head.weight"] = torch.randn(vocab, hidden, generator=g)
     return sd
@@ -354,7 +354,7 @@ def test_no_silent_replication(tmp_path):
     heads = ["--heads", 4, "--kv-heads", 2, "--head-dim", 4]
     r = run("reshard", src, tmp_path / "out", "--tp", 2, *heads)
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert "model.layers.0.mlp.experts.gate_up_proj (4.10 KB per rank)" in r.stderr and "guessed" in r.stderr
+    assert "model.layers.0.mlp.moe.w_in (4.10 KB per rank)" in r.stderr and "guessed" in r.stderr
     assert "mlp.gate.weight" not in r.stderr            # the router: a rule says replicate
     assert not (tmp_path / "out").exists()
     d = tmp_path / "with_config"
@@ -363,9 +363,9 @@ def test_no_silent_replication(tmp_path):
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 4,
                                                "num_key_value_heads": 2, "head_dim": 4, "hidden_size": 16}))
     r = run("reshard", d, tmp_path / "out", "--tp", 2)
-    assert r.exit_code == 2 and "more than 1% of the model" in r.stderr and "experts.down_proj" in r.stderr
+    assert r.exit_code == 2 and "more than 1% of the model" in r.stderr and "mlp.moe.w_out" in r.stderr
     r = run("reshard", d, tmp_path / "out", "--tp", 2, "--dry-run")
     assert r.exit_code == 0 and "a run would stop:" in r.stdout and "whole on every rank" in r.stdout
-    r = run("reshard", d, tmp_path / "out", "--tp", 2, "--allow-replicate", r".*\.experts\..*", "--quiet")
+    r = run("reshard", d, tmp_path / "out", "--tp", 2, "--allow-replicate", r".*\.moe\..*", "--quiet")
     assert r.exit_code == 0, r.stderr
     assert run("verify", tmp_path / "out", "--against", d).exit_code == 0

@@ -1,0 +1,157 @@
+"""`reshard --target vllm` on the CPU, without vLLM (tests/vllm/ loads the outputs in vLLM itself):
+each rank's fused tensors against references built here from the source with torch, the padded
+vocabulary, per-expert and stacked MoE sources giving the same bytes, the MoE block computed per
+rank and summed equal to the unsplit block, what is refused, and verify on the output."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import bits, run
+
+HEADS, KV, HD = 8, 2, 8
+
+
+def vllm_rank(out, rank) -> dict:
+    got = {}
+    for f in sorted(out.glob(f"model-rank-{rank}-part-*.safetensors")):
+        got.update(load_file(f))
+    return got
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_dense_rank_files_against_a_torch_reference(hf_llama, tmp_path, tp):
+    src, state = hf_llama["dir"], hf_llama["state"]
+    out = tmp_path / "out"
+    r = run("reshard", src, out, "--tp", tp, "--target", "vllm", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    q_per, kv_of = HEADS // tp, lambda r: (r * KV // tp if KV < tp else None)
+    for rank in range(tp):
+        got = vllm_rank(out, rank)
+        for i in range(2):
+            p = f"model.layers.{i}."
+            q = state[p + "self_attn.q_proj.weight"][rank * q_per * HD:(rank + 1) * q_per * HD]
+            if KV >= tp:
+                k_rows = slice(rank * KV // tp * HD, (rank + 1) * KV // tp * HD)
+            else:
+                k_rows = slice(kv_of(rank) * HD, (kv_of(rank) + 1) * HD)
+            k, v = state[p + "self_attn.k_proj.weight"][k_rows], state[p + "self_attn.v_proj.weight"][k_rows]
+            assert bits(got[p + "self_attn.qkv_proj.weight"]) == bits(torch.cat([q, k, v]))
+            inter = state[p + "mlp.gate_proj.weight"].shape[0] // tp
+            rows = slice(rank * inter, (rank + 1) * inter)
+            assert bits(got[p + "mlp.gate_up_proj.weight"]) == bits(
+                torch.cat([state[p + "mlp.gate_proj.weight"][rows], state[p + "mlp.up_proj.weight"][rows]]))
+            assert bits(got[p + "mlp.down_proj.weight"]) == bits(state[p + "mlp.down_proj.weight"][:, rows])
+            cols = slice(rank * 64 // tp, (rank + 1) * 64 // tp)
+            assert bits(got[p + "self_attn.o_proj.weight"]) == bits(state[p + "self_attn.o_proj.weight"][:, cols])
+            for s in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"):
+                assert got[p + "self_attn.attn." + s].dtype == torch.float32 and got[p + "self_attn.attn." + s] == 1.0
+        assert not any("q_proj" in k or "k_proj" in k or "gate_proj" in k for k in got)
+    assert run("verify", out, "--against", src).exit_code == 0
+
+
+def test_vocab_padded_to_64_and_tied_embeddings_written_once(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    src = tmp_path / "src"
+    LlamaForCausalLM(config).save_pretrained(src)
+    embed = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
+    out = tmp_path / "out"
+    assert run("reshard", src, out, "--tp", 2, "--target", "vllm", "--quiet").exit_code == 0
+    for rank in range(2):
+        got = vllm_rank(out, rank)
+        assert "model.embed_tokens.weight" not in got          # tied: the name vLLM keeps
+        want = torch.cat([embed, torch.zeros(28, 32)])[rank * 64:(rank + 1) * 64]
+        assert bits(got["lm_head.weight"]) == bits(want)
+    assert run("verify", out, "--against", src).exit_code == 0
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """A tiny Mixtral saved per expert (save_pretrained) and as its in-memory state dict (stacked)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(2)
+    config = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    model = MixtralForCausalLM(config)
+    d = tmp_path_factory.mktemp("mixtral")
+    model.save_pretrained(d / "per_expert")
+    (d / "stacked").mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, d / "stacked" / "model.safetensors")
+    shutil.copy(d / "per_expert" / "config.json", d / "stacked" / "config.json")
+    return d, model
+
+
+def test_moe_per_expert_and_stacked_give_the_same_rank_files(mixtral, tmp_path):
+    d, _ = mixtral
+    assert any(".experts.0.w1." in k for k in load_file(d / "per_expert" / "model.safetensors"))
+    for form in ("per_expert", "stacked"):
+        r = run("reshard", d / form, tmp_path / form, "--tp", 2, "--target", "vllm", "--quiet")
+        assert r.exit_code == 0, r.stderr
+        assert run("verify", tmp_path / form, "--against", d / form).exit_code == 0
+    for rank in range(2):
+        a, b = vllm_rank(tmp_path / "per_expert", rank), vllm_rank(tmp_path / "stacked", rank)
+        assert sorted(a) == sorted(b) and all(bits(a[k]) == bits(b[k]) for k in a)
+        assert a["model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight"].shape == (4, 48, 32)
+        assert a["model.layers.0.block_sparse_moe.experts.routed_experts.w2_weight"].shape == (4, 32, 24)
+        assert "model.layers.0.block_sparse_moe.gate.weight" in a
+
+
+def test_moe_block_per_rank_sums_to_the_whole(mixtral, tmp_path):
+    """Each rank's w13/w2 pieces run the experts' MLPs on their slice of the intermediate axis; the
+    partial outputs summed over ranks (the all-reduce) equal the unsplit experts, for every expert."""
+    d, model = mixtral
+    out = tmp_path / "out"
+    assert run("reshard", d / "stacked", out, "--tp", 4, "--target", "vllm", "--quiet").exit_code == 0
+    x = np.random.default_rng(0).standard_normal((5, 32)).astype(np.float32)
+    sd = model.state_dict()
+    full_w13 = sd["model.layers.0.mlp.experts.gate_up_proj"].numpy()
+    full_w2 = sd["model.layers.0.mlp.experts.down_proj"].numpy()
+
+    def experts(w13, w2):
+        inter = w13.shape[1] // 2
+        h = np.einsum("th,eih->eti", x, w13)
+        act = h[..., :inter] / (1 + np.exp(-h[..., :inter])) * h[..., inter:]
+        return np.einsum("eti,ehi->eth", act, w2)
+
+    parts = 0
+    for rank in range(4):
+        got = vllm_rank(out, rank)
+        base = "model.layers.0.block_sparse_moe.experts.routed_experts."
+        parts = parts + experts(got[base + "w13_weight"].numpy(), got[base + "w2_weight"].numpy())
+    np.testing.assert_allclose(parts, experts(full_w13, full_w2), rtol=1e-4, atol=1e-5)
+
+
+def test_what_the_vllm_target_refuses(hf_llama, mixtral, tmp_path):
+    src = hf_llama["dir"]
+    r = run("reshard", mixtral[0] / "stacked", tmp_path / "o", "--tp", 2, "--ep", 2, "--target", "vllm")
+    assert r.exit_code == 2 and "expert-parallel" in r.stderr
+    r = run("reshard", src, tmp_path / "o", "--tp", 2, "--target", "vllm", "--preset", "llama")
+    assert r.exit_code == 2 and "do not apply" in r.stderr
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(src, gpt2)
+    config = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    r = run("reshard", gpt2, tmp_path / "o", "--tp", 2, "--target", "vllm")
+    assert r.exit_code == 2 and "model_type 'gpt2'" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_verify_catches_a_replaced_vllm_file(hf_llama, tmp_path):
+    out = tmp_path / "out"
+    assert run("reshard", hf_llama["dir"], out, "--tp", 2, "--target", "vllm", "--quiet").exit_code == 0
+    f = out / "model-rank-1-part-0.safetensors"
+    tensors = load_file(f)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    f.unlink()   # a new file under the name (the rank directory keeps the original)
+    save_file(tensors, f)
+    r = run("verify", out, "--json")
+    problems = json.loads(r.stdout)["problems"]
+    assert r.exit_code == 1 and {(p["kind"], p["file"]) for p in problems} == {("digest", str(f))}
