@@ -161,12 +161,13 @@ def document(plans, rules, tp, ep, source, digests) -> dict:
             "source": {k: v for k, v in source.items() if k != "rules"}, "tensors": tensors}
 
 
-def write_top_sums(out_dir):
+def write_top_sums(out_dir, known=None):
     """OUT/SHA256SUMS over mesh.json and every other top-level regular file (the rank directories
-    carry their own), so nothing in a reshard output is unhashed."""
-    digests = {}
+    carry their own), so nothing in a reshard output is unhashed; `known`: digests the writer already
+    has of files it made here (hard links to rank shards), not read again."""
+    digests, known = {}, known or {}
     with os.scandir(out_dir) as it:
         for entry in it:
             if entry.name != SUMS and entry.is_file(follow_symlinks=False):
-                digests[entry.name] = sha256_file(entry.path)
+                digests[entry.name] = known[entry.name] if entry.name in known else sha256_file(entry.path)
     write_sums(out_dir, digests)

@@ -21,7 +21,7 @@ from ..formats import mesh as fmt
 from ..io.hashing import CHUNK, Pipeline
 from ..tensor import Concat, as_bytes, sha256_of, zero_padded
 from .base import Content, WriteOptions, Writer, assign, register
-from .files import OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json
+from .files import OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json, write_tensor
 
 
 @dataclass
@@ -51,6 +51,23 @@ def _streams_in_order(p) -> bool:
     return p.axis is not None and p.even and p.padded is None and all(n == 1 for n in p.shape[:p.axis])
 
 
+def _in_global_order(p) -> bool:
+    """Split on the leading axis into intervals that are disjoint or identical (a kv head shared by
+    several ranks) and cover it, each rank's in increasing order (fused qkv, gate_up): pushed interval
+    by interval in global order, every piece is a run of contiguous slices of the source, and the
+    global digest is a tap of the bytes written."""
+    if p.axis is None or p.padded is not None or any(n != 1 for n in p.shape[:p.axis]) or _streams_in_order(p):
+        return False
+    if any(list(r) != sorted(r) for r in p.ranges):
+        return False
+    at = 0
+    for a, b in sorted({tuple(iv) for r in p.ranges for iv in r}):
+        if a != at:
+            return False
+        at = b
+    return at == p.shape[p.axis]
+
+
 def _scatters(p) -> bool:
     """Split on a later axis, with rows small enough to read whole: read each block of rows once and
     hand every rank its columns (instead of every rank gathering its columns from the whole tensor)."""
@@ -73,7 +90,8 @@ class MeshWriter(Writer):
         mine = [u.rank for u in units]
         check_space(tmp, sum(u.size for u in units), self.content.model_files, len(units))
         every_rank = len(mine) == self.ranks
-        taps = {p.name: sha256.new() for p in self.layout if every_rank and (_streams_in_order(p) or _scatters(p))}
+        taps = {p.name: sha256.new() for p in self.layout
+                if every_rank and (_streams_in_order(p) or _in_global_order(p) or _scatters(p))}
         streams = self._write_ranks(tmp, mine, progress, taps)
         for rank, stream in streams.items():
             source = {**self.content.source, "resharded": {"tp": self.tp, "ep": self.ep, "rank": rank},
@@ -88,7 +106,9 @@ class MeshWriter(Writer):
         digests = {p.name: taps[p.name].hexdigest() if p.name in taps else sha256_of(self.sources[p.name])
                    for p, o in zip(split, owner) if p.name in taps or o == share[0]}
         rank0 = {n: v["sha256"] for n, v in streams[0].written.tensors.items()} if 0 in streams else None
-        return {"rank0": rank0, "global": digests}
+        shards = {rank: [[s.name, stream.written.files[s.name]["sha256"]] for s in stream.shards]
+                  for rank, stream in streams.items()}
+        return {"rank0": rank0, "global": digests, "shards": shards}
 
     def finish(self, tmp, results) -> dict:
         rank0 = next(r["rank0"] for r in results if r["rank0"] is not None)
@@ -96,7 +116,11 @@ class MeshWriter(Writer):
         for r in results:
             digests.update(r["global"])
         write_json(tmp, fmt.MESH, fmt.document(self.layout, self.rules, self.tp, self.ep, self.content.source, digests))
-        fmt.write_top_sums(tmp)
+        fmt.write_top_sums(tmp, self.known_digests(results))
+        return {}
+
+    def known_digests(self, results) -> dict:
+        """Top-level files whose digests the run already has (none here; the vLLM layout's links)."""
         return {}
 
     def _write_ranks(self, tmp, ranks, progress, taps) -> dict:
@@ -116,6 +140,9 @@ class MeshWriter(Writer):
                 if _scatters(p):
                     _scatter(p, self.sources[p.name], holders, pieces, streams, pipeline, progress, taps.get(p.name))
                     continue
+                if _in_global_order(p):
+                    _ordered(p, self.sources[p.name], holders, pieces, streams, progress, taps.get(p.name))
+                    continue
                 for r in holders:
                     streams[r].add(pieces[r][p.name], progress, taps.get(p.name))
             for stream in streams.values():
@@ -127,6 +154,20 @@ class MeshWriter(Writer):
             raise
         finally:
             pipeline.close()
+
+
+def _ordered(p, src, holders, pieces, streams, progress, global_h):
+    """Every holder's piece pushed interval by interval in global order (see _in_global_order); an
+    interval several ranks hold goes to each, and into the global digest once."""
+    writers = {r: streams[r].tensor(pieces[r][p.name]) for r in holders}
+    for a, b in sorted({tuple(iv) for r in holders for iv in p.ranges[r]}):
+        part, tap = src.sliced(p.axis, a, b), global_h
+        for r in holders:
+            if (a, b) in [tuple(iv) for iv in p.ranges[r]]:
+                writers[r].tap, tap = tap, None
+                write_tensor(writers[r], part, progress)
+    for w in writers.values():
+        w.close()
 
 
 def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):

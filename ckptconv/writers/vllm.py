@@ -19,12 +19,17 @@ from .mesh import MeshWriter
 class VllmWriter(MeshWriter):
     def write(self, units, tmp, progress=None, share=(0, 1)):
         result = super().write(units, tmp, progress, share)
-        for unit in units:
-            rank_dir = Path(tmp) / fmt.rank_dir(unit.rank)
-            shards = sorted(n for n in os.listdir(rank_dir) if n.endswith(".safetensors"))
-            for part, name in enumerate(shards):
-                os.link(rank_dir / name, Path(tmp) / part_name(unit.rank, part))
-        return result
+        linked = {}
+        for rank, shards in result["shards"].items():
+            for part, (name, digest) in enumerate(shards):
+                os.link(Path(tmp) / fmt.rank_dir(rank) / name, Path(tmp) / part_name(rank, part))
+                linked[part_name(rank, part)] = digest
+        return {**result, "linked": linked}
+
+    def known_digests(self, results) -> dict:
+        """The links are the rank shards, hashed as they were written: SHA256SUMS lists them without
+        reading 2 x the model again."""
+        return {name: digest for r in results for name, digest in r["linked"].items()}
 
     def finish(self, tmp, results) -> dict:
         copy_files(tmp, self.content.model_files, Written(), self.content.edited)
