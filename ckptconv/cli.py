@@ -204,8 +204,12 @@ def write_options(resume: bool):
             if stem is not None and single_file(kwargs.get("out") or ""):
                 raise click.BadParameter("it names the files of an output directory; an OUT ending in "
                                          ".safetensors is one file, named by OUT", param_hint="'--name'")
-            kwargs["write"] = WriteOptions(parse_size(max_shard_size), fsync, not buffered_io, overwrite,
-                                           kwargs.pop("resume", False), stem or STEM)
+            try:
+                size = parse_size(max_shard_size)
+            except UsageError as e:
+                raise click.BadParameter(str(e), param_hint="'--max-shard-size'") from None
+            kwargs["write"] = WriteOptions(size, fsync, not buffered_io, overwrite, kwargs.pop("resume", False),
+                                           stem or STEM)
             return fn(*args, **kwargs)
 
         if resume:
@@ -240,7 +244,7 @@ def mesh_options(tp_required: bool):
             for pattern in allow_replicate:
                 try:
                     re.compile(pattern)
-                except re.error as e:
+                except (re.error, OverflowError, RecursionError, ValueError) as e:
                     raise click.BadParameter(f"{pattern!r}: {e}", param_hint="--allow-replicate") from None
             kwargs["mesh"] = None if tp is None else MeshSpec(tp, ep, preset, rules_file, {
                 "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab, tuple(allow_replicate))

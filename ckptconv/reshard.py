@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from . import runner, transforms
-from .errors import UsageError
+from .errors import BadInput, UsageError, brief
 from .readers import Source, open_source, readers
 from .sizes import format_size
 from .tp.layout import REPLICATED_SHARE, plan, plan_summary, silent_replication
@@ -105,14 +105,18 @@ def _for_vllm(ckpt, tensors, mesh: MeshSpec) -> tuple:
     if mesh.ep > 1:
         raise UsageError("--target vllm with --ep: vLLM's expert-parallel layout is not written; vLLM's pre-sharded "
                          "files hold every expert on every tp rank (use --tp only)")
-    if mesh.rules_file or mesh.preset:
-        raise UsageError("--target vllm: the layout is vLLM's own; --rules and --preset do not apply")
+    if mesh.rules_file or mesh.preset or mesh.pad_vocab:
+        raise UsageError("--target vllm: the layout is vLLM's own (it pads the vocabulary itself); --rules, --preset "
+                         "and --pad-vocab do not apply")
     config = read_config(ckpt.model_files) or {}
     model_type = vllm.check_model_type(config)
     params = model_params(config, {k: v for k, v in mesh.heads.items() if v})
     missing = [k for k in ("heads", "kv_heads", "head_dim") if k not in params]
     if missing:
         raise UsageError(f"--target vllm: config.json lacks {', '.join(missing)} (give --heads/--kv-heads/--head-dim)")
-    tied = config.get("tie_word_embeddings") is True
-    recorded = {"engine": vllm.TARGET, "model_type": model_type, "tied": tied}
-    return vllm.to_vllm(tensors, model_type, tied), vllm.vllm_rules(params), recorded
+    tied = config.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise BadInput(f"config.json: tie_word_embeddings must be true or false, not {brief(tied, 60)}")
+    params = {k: params[k] for k in ("heads", "kv_heads", "head_dim")}
+    recorded = {"engine": vllm.TARGET, "model_type": model_type, "tied": tied, "params": params}
+    return vllm.to_vllm(tensors, model_type, tied, params), vllm.vllm_rules(params), recorded

@@ -531,7 +531,39 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
     for r, name in sorted(present.items()):
         if mine("rank", r):
             verify_dir(path / name, report, progress)
+    target = mesh.get("source", {}).get("target") if mesh is not None else None
+    if isinstance(target, dict) and target.get("engine") == vllm.TARGET and sums is not None \
+            and len(present) == mesh["ranks"]:
+        _verify_vllm_files(path, mesh["ranks"], entries, sums, found)
     return mesh
+
+
+def _verify_vllm_files(path: Path, ranks: int, entries: dict, sums: dict, report: Report):
+    """What vLLM reads at the top of a --target vllm output is what the rank directories hold: each
+    `model-rank-R-part-P.safetensors` is rank R's shard P (its digest in SHA256SUMS is the one rank R's
+    manifest records), parts 0..n-1 and no others, and the model files are rank 0's."""
+    expected, rank0 = {}, {}
+    for r in range(ranks):
+        try:
+            files = _checked_manifest(path / rank_dir(r)).get("files", {})
+        except BadInput:
+            return   # reported with the rank directory
+        shards = sorted(n for n in files if n.endswith(".safetensors"))
+        expected.update({vllm.part_name(r, p): (f"{rank_dir(r)}/{n}", files[n].get("sha256"))
+                         for p, n in enumerate(shards)})
+        if r == 0:
+            rank0 = files
+    for name in sorted(entries):
+        if vllm.PART.fullmatch(name) and name not in expected:
+            report.add(path / name, "is not a part of any rank's shards", "unlisted")
+    for name, (shard, digest) in expected.items():
+        if name not in entries:
+            report.add(path / name, f"is missing (vLLM loads it: it is {shard})", "missing")
+        elif sums.get(name) != digest:
+            report.add(path / name, f"differs from {shard}, which it must be", "digest")
+    for name in sorted(sums):
+        if name in rank0 and not name.endswith(".safetensors") and sums[name] != rank0[name].get("sha256"):
+            report.add(path / name, f"differs from {rank_dir(0)}/{name}", "digest")
 
 
 def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind, key: True):
@@ -655,12 +687,15 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
             return
     engine = manifest.get("target")
     if engine is not None:   # reshard --target vllm: the source as that engine holds it
+        params = engine.get("params") if isinstance(engine, dict) else None
         if not (isinstance(engine, dict) and engine.get("engine") == vllm.TARGET
-                and engine.get("model_type") in vllm.MODEL_TYPES and isinstance(engine.get("tied"), bool)):
+                and engine.get("model_type") in vllm.MODEL_TYPES and isinstance(engine.get("tied"), bool)
+                and isinstance(params, dict) and all(type(params.get(k)) is int and params[k] > 0
+                                                     for k in ("heads", "kv_heads", "head_dim"))):
             report.add(recorded, f"source.target {brief(engine)} is not a layout ckptconv writes", "metadata")
             return
         try:
-            src_list = vllm.to_vllm(src_list, engine["model_type"], engine["tied"])
+            src_list = vllm.to_vllm(src_list, engine["model_type"], engine["tied"], params)
         except CkptError as e:
             report.add(recorded, f"the source cannot be laid out as vLLM holds it: {e}", "source")
             return

@@ -192,6 +192,7 @@ def silent_replication(plans, rules: RuleSet, allow=()) -> list:
     tensor names, else those holding more than REPLICATED_SHARE of the model's bytes. A norm or bias
     (one dimension) is always replicated; a whole expert or projection on every rank rarely is meant."""
     total = sum(math.prod(p.shape) * p.dtype.itemsize for p in plans)
+    allow = [re.compile(a) for a in allow]   # compiled once (a long list would thrash re's cache)
     found = []
     for p in plans:
         if p.axis is not None or len(p.shape) < 2:
@@ -200,7 +201,7 @@ def silent_replication(plans, rules: RuleSet, allow=()) -> list:
         if not (rules.guessed or nbytes > REPLICATED_SHARE * total):
             continue
         rule = rules.match(p.name)
-        if (rule is not None and rule.kind == "replicate") or any(re.fullmatch(a, p.name) for a in allow):
+        if (rule is not None and rule.kind == "replicate") or any(a.fullmatch(p.name) for a in allow):
             continue
         found.append((p.name, nbytes))
     return found

@@ -27,7 +27,7 @@ work on them unchanged. See docs/reshard.md#vllm.
 import re
 
 from .. import dtypes
-from ..errors import BadInput, UsageError
+from ..errors import BadInput, UsageError, brief
 from ..tensor import Concat, Stacked, constant, zero_padded
 from .rules import Rule, RuleSet
 
@@ -46,16 +46,23 @@ _GATE, _UP, _DOWN = ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
 
 
 def check_model_type(config: dict) -> str:
+    if not config:
+        raise UsageError("--target vllm needs the model's config.json beside the source (its model_type and head "
+                         "counts decide the layout)")
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise UsageError(f"--target vllm: config.json model_type {model_type!r} is not one this layout is made for "
-                         f"(known: {', '.join(MODEL_TYPES)})")
+        raise UsageError(f"--target vllm: config.json model_type {brief(model_type, 60)} is not one this layout is "
+                         f"made for (known: {', '.join(MODEL_TYPES)})")
     return model_type
 
 
-def to_vllm(tensors, model_type: str, tied: bool) -> list:
-    """The source's tensors (Hugging Face names) as vLLM's global tensors, in source order."""
+def to_vllm(tensors, model_type: str, tied: bool, params: dict) -> list:
+    """The source's tensors (Hugging Face names) as vLLM's global tensors, in source order. Parts that
+    are fused must fit together (q is heads x head_dim rows, k and v kv_heads x head_dim, gate and up
+    one shape, stacked experts one count and intermediate size), and no two tensors may end up with
+    one name: an engine that only warns about shapes would load anything else as garbage."""
     by_name = {t.name: t for t in tensors}
+    experts = _experts_by_layer(by_name)
     out, used = [], set()
 
     def take(name):
@@ -72,45 +79,94 @@ def to_vllm(tensors, model_type: str, tied: bool) -> list:
         prefix, rest = (m.group(1), m.group(2)) if m else ("", t.name)
         if _QKV.fullmatch(rest):   # whichever of q, k, v comes first (save_pretrained sorts names)
             kind = rest.rsplit(".", 1)[1]
-            parts = [take(f"{prefix}self_attn.{p}_proj.{kind}") for p in "qkv"]
-            out.append(Concat(f"{prefix}self_attn.qkv_proj.{kind}", parts, 0))
+            q, k, v = (take(f"{prefix}self_attn.{p}_proj.{kind}") for p in "qkv")
+            _rows(q, params["heads"] * params["head_dim"], "heads x head_dim")
+            _rows(k, params["kv_heads"] * params["head_dim"], "kv_heads x head_dim")
+            _same(k, v)
+            out.append(Concat(f"{prefix}self_attn.qkv_proj.{kind}", [q, k, v], 0))
             if kind == "weight":
                 out += [constant(f"{prefix}self_attn.attn.{s}", dtypes.from_code("F32"), (), 1.0) for s in SCALES]
         elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            parts = [take(f"{prefix}mlp.gate_proj.weight"), take(f"{prefix}mlp.up_proj.weight")]
-            out.append(Concat(f"{prefix}mlp.gate_up_proj.weight", parts, 0))
-        elif moe and _EXPERT.fullmatch(rest):
-            out += _per_expert(prefix, moe[0], by_name, take)
+            gate, up = take(f"{prefix}mlp.gate_proj.weight"), take(f"{prefix}mlp.up_proj.weight")
+            _same(gate, up)
+            out.append(Concat(f"{prefix}mlp.gate_up_proj.weight", [gate, up], 0))
+        elif moe and prefix in experts and t.name in experts[prefix]["all"]:
+            out += _per_expert(prefix, moe[0], experts[prefix], take)
         elif moe and rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):   # stacked, as in memory
-            w = "w13_weight" if rest.endswith("gate_up_proj") else "w2_weight"
-            out.append(take(t.name).renamed(f"{prefix}{moe[0]}.experts.routed_experts.{w}"))
+            out += _stacked(prefix, moe[0], take(f"{prefix}mlp.experts.gate_up_proj"),
+                            take(f"{prefix}mlp.experts.down_proj"))
         elif moe and rest in ("mlp.gate.weight", "block_sparse_moe.gate.weight"):
             out.append(take(t.name).renamed(prefix + moe[1]))
         elif rest.endswith("rotary_emb.inv_freq"):   # a buffer old checkpoints saved; vLLM computes it
             used.add(t.name)
         elif t.name in ("model.embed_tokens.weight", "lm_head.weight"):
-            if tied and t.name == "model.embed_tokens.weight" and "lm_head.weight" in by_name:
-                used.add(t.name)   # written once, as lm_head.weight (the name vLLM keeps)
-                continue
-            name = "lm_head.weight" if tied else t.name
-            padded = -(-t.shape[0] // VOCAB_PADDING) * VOCAB_PADDING
-            src = take(t.name)
-            out.append((zero_padded(src, 0, padded) if padded != t.shape[0] else src).renamed(name))
+            out += _embedding(t.name, by_name, tied, take, used)
         else:
             out.append(take(t.name))
+    if not tied and "lm_head.weight" not in by_name:
+        raise BadInput("--target vllm: the source has no lm_head.weight and config.json does not say "
+                       "tie_word_embeddings (vLLM needs one or the other)")
+    seen = {}
+    for t in out:
+        if t.name in seen:
+            raise BadInput(f"--target vllm: two tensors of the source become vLLM's {t.name!r}; the source holds it "
+                           "already, or a layer in two forms (per-expert and stacked, or two spellings)")
+        seen[t.name] = t
     return out
 
 
-def _per_expert(prefix, module, by_name, take) -> list:
-    """One layer's per-expert weights (as save_pretrained writes them) stacked: w13 = [gate; up] per
-    expert, w2 = down, experts 0..E-1 all present."""
-    found = {}
+def _rows(t, n, what):
+    if len(t.shape) < 1 or t.shape[0] != n:
+        raise BadInput(f"--target vllm: tensor {t.name!r} has shape {list(t.shape)}; config.json says {n} rows "
+                       f"({what})")
+
+
+def _same(a, b):
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise BadInput(f"--target vllm: {a.name!r} is {list(a.shape)}/{a.dtype.code} and {b.name!r} "
+                       f"{list(b.shape)}/{b.dtype.code}; fused, they must match")
+
+
+def _embedding(name, by_name, tied, take, used) -> list:
+    """The vocabulary padded to a multiple of 64. Tied: one tensor, under the name vLLM keeps
+    (lm_head.weight), from model.embed_tokens.weight as Hugging Face ties it (a lm_head.weight beside
+    it is the same, or ignored by transformers and vLLM alike)."""
+    if tied:
+        if name == "lm_head.weight" and "model.embed_tokens.weight" in by_name:
+            used.add(name)
+            return []
+        src = take("model.embed_tokens.weight" if "model.embed_tokens.weight" in by_name else name)
+        used.update({"lm_head.weight"} & set(by_name))
+        name = "lm_head.weight"
+    else:
+        src = take(name)
+    padded = -(-src.shape[0] // VOCAB_PADDING) * VOCAB_PADDING
+    return [(zero_padded(src, 0, padded) if padded != src.shape[0] else src).renamed(name)]
+
+
+def _experts_by_layer(by_name) -> dict:
+    """{layer prefix: {"all": names, expert index: {w1/gate_proj...: name}}}, in one pass over the
+    names; an expert index must be spelled canonically (`01` and `1` would be one expert)."""
+    out = {}
     for name in by_name:
-        if name.startswith(prefix) and (m := _EXPERT.fullmatch(name[len(prefix):])):
-            found.setdefault(int(m.group(1)), {})[m.group(2)] = name
-    count = len(found)
-    if sorted(found) != list(range(count)):
-        raise BadInput(f"--target vllm: {prefix}experts are numbered {sorted(found)[:8]}..., not 0..{count - 1}")
+        m = _LAYER.fullmatch(name)
+        e = m and _EXPERT.fullmatch(m.group(2))
+        if not e:
+            continue
+        if str(int(e.group(1))) != e.group(1):
+            raise BadInput(f"--target vllm: tensor {name!r}: expert number {e.group(1)!r} is not written canonically")
+        layer = out.setdefault(m.group(1), {"all": set()})
+        layer["all"].add(name)
+        layer.setdefault(int(e.group(1)), {})[e.group(2)] = name
+    return out
+
+
+def _per_expert(prefix, module, found, take) -> list:
+    """One layer's per-expert weights (as save_pretrained writes them) stacked: w13 = [gate; up] per
+    expert, w2 = down, experts 0..E-1 all present and of one shape."""
+    count = len(found) - 1
+    if sorted(k for k in found if k != "all") != list(range(count)):
+        raise BadInput(f"--target vllm: {prefix}experts are not numbered 0..{count - 1}")
 
     def one(e, names):
         hit = [found[e][n] for n in names if n in found[e]]
@@ -118,10 +174,25 @@ def _per_expert(prefix, module, by_name, take) -> list:
             raise BadInput(f"--target vllm: expert {e} of {prefix} has no single {'/'.join(names)} weight")
         return take(hit[0])
 
-    w13 = [Concat(f"{prefix}w13.{e}", [one(e, _GATE), one(e, _UP)], 0) for e in range(count)]
-    w2 = [one(e, _DOWN) for e in range(count)]
+    w13 = []
+    for e in range(count):
+        gate, up = one(e, _GATE), one(e, _UP)
+        _same(gate, up)
+        w13.append(Concat(f"{prefix}w13.{e}", [gate, up], 0))
     base = f"{prefix}{module}.experts.routed_experts."
-    return [Stacked(base + "w13_weight", w13), Stacked(base + "w2_weight", w2)]
+    return _stacked(prefix, module, Stacked(base + "w13_weight", w13),
+                    Stacked(base + "w2_weight", [one(e, _DOWN) for e in range(count)]))
+
+
+def _stacked(prefix, module, gate_up, down) -> list:
+    """Stacked experts checked: gate_up [E, 2I, H], down [E, H, I], one E, I and H."""
+    ok = (len(gate_up.shape) == 3 and len(down.shape) == 3 and gate_up.shape[0] == down.shape[0]
+          and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1] and gate_up.dtype == down.dtype)
+    if not ok:
+        raise BadInput(f"--target vllm: {prefix} experts: gate_up {list(gate_up.shape)}/{gate_up.dtype.code} and down "
+                       f"{list(down.shape)}/{down.dtype.code} are not [E, 2I, H] and [E, H, I] of one dtype")
+    base = f"{prefix}{module}.experts.routed_experts."
+    return [gate_up.renamed(base + "w13_weight"), down.renamed(base + "w2_weight")]
 
 
 def vllm_rules(params: dict) -> RuleSet:
@@ -139,6 +210,9 @@ def vllm_rules(params: dict) -> RuleSet:
         Rule(p + r"(?:block_sparse_moe\.gate|mlp\.experts\.gate)\.weight", "replicate"),
     ]
     return RuleSet(TARGET, "torch", rules, {"heads": heads, "kv_heads": kv, "head_dim": hd})
+
+
+PART = re.compile(r"model-rank-\d+-part-\d+\.safetensors")
 
 
 def part_name(rank: int, part: int) -> str:

@@ -155,3 +155,97 @@ def test_verify_catches_a_replaced_vllm_file(hf_llama, tmp_path):
     r = run("verify", out, "--json")
     problems = json.loads(r.stdout)["problems"]
     assert r.exit_code == 1 and {(p["kind"], p["file"]) for p in problems} == {("digest", str(f))}
+
+
+def _llama_dir(d, sd, **config):
+    d.mkdir()
+    save_file({k: v.contiguous() for k, v in sd.items()}, d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 4,
+                                               "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 32,
+                                               "vocab_size": 64, **config}))
+    return d
+
+
+def _llama_state(g=torch.Generator().manual_seed(5)):
+    w = lambda *s: torch.randn(*s, generator=g)   # noqa: E731
+    p = "model.layers.0."
+    return {"model.embed_tokens.weight": w(64, 32), p + "self_attn.q_proj.weight": w(32, 32),
+            p + "self_attn.k_proj.weight": w(16, 32), p + "self_attn.v_proj.weight": w(16, 32),
+            p + "self_attn.o_proj.weight": w(32, 32), p + "mlp.gate_proj.weight": w(48, 32),
+            p + "mlp.up_proj.weight": w(48, 32), p + "mlp.down_proj.weight": w(32, 48),
+            "model.norm.weight": w(32), "lm_head.weight": w(64, 32)}
+
+
+@pytest.mark.parametrize("case,fragment", [
+    ("already fused", "become vLLM's 'model.layers.0.self_attn.qkv_proj.weight'"),
+    ("gate and up differ", "fused, they must match"),
+    ("k and v differ", "kv_heads x head_dim"),
+    ("untied without lm_head", "no lm_head.weight"),
+    ("tie as a string", "tie_word_embeddings must be true or false"),
+    ("pad-vocab", "--pad-vocab do not apply"),
+    ("no config", "needs the model's config.json"),
+])
+def test_what_does_not_fit_vllm_is_refused(tmp_path, case, fragment):
+    sd, config, extra = _llama_state(), {}, []
+    p = "model.layers.0."
+    if case == "already fused":
+        sd[p + "self_attn.qkv_proj.weight"] = torch.zeros(64, 32)
+    elif case == "gate and up differ":
+        sd[p + "mlp.up_proj.weight"] = torch.zeros(40, 32)
+    elif case == "k and v differ":
+        sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"] = torch.zeros(24, 32), torch.zeros(8, 32)
+    elif case == "untied without lm_head":
+        del sd["lm_head.weight"]
+    elif case == "tie as a string":
+        config["tie_word_embeddings"] = "true"
+    elif case == "pad-vocab":
+        extra = ["--pad-vocab"]
+    src = _llama_dir(tmp_path / "src", sd, **config)
+    if case == "no config":
+        (src / "config.json").unlink()
+    r = run("reshard", src, tmp_path / "out", "--tp", 2, "--target", "vllm", *extra)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and fragment in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_tied_embeddings_come_from_embed_tokens(tmp_path):
+    """Tied, with a lm_head.weight that differs: transformers and vLLM both use embed_tokens."""
+    sd = _llama_state()
+    src = _llama_dir(tmp_path / "src", sd, tie_word_embeddings=True)
+    out = tmp_path / "out"
+    assert run("reshard", src, out, "--tp", 1, "--target", "vllm", "--quiet").exit_code == 0
+    assert bits(vllm_rank(out, 0)["lm_head.weight"]) == bits(sd["model.embed_tokens.weight"])
+    assert run("verify", out, "--against", src).exit_code == 0
+
+
+def test_stacked_experts_that_do_not_fit_are_refused(mixtral, tmp_path):
+    d, _ = mixtral
+    sd = load_file(d / "stacked" / "model.safetensors")
+    sd["model.layers.0.mlp.experts.down_proj"] = sd["model.layers.0.mlp.experts.down_proj"][:3].contiguous()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file(sd, bad / "model.safetensors")
+    shutil.copy(d / "stacked" / "config.json", bad / "config.json")
+    r = run("reshard", bad, tmp_path / "out", "--tp", 2, "--target", "vllm")
+    assert r.exit_code == 2 and "are not [E, 2I, H] and [E, H, I]" in r.stderr, r.stderr
+
+
+def test_verify_ties_the_top_files_to_the_rank_shards(hf_llama, tmp_path):
+    """A top-level file vLLM loads replaced by another rank's, with SHA256SUMS updated to match: the
+    rank directories are intact, but vLLM would load the wrong rank; verify says so."""
+    import hashlib
+    out = tmp_path / "out"
+    assert run("reshard", hf_llama["dir"], out, "--tp", 2, "--target", "vllm", "--quiet").exit_code == 0
+    top = out / "model-rank-0-part-0.safetensors"
+    top.unlink()
+    shutil.copy(out / "model-rank-1-part-0.safetensors", top)
+    sums = (out / "SHA256SUMS").read_text().replace(
+        next(l for l in (out / "SHA256SUMS").read_text().splitlines() if top.name in l).split()[0],
+        hashlib.sha256(top.read_bytes()).hexdigest())
+    (out / "SHA256SUMS").write_text(sums)
+    shutil.copy(out / "model-rank-1-part-0.safetensors", out / "model-rank-1-part-1.safetensors")
+    r = run("verify", out, "--json")
+    problems = {(p["kind"], p["file"].rsplit("/", 1)[1]) for p in json.loads(r.stdout)["problems"]}
+    assert r.exit_code == 1
+    assert ("digest", "model-rank-0-part-0.safetensors") in problems
+    assert ("unlisted", "model-rank-1-part-1.safetensors") in problems
