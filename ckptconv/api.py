@@ -97,17 +97,21 @@ def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", 
 def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads=None, head_dim=None,
             pad_vocab=False, dry_run=False, format=None, only=(), strip_prefix=None, state_dict="auto",
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name="model", overwrite=False,
-            fsync=False, buffered_io=False, workers=2, reader_options=None, progress=None) -> _reshard.ReshardResult:
+            fsync=False, buffered_io=False, workers=2, reader_options=None, progress=None, target="mesh",
+            dtype="keep", allow_replicate=()) -> _reshard.ReshardResult:
     """`ckptconv reshard SRC OUT --tp N` (docs/reshard.md); with `dry_run`, the plan only (OUT may
-    be None)."""
+    be None). `target="vllm"`: vLLM's pre-sharded layout as well."""
     if any(type(v) is not int or v < 1 for v in (tp, ep)):
         raise UsageError(f"tp and ep: expected whole numbers of at least 1, not {tp!r}, {ep!r}")
+    if target not in _reshard.TARGETS or dtype not in ("keep", "bf16", "f16", "f32"):
+        raise UsageError(f"target: one of {', '.join(_reshard.TARGETS)}; dtype: keep, bf16, f16 or f32 "
+                         f"(not {target!r}, {dtype!r})")
     mesh = MeshSpec(tp, ep, preset, None if rules is None else _path(rules, "rules"),
-                    {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab)
+                    {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab, tuple(allow_replicate))
     return _reshard.reshard(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
                                     reader_options),
                             out, mesh, _write(max_shard_size, name, overwrite, fsync, buffered_io), dry_run,
-                            progress=progress, strip_prefix=strip_prefix)
+                            progress=progress, strip_prefix=strip_prefix, target=target, dtype=dtype)
 
 
 def verify(path, against=None, *, device=None, allow_fewer_devices=False, format=None, allow_globals=(),

@@ -347,6 +347,8 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @click.option("--dry-run", is_flag=True, help="Print the plan (rule, axis, bytes per rank) and write nothing.")
 @click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from tensor names that start with it "
               "(before the rules match them).")
+@click.option("--dtype", type=click.Choice(["keep", "bf16", "f16", "f32"]), default="keep", show_default=True,
+              help="Cast floating tensors (round to nearest even); integers are kept; config.json says so.")
 @click.option("--target", type=click.Choice(TARGETS), default="mesh", show_default=True,
               help="The layout: ckptconv's rank directories, or also vLLM's pre-sharded files "
               "(model-rank-R-part-P.safetensors with vLLM's own tensor names; docs/reshard.md#vllm).")
@@ -354,7 +356,7 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @read_options
 @cluster_options
 @command
-def reshard_cmd(src, out, mesh, dry_run, strip_prefix, target, write, fmt, read, cluster, quiet, as_json):
+def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, write, fmt, read, cluster, quiet, as_json):
     """Slice SRC for a tensor-parallel (and expert-parallel) mesh: OUT/mesh.json and OUT/rank-XXXXX/.
 
     Each rank directory is a complete sharded-safetensors output holding exactly what that rank
@@ -365,7 +367,7 @@ def reshard_cmd(src, out, mesh, dry_run, strip_prefix, target, write, fmt, read,
     if out is None and not dry_run:
         raise UsageError("OUT is required unless --dry-run")
     result = reshard(Source(src, fmt, read), out, mesh, write, dry_run, None if dry_run else cluster(),
-                     lambda n: byte_progress(n, "reshard", quiet), strip_prefix, target)
+                     lambda n: byte_progress(n, "reshard", quiet), strip_prefix, target, dtype)
     if as_json:
         emit("reshard", result.to_json())
     elif dry_run:

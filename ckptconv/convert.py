@@ -1,6 +1,5 @@
 """convert: any supported source -> sharded safetensors, or one .safetensors file (reader ->
 transforms -> writer), atomically, on one process or several (runner.py)."""
-import json
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -49,9 +48,6 @@ class ConvertResult:
                 if k not in optional or v not in (None, [])}
 
 
-TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
 def _config(model_files) -> dict:
     """The carried config.json as an object, or {}: one that does not parse is carried unchanged and
     read for nothing (convert never needed it before it tied weights or edited the dtype)."""
@@ -59,19 +55,6 @@ def _config(model_files) -> dict:
         return read_config(model_files) or {}
     except BadInput:
         return {}
-
-
-def _config_with_dtype(config: dict, target, described) -> dict:
-    """After --dtype, the carried config.json says the new dtype (`torch_dtype`, and `dtype` as newer
-    transformers write it); the edit is recorded as source.config_edits. Other files, and a
-    config.json without those keys, are carried unchanged."""
-    new = TORCH_DTYPE_NAMES[target.code]
-    keys = [k for k in ("torch_dtype", "dtype") if isinstance(config.get(k), str) and config[k] != new]
-    if not keys:
-        return {}
-    described["config_edits"] = {k: [config[k], new] for k in keys}
-    edited = {**config, **{k: new for k in keys}}
-    return {"config.json": (json.dumps(edited, indent=2, ensure_ascii=False) + "\n").encode("utf-8")}
 
 
 def single_file(out) -> bool:
@@ -111,7 +94,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     content = Content(described, ckpt.extras, {**ckpt.manifest, **({"aliases": aliases} if aliases else {})},
                       ckpt.model_files if carry else [], ckpt.skipped_files if carry else [])
     if carry and target is not None:
-        content.edited = _config_with_dtype(config, target, described)
+        content.edited = transforms.config_with_dtype(config, target, described)
     content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()}, ckpt.extras, ckpt.manifest,
                                                     [rel for rel, _ in content.model_files]])
     writer = WRITERS["single" if one_file else "sharded"](write, content, out)

@@ -8,7 +8,7 @@ import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import runner, transforms
+from . import dtypes, runner, transforms
 from .errors import BadInput, UsageError, brief
 from .readers import Source, open_source, readers
 from .sizes import format_size
@@ -52,15 +52,20 @@ TARGETS = ("mesh", vllm.TARGET)   # --target: the layout written (writers/mesh.p
 
 
 def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry_run=False, cluster=None,
-            progress=None, strip_prefix: str | None = None, target: str = "mesh") -> ReshardResult:
+            progress=None, strip_prefix: str | None = None, target: str = "mesh", dtype: str = "keep") -> ReshardResult:
     """Plan (and unless `dry_run`, write) `source` sliced for `mesh` into `out`, names without
-    `strip_prefix` (as convert's), in the layout `target` names. `progress` as in convert.convert."""
+    `strip_prefix` and floating tensors cast to `dtype` (as convert's), in the layout `target` names.
+    `progress` as in convert.convert."""
     write = write or WriteOptions()
     started = time.perf_counter()
     ckpt = open_source(source)
     tensors = transforms.strip_prefix(ckpt.tensors, strip_prefix)
     described = dict(ckpt.source, **({"strip_prefix": strip_prefix} if strip_prefix else {}),
                      **({"only": list(source.options.only)} if source.options.only else {}))
+    cast_to = None if dtype == "keep" else dtypes.CAST_TARGETS[dtype]
+    if cast_to is not None:   # before any layout: verify --against casts the source the same way, first
+        tensors = transforms.cast_floats(tensors, cast_to)
+        described["cast"] = cast_to.code
     if target == vllm.TARGET:
         tensors, rules, described["target"] = _for_vllm(ckpt, tensors, mesh)
     else:
@@ -80,6 +85,8 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
     if not readers()[ckpt.format].holds_data:
         raise UsageError(f"{source.path}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
     content = Content(described, ckpt.extras, {}, ckpt.model_files, ckpt.skipped_files)
+    if cast_to is not None:
+        content.edited = transforms.config_with_dtype(read_config(ckpt.model_files) or {}, cast_to, described)
     writer = WRITERS[target](write, content, out, plans, rules, mesh.tp, mesh.ep, {t.name: t for t in tensors})
     total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
     runner.run(writer, tensors, out, write, ckpt.inputs(source.path), ckpt.check_unchanged, cluster, progress)

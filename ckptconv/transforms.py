@@ -1,4 +1,6 @@
 """Stream transforms between reader and writer: rename (strip a prefix) and cast floating dtypes."""
+import json
+
 from .errors import UsageError
 from .tensor import cast
 
@@ -41,3 +43,19 @@ def cast_floats(tensors, dtype):
     if dtype is None:
         return tensors
     return [cast(t, dtype) if t.dtype.is_float else t for t in tensors]
+
+
+TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def config_with_dtype(config: dict, target, described) -> dict:
+    """After --dtype, the carried config.json says the new dtype (`torch_dtype`, and `dtype` as newer
+    transformers write it); the edit is recorded as source.config_edits. Other files, and a
+    config.json without those keys, are carried unchanged. Returns {file name: new bytes}."""
+    new = TORCH_DTYPE_NAMES[target.code]
+    keys = [k for k in ("torch_dtype", "dtype") if isinstance(config.get(k), str) and config[k] != new]
+    if not keys:
+        return {}
+    described["config_edits"] = {k: [config[k], new] for k in keys}
+    edited = {**config, **{k: new for k in keys}}
+    return {"config.json": (json.dumps(edited, indent=2, ensure_ascii=False) + "\n").encode("utf-8")}

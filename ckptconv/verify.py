@@ -26,7 +26,7 @@ from .formats.safetensors import parse_header
 from .formats.sums import NAME as SUMS, parse_sums
 from .tp import vllm
 from .tp.rules import check_recorded
-from .tensor import as_bytes, cast, iter_blocks, sha256_of
+from .tensor import as_bytes, iter_blocks, sha256_of
 from . import dtypes, transforms
 from .formats import manifest as manifest_format
 from .formats.manifest import MANIFEST
@@ -685,6 +685,13 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
         if not isinstance(prefix, str) or not prefix:
             report.add(recorded, f"source.strip_prefix {brief(prefix)} is not a prefix", "metadata")
             return
+    target = None
+    if cast_to is not None:
+        target = next((d for d in dtypes.CAST_TARGETS.values() if d.code == cast_to), None)
+        if target is None:
+            report.add(recorded, f"source.cast {brief(cast_to)} is not a --dtype ckptconv casts to", "metadata")
+            return
+    src_list = transforms.cast_floats(src_list, target)   # as convert and reshard cast: before any layout
     engine = manifest.get("target")
     if engine is not None:   # reshard --target vllm: the source as that engine holds it
         params = engine.get("params") if isinstance(engine, dict) else None
@@ -699,12 +706,6 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
         except CkptError as e:
             report.add(recorded, f"the source cannot be laid out as vLLM holds it: {e}", "source")
             return
-    target = None
-    if cast_to is not None:
-        target = next((d for d in dtypes.CAST_TARGETS.values() if d.code == cast_to), None)
-        if target is None:
-            report.add(recorded, f"source.cast {brief(cast_to)} is not a --dtype ckptconv casts to", "metadata")
-            return
     src_tensors = {t.name: t for t in src_list}
     written = {t.name: t for t in out.tensors}
     tied = [(written[aliases[n]], src_tensors.pop(n)) for n in list(src_tensors)
@@ -715,8 +716,6 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
         if s is None:
             report.add(out_path, f"tensor {t.name!r} is not in the source {src}", "source", tensor=t.name)
             continue
-        if target is not None and s.dtype.is_float:
-            s = cast(s, target)
         if s.dtype != t.dtype or s.shape != t.shape:
             report.add(out_path, f"tensor {t.name!r} is {t.dtype.code}{list(t.shape)}, the source has "
                                  f"{s.dtype.code}{list(s.shape)}", "source", tensor=t.name)

@@ -96,7 +96,7 @@ class MeshWriter(Writer):
         for rank, stream in streams.items():
             source = {**self.content.source, "resharded": {"tp": self.tp, "ep": self.ep, "rank": rank},
                       **self.content.skipped()}
-            copy_files(stream.out_dir, self.content.model_files, stream.written)
+            copy_files(stream.out_dir, self.content.model_files, stream.written, self.content.edited)
             finish_dir(stream.out_dir, stream.shards, stream.written, source, self.content.extras,
                        stem=self.options.stem)
         # the global digests of split tensors: taps where this process streamed them whole, else its

@@ -249,3 +249,23 @@ def test_verify_ties_the_top_files_to_the_rank_shards(hf_llama, tmp_path):
     assert r.exit_code == 1
     assert ("digest", "model-rank-0-part-0.safetensors") in problems
     assert ("unlisted", "model-rank-1-part-1.safetensors") in problems
+
+
+def test_dtype_cast_before_the_layout(hf_llama, tmp_path):
+    """--dtype bf16: every floating tensor in the serving dtype (the scales stay float32, as vLLM holds
+    them), config.json says so at the top and in every rank directory, and verify --against casts the
+    source the same way before laying it out."""
+    src, out = hf_llama["dir"], tmp_path / "out"
+    assert run("reshard", src, out, "--tp", 2, "--target", "vllm", "--dtype", "bf16", "--quiet").exit_code == 0
+    got = vllm_rank(out, 1)
+    assert {str(t.dtype) for k, t in got.items() if "_scale" not in k} == {"torch.bfloat16"}
+    assert {str(t.dtype) for k, t in got.items() if "_scale" in k} == {"torch.float32"}
+    want = hf_llama["state"]["model.layers.1.self_attn.o_proj.weight"][:, 32:].to(torch.bfloat16)
+    assert bits(got["model.layers.1.self_attn.o_proj.weight"]) == bits(want)
+    r = run("verify", out, "--against", src)
+    assert r.exit_code == 0 and "matches the source" in r.stdout, r.stdout
+    src = _llama_dir(tmp_path / "named", _llama_state(), torch_dtype="float32")
+    assert run("reshard", src, tmp_path / "o2", "--tp", 2, "--target", "vllm", "--dtype", "bf16").exit_code == 0
+    for d in (tmp_path / "o2", tmp_path / "o2" / "rank-00000"):
+        assert json.loads((d / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert run("verify", tmp_path / "o2", "--against", src).exit_code == 0
