@@ -505,6 +505,12 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
             mesh = check_recorded(parse_mesh(data, path / MESH, len(dirs)), path / MESH)
         except BadInput as e:
             found.add(path / MESH, str(e).split(": ", 1)[-1], "metadata")
+    target = mesh.get("source", {}).get("target") if mesh is not None else None
+    vllm_parts = _vllm_parts(path, mesh["ranks"]) if isinstance(target, dict) and \
+        target.get("engine") == vllm.TARGET and len(dirs) == mesh["ranks"] else None
+    # a top-level part that is the very inode of its rank shard is hashed with that shard's directory
+    # (against its manifest; its SHA256SUMS line is tied to the same digest below): not read twice
+    linked = {n for n, (shard, _) in (vllm_parts or {}).items() if _same_file(path / n, path / shard)}
     if sums is not None:
         if MESH not in sums:
             found.add(path / SUMS, "does not list mesh.json", "unlisted")
@@ -513,7 +519,7 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
                 found.add(path / name, "listed in SHA256SUMS but missing", "missing")
             elif stat.S_ISDIR(entries[name].st_mode):
                 found.add(path / name, "listed in SHA256SUMS but is a directory", "not-regular")
-            elif _regular(entries, name):
+            elif _regular(entries, name) and name not in linked:
                 digest = hashlib.sha256(data).hexdigest() if name == MESH and data is not None \
                     else _sha256_regular(path / name)
                 if digest is not None and digest != sums[name]:
@@ -531,28 +537,47 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
     for r, name in sorted(present.items()):
         if mine("rank", r):
             verify_dir(path / name, report, progress)
-    target = mesh.get("source", {}).get("target") if mesh is not None else None
-    if isinstance(target, dict) and target.get("engine") == vllm.TARGET and sums is not None \
-            and len(present) == mesh["ranks"]:
-        _verify_vllm_files(path, mesh["ranks"], entries, sums, found)
+    if vllm_parts is not None and sums is not None:
+        _verify_vllm_files(path, vllm_parts, entries, sums, found)
     return mesh
 
 
-def _verify_vllm_files(path: Path, ranks: int, entries: dict, sums: dict, report: Report):
-    """What vLLM reads at the top of a --target vllm output is what the rank directories hold: each
-    `model-rank-R-part-P.safetensors` is rank R's shard P (its digest in SHA256SUMS is the one rank R's
-    manifest records), parts 0..n-1 and no others, and the model files are rank 0's."""
-    expected, rank0 = {}, {}
+def _vllm_parts(path: Path, ranks: int):
+    """{`model-rank-R-part-P.safetensors`: (rank R's shard P, its digest in rank R's manifest)} of a
+    --target vllm output; None when a rank's manifest cannot be read (reported with its directory)."""
+    expected = {}
     for r in range(ranks):
         try:
             files = _checked_manifest(path / rank_dir(r)).get("files", {})
-        except BadInput:
-            return   # reported with the rank directory
+        except (BadInput, OSError):
+            return None
+        if not isinstance(files, dict):
+            return None
         shards = sorted(n for n in files if n.endswith(".safetensors"))
-        expected.update({vllm.part_name(r, p): (f"{rank_dir(r)}/{n}", files[n].get("sha256"))
+        expected.update({vllm.part_name(r, p): (f"{rank_dir(r)}/{n}", (files[n] or {}).get("sha256")
+                                                if isinstance(files[n], dict) else None)
                          for p, n in enumerate(shards)})
-        if r == 0:
-            rank0 = files
+    return expected
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Both regular files (no link followed) and one inode."""
+    try:
+        sa, sb = os.lstat(a), os.lstat(b)
+    except OSError:
+        return False
+    return stat.S_ISREG(sa.st_mode) and stat.S_ISREG(sb.st_mode) and (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def _verify_vllm_files(path: Path, expected: dict, entries: dict, sums: dict, report: Report):
+    """What vLLM reads at the top of a --target vllm output is what the rank directories hold: each
+    `model-rank-R-part-P.safetensors` is rank R's shard P (its digest in SHA256SUMS is the one rank R's
+    manifest records), parts 0..n-1 and no others, and the model files are rank 0's."""
+    try:
+        rank0 = _checked_manifest(path / rank_dir(0)).get("files", {})
+    except (BadInput, OSError):
+        return
+    rank0 = rank0 if isinstance(rank0, dict) else {}
     for name in sorted(entries):
         if vllm.PART.fullmatch(name) and name not in expected:
             report.add(path / name, "is not a part of any rank's shards", "unlisted")
@@ -562,7 +587,8 @@ def _verify_vllm_files(path: Path, ranks: int, entries: dict, sums: dict, report
         elif sums.get(name) != digest:
             report.add(path / name, f"differs from {shard}, which it must be", "digest")
     for name in sorted(sums):
-        if name in rank0 and not name.endswith(".safetensors") and sums[name] != rank0[name].get("sha256"):
+        if name in rank0 and not name.endswith(".safetensors") and isinstance(rank0[name], dict) \
+                and sums[name] != rank0[name].get("sha256"):
             report.add(path / name, f"differs from {rank_dir(0)}/{name}", "digest")
 
 

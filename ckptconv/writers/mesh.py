@@ -160,10 +160,11 @@ def _ordered(p, src, holders, pieces, streams, progress, global_h):
     """Every holder's piece pushed interval by interval in global order (see _in_global_order); an
     interval several ranks hold goes to each, and into the global digest once."""
     writers = {r: streams[r].tensor(pieces[r][p.name]) for r in holders}
-    for a, b in sorted({tuple(iv) for r in holders for iv in p.ranges[r]}):
+    held = {r: {tuple(iv) for iv in p.ranges[r]} for r in holders}
+    for a, b in sorted(set().union(*held.values())):
         part, tap = src.sliced(p.axis, a, b), global_h
         for r in holders:
-            if (a, b) in [tuple(iv) for iv in p.ranges[r]]:
+            if (a, b) in held[r]:
                 writers[r].tap, tap = tap, None
                 write_tensor(writers[r], part, progress)
     for w in writers.values():

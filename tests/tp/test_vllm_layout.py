@@ -269,3 +269,26 @@ def test_dtype_cast_before_the_layout(hf_llama, tmp_path):
     for d in (tmp_path / "o2", tmp_path / "o2" / "rank-00000"):
         assert json.loads((d / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert run("verify", tmp_path / "o2", "--against", src).exit_code == 0
+
+
+def test_verify_reads_the_linked_parts_once(hf_llama, tmp_path, monkeypatch):
+    """The top-level parts are the rank shards' inodes: verify hashes the bytes with the rank
+    directories, not a second time for SHA256SUMS; a shard changed in place (so both names change)
+    is still caught."""
+    import importlib
+    verify_module = importlib.import_module("ckptconv.verify")   # (ckptconv.verify is the API function)
+    out = tmp_path / "out"
+    assert run("reshard", hf_llama["dir"], out, "--tp", 2, "--target", "vllm", "--quiet").exit_code == 0
+    hashed = []
+    real = verify_module._sha256_regular
+    monkeypatch.setattr(verify_module, "_sha256_regular", lambda p: hashed.append(p.name) or real(p))
+    assert run("verify", out).exit_code == 0
+    assert not any(n.startswith("model-rank-") for n in hashed) and "config.json" in hashed
+    shard = out / "rank-00001" / "model-00001-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    with open(shard, "r+b") as f:   # in place: the top-level part is the same file
+        f.write(data)
+    r = run("verify", out, "--json")
+    problems = {(p["kind"], p["file"]) for p in json.loads(r.stdout)["problems"]}
+    assert r.exit_code == 1 and ("digest", str(shard)) in problems, problems
