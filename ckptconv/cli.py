@@ -405,7 +405,7 @@ def plan_lines(result) -> list:
     for t in result.tensors:
         axis = "-" if t["axis"] is None else str(t["axis"])
         lines.append(f"  {t['name']:<{width}}  {t['rule']:<34} {axis:>4}  {format_size(max(t['bytes_per_rank'])):>16}"
-                     + ("  uneven: ranges" if "ranges" in t else ""))
+                     + "".join(f"  uneven: {k}" for k in ("ranges", "boxes") if k in t))
     per = result.bytes_per_rank
     lines.append(f"totals: source {format_size(result.source_bytes)}; per rank {format_size(min(per))}"
                  f"..{format_size(max(per))}; {result.split} split, {len(result.replicated)} replicated "

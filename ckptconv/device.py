@@ -2,7 +2,7 @@
 
 For a reshard output the mesh has one device per rank (axis "tp"); evenly split tensors become global
 arrays (`make_array_from_single_device_arrays` with a NamedSharding on the recorded axis), uneven
-ones (`ranges`) are checked piece by piece. Contents are checked by copying each device buffer back
+ones (`ranges`, `boxes`) are checked piece by piece. Contents are checked by copying each device buffer back
 and comparing its SHA-256 with the manifest's. One tensor is resident at a time.
 """
 import hashlib
@@ -101,7 +101,7 @@ def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=N
         if use_global and arrays:
             entry = mesh["tensors"][name]
             axis = entry["axis"]
-            if axis is None or "ranges" not in entry:
+            if axis is None or not {"ranges", "boxes"} & set(entry):
                 spec = [None] * len(entry["shape"])
                 if axis is not None:
                     spec[axis] = "tp"

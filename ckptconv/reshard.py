@@ -2,7 +2,7 @@
 
 The layout (tp/layout.py) says, as pure data, which intervals of each tensor every rank holds; the
 mesh writer (writers/mesh.py) then hands each rank lazy slices of the source, so only what a rank
-needs is read. Layout of the output, mesh.json and `ranges`: docs/output.md.
+needs is read. Layout of the output, mesh.json, `ranges` and `boxes`: docs/output.md.
 """
 import dataclasses
 import time
@@ -30,7 +30,7 @@ class ReshardResult:
     tp: int
     ep: int
     ranks: int
-    tensors: list          # per tensor: name, rule, axis, shape, dtype, bytes_per_rank (, ranges)
+    tensors: list          # per tensor: name, rule, axis, shape, dtype, bytes_per_rank (, ranges or boxes)
     split: int
     replicated: list
     bytes_per_rank: list

@@ -30,7 +30,7 @@ from .tensor import as_bytes, iter_blocks, sha256_of
 from . import dtypes, transforms
 from .formats import manifest as manifest_format
 from .formats.manifest import MANIFEST
-from .formats.mesh import MESH, intervals, parse_mesh, rank_dir, rank_dirs, rank_number, read_regular
+from .formats.mesh import MESH, intervals, outer_cut, parse_mesh, rank_dir, rank_dirs, rank_number, read_regular
 
 
 # What a problem is about (docs/verify.md#problems): a listed file or tensor that is absent; one present
@@ -643,7 +643,7 @@ def _ranks(rs, limit=16) -> str:
 
 def _check_shared_intervals(name, entry, pieces, path, report):
     """Where several ranks hold the same interval (a shared kv head), their bytes must be equal."""
-    if "ranges" not in entry:
+    if "ranges" not in entry and "boxes" not in entry:
         return
     axis, ranks = entry["axis"], len(pieces)
     seen = {}
@@ -652,9 +652,9 @@ def _check_shared_intervals(name, entry, pieces, path, report):
             continue
         at = 0
         for a, b in intervals(entry, ranks, r, name):
-            seen.setdefault((a, b), []).append((r, at))
+            seen.setdefault((outer_cut(entry, r), a, b), []).append((r, at))
             at += b - a
-    for (a, b), holders in seen.items():
+    for (_, a, b), holders in seen.items():
         if len(holders) < 2:
             continue
         digests = {sha256_of(pieces[r][name].sliced(axis, at, at + b - a)) for r, at in holders}

@@ -11,6 +11,7 @@ from .sums import NAME as SUMS, is_digest, write_sums
 
 MESH = "mesh.json"
 FORMAT = "ckptconv.mesh/1"
+FORMAT_BOXES = "ckptconv.mesh/2"   # /1 plus `boxes` (pieces cut on two axes): written only when used
 MAX_METADATA = 256 * 2**20  # mesh.json, manifests, indexes, SHA256SUMS: read whole, so bounded
 _RANK_DIR = re.compile(r"rank-([0-9]{5,})")
 _RULE_KEYS = {"pattern": str, "kind": str, "axis": int, "heads": int, "kv_heads": int, "head_dim": int,
@@ -33,8 +34,8 @@ def parse_mesh(data: bytes, where, on_disk: int | None = None) -> dict:
     many rank directories are on disk), the rank count must be that: a count read from a file is
     never looped over unchecked."""
     mesh = safejson.loads(data, where, MESH)
-    if not isinstance(mesh, dict) or mesh.get("format") != FORMAT:
-        raise BadInput(f"{where}: not a {FORMAT} description")
+    if not isinstance(mesh, dict) or mesh.get("format") not in (FORMAT, FORMAT_BOXES):
+        raise BadInput(f"{where}: not a {FORMAT} or {FORMAT_BOXES} description")
 
     def bad(what):
         return BadInput(f"{where}: {what}")
@@ -52,6 +53,8 @@ def parse_mesh(data: bytes, where, on_disk: int | None = None) -> dict:
         raise bad("'tensors' must be an object")
     for name, entry in mesh["tensors"].items():
         _check_entry(name, entry, ranks, bad)
+        if "boxes" in entry and mesh["format"] != FORMAT_BOXES:
+            raise bad(f"tensor {name!r}: 'boxes' are {FORMAT_BOXES}, this file says {mesh['format']}")
     return mesh
 
 
@@ -91,11 +94,16 @@ def _check_entry(name, e, ranks, bad):
         raise bad(f"tensor {name!r}: no axis (null for a replicated tensor)")
     shape, axis = e["shape"], e["axis"]
     if axis is None:
-        if "ranges" in e or "padded_shape" in e:
-            raise bad(f"tensor {name!r}: a replicated tensor (axis null) has no ranges or padded_shape")
+        if "ranges" in e or "padded_shape" in e or "boxes" in e:
+            raise bad(f"tensor {name!r}: a replicated tensor (axis null) has no ranges, boxes or padded_shape")
         return
     if type(axis) is not int or not 0 <= axis < len(shape):
         raise bad(f"tensor {name!r}: axis {axis!r} is not null or an axis of its {len(shape)}-d shape")
+    if "boxes" in e:
+        if "ranges" in e or "padded_shape" in e:
+            raise bad(f"tensor {name!r}: 'boxes' go without 'ranges' and 'padded_shape'")
+        _check_boxes(name, e["boxes"], shape, axis, ranks, bad)
+        return
     full = shape
     if "padded_shape" in e:
         full = e["padded_shape"]
@@ -115,6 +123,43 @@ def _check_entry(name, e, ranks, bad):
                 isinstance(iv, list) and len(iv) == 2 and all(type(x) is int for x in iv) and 0 <= iv[0] < iv[1] <= n
                 for iv in ivs):
             raise bad(f"tensor {name!r}: ranges of rank {r} are not [start, stop) intervals within 0..{n}")
+
+
+def _check_boxes(name, boxes, shape, axis, ranks, bad):
+    """Per rank a list of boxes {axis: [start, stop]} (keys the axes' decimal numbers), joined along
+    `axis`: every box names `axis` and the one other axis the entry is cut on, and a rank's boxes
+    share their interval on that other axis (so they join into one piece)."""
+    if not isinstance(boxes, list) or len(boxes) != ranks:
+        raise bad(f"tensor {name!r}: boxes must list the boxes of each of the {ranks} ranks")
+    axes = None
+    for r, rank_boxes in enumerate(boxes):
+        if not isinstance(rank_boxes, list):
+            raise bad(f"tensor {name!r}: boxes of rank {r} must be a list")
+        outer = None
+        for box in rank_boxes:
+            ok = isinstance(box, dict) and str(axis) in box and all(
+                k in {str(i) for i in range(len(shape))} and isinstance(iv, list) and len(iv) == 2
+                and all(type(x) is int for x in iv) and 0 <= iv[0] < iv[1] <= shape[int(k)] for k, iv in box.items())
+            if not ok:
+                raise bad(f"tensor {name!r}: a box of rank {r} is not {{axis: [start, stop)}} within the shape "
+                          f"{shape}, naming axis {axis}")
+            axes = axes or set(box)
+            if set(box) != axes or len(axes) != 2:
+                raise bad(f"tensor {name!r}: every box must name axis {axis} and one same other axis")
+            other = next(k for k in box if k != str(axis))
+            if outer not in (None, box[other]):
+                raise bad(f"tensor {name!r}: the boxes of rank {r} differ on axis {other}: they do not join")
+            outer = box[other]
+
+
+def outer_cut(entry: dict, rank: int):
+    """(axis, (start, stop)) of the other axis a `boxes` entry cuts rank `rank`'s piece on, else None."""
+    if "boxes" not in entry:
+        return None
+    for box in entry["boxes"][rank]:
+        other = next(k for k in box if k != str(entry["axis"]))
+        return int(other), tuple(box[other])
+    return None
 
 
 def rank_number(name: str):
@@ -138,6 +183,8 @@ def intervals(entry: dict, ranks: int, rank: int, name: str):
     """The [start, stop) intervals along the split axis that rank `rank` holds (docs/output.md)."""
     if "ranges" in entry:
         return [tuple(iv) for iv in entry["ranges"][rank]]
+    if "boxes" in entry:
+        return [tuple(box[str(entry["axis"])]) for box in entry["boxes"][rank]]
     n = entry.get("padded_shape", entry["shape"])[entry["axis"]]
     if n % ranks:
         raise BadInput(f"{MESH}: tensor {name!r} is recorded as an even split of {n} over {ranks} ranks")
@@ -145,18 +192,29 @@ def intervals(entry: dict, ranks: int, rank: int, name: str):
     return [(rank * k, (rank + 1) * k)]
 
 
+def recorded_cut(p) -> dict:
+    """How mesh.json (and the plan) records a TensorPlan's (tp/layout.py) uneven cut: `ranges` along
+    `axis`, or `boxes` for a piece cut on two axes (docs/output.md); {} for an even split or a
+    replicated tensor."""
+    if p.axis is None or p.even:
+        return {}
+    if p.outer is None:
+        return {"ranges": [[list(iv) for iv in r] for r in p.ranges]}
+    return {"boxes": [[{str(a): list(box[a]) for a in sorted(box)} for box in p.boxes(r)]
+                      for r in range(len(p.ranges))]}
+
+
 def document(plans, rules, tp, ep, source, digests) -> dict:
     """mesh.json for a reshard's TensorPlans (reshard.py), its RuleSet and the global digests."""
     tensors = {}
     for p in plans:
         entry = {"shape": list(p.shape), "dtype": p.dtype.code, "axis": p.axis, "rule": p.rule,
-                 "sha256": digests[p.name]}
-        if p.axis is not None and not p.even:
-            entry["ranges"] = [[list(iv) for iv in r] for r in p.ranges]
+                 "sha256": digests[p.name], **recorded_cut(p)}
         if p.padded is not None:
             entry["padded_shape"] = list(p.shape[:p.axis] + (p.padded,) + p.shape[p.axis + 1:])
         tensors[p.name] = entry
-    return {"format": FORMAT, "tp": tp, "ep": ep, "ranks": tp * ep,
+    boxed = any("boxes" in e for e in tensors.values())
+    return {"format": FORMAT_BOXES if boxed else FORMAT, "tp": tp, "ep": ep, "ranks": tp * ep,
             "rank_order": "rank = expert_group * tp + tp_rank", "rules": rules.to_json(),
             "source": {k: v for k, v in source.items() if k != "rules"}, "tensors": tensors}
 

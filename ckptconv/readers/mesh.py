@@ -1,7 +1,7 @@
 """Reader for ckptconv reshard outputs (`mesh.json` + `rank-XXXXX/`): presents the global tensors.
 
 Each global tensor is a lazy join of slices of the rank pieces that cover it, following mesh.json
-(even blocks, or `ranges`); replicated tensors are rank 0's copy. Nothing is assembled in memory,
+(even blocks, `ranges` or `boxes`); replicated tensors are rank 0's copy. Nothing is assembled in memory,
 so a tp 8 output reshards to tp 4 (or merges back to tp 1) slice by slice.
 """
 from pathlib import Path
@@ -9,7 +9,7 @@ from pathlib import Path
 from .base import Reader, register
 from .. import dtypes
 from ..errors import BadInput
-from ..formats.mesh import MESH, intervals, parse_mesh, rank_dir, rank_dirs, read_regular
+from ..formats.mesh import MESH, intervals, outer_cut, parse_mesh, rank_dir, rank_dirs, read_regular
 from ..tp.rules import check_recorded
 from ..tensor import Checkpoint, Concat
 from . import ReadOptions, model_files, wanted
@@ -60,7 +60,8 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
 
 def assemble(name, entry, pieces, ranks):
     """A lazy global tensor from the rank pieces, checked against mesh.json's shape and dtype
-    (assembled at `padded_shape`, then cut back to `shape`, for a --pad-vocab split)."""
+    (assembled at `padded_shape`, then cut back to `shape`, for a --pad-vocab split; for `boxes`,
+    each interval of the other axis from its ranks, then those joined)."""
     axis, dt = entry["axis"], dtypes.from_code(entry["dtype"])
     shape = tuple(entry.get("padded_shape", entry["shape"]))
     holders = [r for r in range(ranks) if name in pieces[r]]
@@ -72,6 +73,29 @@ def assemble(name, entry, pieces, ranks):
             raise BadInput(f"tensor {name!r}: rank {holders[0]} holds {src.shape}/{src.dtype.code}, "
                            f"mesh.json says {shape}/{dt.code}")
         return src
+    if "boxes" not in entry:
+        whole = _join(name, entry, axis, shape, dt, holders, pieces, ranks)
+        n = entry["shape"][axis]
+        return whole if n == shape[axis] else whole.sliced(axis, 0, n).renamed(name)
+    groups = {}   # interval of the other axis -> the ranks holding it
+    for r in holders:
+        cut = outer_cut(entry, r)
+        if cut is None:
+            raise BadInput(f"tensor {name!r}: rank {r} holds a piece, its boxes in mesh.json are empty")
+        groups.setdefault(cut, []).append(r)
+    parts, pos = [], 0
+    for (outer, (a, b)), rs in sorted(groups.items()):
+        if a != pos:
+            raise BadInput(f"tensor {name!r}: the ranks' boxes do not tile axis {outer} (at {pos}: {a}..{b})")
+        parts.append(_join(name, entry, axis, shape[:outer] + (b - a,) + shape[outer + 1:], dt, rs, pieces, ranks))
+        pos = b
+    if pos != shape[outer]:
+        raise BadInput(f"tensor {name!r}: no rank holds indices {pos}..{shape[outer]} of axis {outer}")
+    return parts[0].renamed(name) if len(parts) == 1 else Concat(name, parts, outer)
+
+
+def _join(name, entry, axis, shape, dt, holders, pieces, ranks):
+    """The tensor of `shape` the holders' intervals along `axis` make up (each interval once)."""
     segments = []  # (global start, global stop, rank, offset in the rank's piece)
     for r in holders:
         at = 0
@@ -94,9 +118,7 @@ def assemble(name, entry, pieces, ranks):
         pos = b
     if pos != shape[axis]:
         raise BadInput(f"tensor {name!r}: no rank holds indices {pos}..{shape[axis]} of axis {axis}")
-    whole = parts[0].renamed(name) if len(parts) == 1 else Concat(name, parts, axis)
-    n = entry["shape"][axis]
-    return whole if n == shape[axis] else whole.sliced(axis, 0, n).renamed(name)
+    return parts[0].renamed(name) if len(parts) == 1 else Concat(name, parts, axis)
 
 
 READER = register(Reader(NAME, "ckptconv reshard outputs (mesh.json + rank-XXXXX/ directories)",

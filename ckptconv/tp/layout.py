@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import BadInput, UsageError
+from ..formats.mesh import recorded_cut
 from .rules import RuleSet
 
 
@@ -22,12 +23,22 @@ class TensorPlan:
     ranges: list           # per rank: list of (start, stop) along axis; [] = absent; None axis = whole
     even: bool             # ranges are the r-th of N equal blocks (not recorded in mesh.json)
     padded: int | None = None  # --pad-vocab: the axis is zero-padded to this size before splitting
+    outer: tuple | None = None  # (axis, per rank (start, stop)): cut there first (experts by --ep), then `ranges`
 
     def piece_shape(self, rank):
         if self.axis is None:
             return self.shape
-        n = sum(b - a for a, b in self.ranges[rank])
-        return self.shape[:self.axis] + (n,) + self.shape[self.axis + 1:]
+        shape = list(self.shape)
+        shape[self.axis] = sum(b - a for a, b in self.ranges[rank])
+        if self.outer is not None:
+            a, b = self.outer[1][rank]
+            shape[self.outer[0]] = b - a
+        return tuple(shape)
+
+    def boxes(self, rank) -> list:
+        """Rank `rank`'s piece as boxes {axis: (start, stop)} joined along `axis` (mesh.json's `boxes`)."""
+        outer = {self.outer[0]: self.outer[1][rank]} if self.outer is not None else {}
+        return [{**outer, self.axis: iv} for iv in self.ranges[rank]]
 
     def piece_bytes(self, rank) -> int:
         if self.axis is not None and not self.ranges[rank]:
@@ -135,13 +146,18 @@ def _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab=False):
     if rule is None or (rule.kind == "replicate"):
         why = "replicate" if rule else "replicate (no rule matched)"
         return TensorPlan(t.name, t.shape, t.dtype, why, None, [None] * ranks, False)
-    if ep > 1 and rule.experts:  # stacked experts: whole experts per expert group, same on its tp ranks
+    if ep > 1 and rule.experts:  # stacked experts [E, ...]: whole experts per expert group ...
         n = t.shape[0]
         if n % ep:
             raise BadInput(f"tensor {t.name!r}: {n} experts cannot be split over ep={ep}")
         k = n // ep
-        ranges = [[(g * k, (g + 1) * k)] for g in range(ep) for _ in range(tp)]
-        return TensorPlan(t.name, t.shape, t.dtype, f"expert groups (ep={ep})", 0, ranges, False)
+        groups = [(g * k, (g + 1) * k) for g in range(ep) for _ in range(tp)]
+        axis, per_tp = split(t.name, t.shape, rule, rules.layout, tp)
+        if axis in (None, 0):   # ... the same on each tp rank of the group
+            return TensorPlan(t.name, t.shape, t.dtype, f"expert groups (ep={ep})", 0, [[g] for g in groups], False)
+        # ... each expert's own axis split by tp within the group: a piece cut on two axes
+        return TensorPlan(t.name, t.shape, t.dtype, f"{rule.describe()} x expert groups (ep={ep})", axis,
+                          [per_tp[r % tp] for r in range(ranks)], False, outer=(0, groups))
     axis, per_tp = split(t.name, t.shape, rule, rules.layout, tp)
     if axis is None:
         return TensorPlan(t.name, t.shape, t.dtype, rule.describe() + " -> replicate", None, [None] * ranks, False)
@@ -159,13 +175,17 @@ def _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab=False):
 
 def _scales_plan(t, w: TensorPlan) -> TensorPlan:
     """Scales of a quantized weight follow it: same intervals along N (or experts), group intervals
-    along a grouped K axis, replicated when there is one group."""
-    if w.axis is None or len(t.shape) != len(w.shape):
+    along a grouped K axis, replicated when there is one group (within the weight's expert group)."""
+    if w.axis is None or len(t.shape) != len(w.shape) or (w.outer and t.shape[0] != w.shape[0]):
         return TensorPlan(t.name, t.shape, t.dtype, "scales of a replicated weight", None, [None] * len(w.ranges),
                           False)
     ws, ss = w.shape[w.axis], t.shape[w.axis]
     if ss == ws:
-        return TensorPlan(t.name, t.shape, t.dtype, "scales with their weight", w.axis, w.ranges, w.even)
+        return TensorPlan(t.name, t.shape, t.dtype, "scales with their weight", w.axis, w.ranges, w.even,
+                          outer=w.outer)
+    if ss == 1 and w.outer:
+        return TensorPlan(t.name, t.shape, t.dtype, "scales (one group): their weight's expert groups", w.outer[0],
+                          [[g] for g in w.outer[1]], False)
     if ss == 1:
         return TensorPlan(t.name, t.shape, t.dtype, "scales (one group): replicate", None, [None] * len(w.ranges),
                           False)
@@ -180,7 +200,8 @@ def _scales_plan(t, w: TensorPlan) -> TensorPlan:
         ranges.append([(a // rows, b // rows) for a, b in rank])
     n = ss // len(w.ranges) if w.even else 0
     even = w.even and all(ranges[r] == [(r * n, (r + 1) * n)] for r in range(len(ranges)))
-    return TensorPlan(t.name, t.shape, t.dtype, f"scales by group ({ss} groups)", w.axis, ranges, even)
+    return TensorPlan(t.name, t.shape, t.dtype, f"scales by group ({ss} groups)", w.axis, ranges, even,
+                      outer=w.outer)
 
 
 REPLICATED_SHARE = 0.01   # a replicated tensor holding more of the model than this is a mistake, unless asked for
@@ -210,9 +231,7 @@ def silent_replication(plans, rules: RuleSet, allow=()) -> list:
 def plan_summary(plans, rules, tp, ep) -> dict:
     ranks = tp * ep
     rows = [{"name": p.name, "rule": p.rule, "axis": p.axis, "shape": list(p.shape), "dtype": p.dtype.code,
-             "bytes_per_rank": [p.piece_bytes(r) for r in range(ranks)], **({"ranges": p.ranges}
-                                                                           if p.axis is not None and not p.even else {})}
-            for p in plans]
+             "bytes_per_rank": [p.piece_bytes(r) for r in range(ranks)], **recorded_cut(p)} for p in plans]
     return {"preset": rules.name, "layout": rules.layout, "params": rules.params, "tp": tp, "ep": ep,
             "ranks": ranks, "tensors": rows,
             "split": sum(p.axis is not None for p in plans),

@@ -41,6 +41,8 @@ def rank_pieces(sources: dict, plans, rank) -> list:
             continue
         if not p.ranges[rank]:
             continue
+        if p.outer is not None:   # this rank's expert group first, then its intervals of each expert
+            src = src.sliced(p.outer[0], *p.outer[1][rank])
         parts = [src.sliced(p.axis, a, b) for a, b in p.ranges[rank]]
         out.append(parts[0].renamed(p.name) if len(parts) == 1 else Concat(p.name, parts, p.axis))
     return out
@@ -56,7 +58,8 @@ def _in_global_order(p) -> bool:
     several ranks) and cover it, each rank's in increasing order (fused qkv, gate_up): pushed interval
     by interval in global order, every piece is a run of contiguous slices of the source, and the
     global digest is a tap of the bytes written."""
-    if p.axis is None or p.padded is not None or any(n != 1 for n in p.shape[:p.axis]) or _streams_in_order(p):
+    if (p.axis is None or p.padded is not None or p.outer is not None or any(n != 1 for n in p.shape[:p.axis])
+            or _streams_in_order(p)):
         return False
     if any(list(r) != sorted(r) for r in p.ranges):
         return False
@@ -71,7 +74,7 @@ def _in_global_order(p) -> bool:
 def _scatters(p) -> bool:
     """Split on a later axis, with rows small enough to read whole: read each block of rows once and
     hand every rank its columns (instead of every rank gathering its columns from the whole tensor)."""
-    if p.axis is None or _streams_in_order(p) or p.axis == 0 or not math.prod(p.shape):
+    if p.axis is None or p.outer is not None or _streams_in_order(p) or p.axis == 0 or not math.prod(p.shape):
         return False
     return math.prod(p.shape[1:]) * p.dtype.itemsize <= CHUNK
 

@@ -424,8 +424,31 @@ MESH_EDITS = {
     "rule bad regex": lambda m: m["rules"]["rules"].insert(0, {"pattern": "(", "kind": "row"}),
     "rule unknown kind": lambda m: m["rules"]["rules"].insert(0, {"pattern": "x", "kind": "diagonal"}),
     "not an object": lambda m: Whole([m]),
-    "format wrong": lambda m: m.update(format="ckptconv.mesh/2"),
+    "format wrong": lambda m: m.update(format="ckptconv.mesh/9"),
+    "boxes in a /1 file": lambda m: _boxes(m, [[{"0": [0, 4], "1": [0, 16]}], [{"0": [4, 8], "1": [0, 16]}]], "1"),
+    "boxes with ranges": lambda m: _boxes(m, [[{"0": [0, 4], "1": [0, 16]}], [{"0": [4, 8], "1": [0, 16]}]],
+                                          keep_ranges=True),
+    "boxes naming one axis": lambda m: _boxes(m, [[{"0": [0, 4]}], [{"0": [4, 8]}]]),
+    "boxes naming other axes": lambda m: _boxes(m, [[{"0": [0, 4], "1": [0, 16]}], [{"0": [4, 8], "2": [0, 1]}]]),
+    "box key not an axis": lambda m: _boxes(m, [[{"0": [0, 4], "x": [0, 16]}], [{"0": [4, 8], "x": [0, 16]}]]),
+    "box key not canonical": lambda m: _boxes(m, [[{"0": [0, 4], "01": [0, 16]}], [{"0": [4, 8], "01": [0, 16]}]]),
+    "box past the shape": lambda m: _boxes(m, [[{"0": [0, 4], "1": [0, 17]}], [{"0": [4, 8], "1": [0, 16]}]]),
+    "boxes a dict": lambda m: _boxes(m, {}),
+    "boxes of a rank a dict": lambda m: _boxes(m, [{}, []]),
+    "boxes that do not join": lambda m: _boxes(m, [[{"0": [0, 2], "1": [0, 8]}, {"0": [2, 4], "1": [8, 16]}],
+                                                   [{"0": [4, 8], "1": [0, 16]}]]),
+    "boxes that do not tile": lambda m: _boxes(m, [[{"0": [0, 4], "1": [0, 9]}], [{"0": [4, 8], "1": [8, 16]}]]),
 }
+
+
+def _boxes(m, boxes, version="2", keep_ranges=False):
+    """k_proj [8, 16] (split on axis 0) recorded with `boxes` instead of its ranges."""
+    entry = _tensor(m)
+    entry.pop("ranges", None)
+    if keep_ranges:
+        entry["ranges"] = [[[0, 4]], [[4, 8]]]
+    entry["boxes"] = boxes
+    m["format"] = f"ckptconv.mesh/{version}"
 
 
 @pytest.mark.parametrize("edit", sorted(MESH_EDITS))
@@ -567,3 +590,11 @@ def test_hostile_outputs_on_two_processes(copy):
         for _, stdout, stderr in results:
             clean(stdout + stderr)
         problem(results[0][1].splitlines(), want)
+
+
+def test_boxes_that_describe_the_split_verify(copy):
+    """The same cut written as boxes (mesh.json /2) is read and verified as the ranges were."""
+    out = copy("tp2")
+    edit_mesh(out, lambda m: _boxes(m, [[{"0": [0, 4], "1": [0, 16]}], [{"0": [4, 8], "1": [0, 16]}]]))
+    code, lines, _ = verify(out)
+    assert code == 0, lines

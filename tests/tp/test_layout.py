@@ -7,6 +7,7 @@ import pytest
 
 from ckptconv import dtypes
 from ckptconv.errors import BadInput, UsageError
+from ckptconv.formats.mesh import recorded_cut
 from ckptconv.tp.layout import plan, split
 from ckptconv.tp.presets import PRESETS, MeshSpec, choose_rules
 from ckptconv.tp.rules import Rule, RuleSet
@@ -83,10 +84,39 @@ def test_one_group_of_scales_is_replicated():
     assert plans["w.scales"].axis is None
 
 
-def test_expert_groups_hold_whole_experts_on_each_of_their_tp_ranks():
+def test_expert_groups_split_each_expert_by_tp():
+    """--ep cuts the expert axis, tp each expert's own axis: a piece cut on two axes (boxes)."""
     rules = RuleSet("t", "jax", [Rule("moe", "column", experts=True)])
     (p,) = plan([tensor("moe", 4, 8, 8)], rules, tp=2, ep=2)
-    assert p.axis == 0 and p.ranges == [[(0, 2)], [(0, 2)], [(2, 4)], [(2, 4)]]
+    assert p.axis == 2 and p.ranges == [[(0, 4)], [(4, 8)], [(0, 4)], [(4, 8)]]
+    assert p.outer == (0, [(0, 2), (0, 2), (2, 4), (2, 4)])
+    assert [p.piece_shape(r) for r in range(4)] == [(2, 8, 4)] * 4
+    assert recorded_cut(p)["boxes"][3] == [{"0": [2, 4], "2": [4, 8]}]
+
+
+def test_expert_groups_of_a_fused_gate_up_keep_gate_then_up_per_rank():
+    rules = RuleSet("t", "torch", [Rule("gu", "gate_up", experts=True)])
+    (p,) = plan([tensor("gu", 4, 8, 3)], rules, tp=2, ep=2)   # [E, 2I, H]
+    assert p.axis == 1 and p.ranges[1] == [(2, 4), (6, 8)] and p.outer[1][1] == (0, 2)
+    assert recorded_cut(p)["boxes"][2] == [{"0": [2, 4], "1": [0, 2]}, {"0": [2, 4], "1": [4, 6]}]
+
+
+def test_experts_split_on_their_own_axis_stay_whole_per_group():
+    rules = RuleSet("t", "jax", [Rule("moe", "expert", experts=True)])
+    (p,) = plan([tensor("moe", 4, 8)], rules, tp=2, ep=2)
+    assert p.axis == 0 and p.outer is None and p.ranges == [[(0, 2)], [(0, 2)], [(2, 4)], [(2, 4)]]
+
+
+def test_scales_follow_their_weights_expert_groups():
+    rules = RuleSet("t", "jax", [Rule(r"w\.weight", "row", experts=True)])
+    plans = {p.name: p for p in plan([tensor("w.weight", 4, 16, 8), tensor("w.scales", 4, 2, 8),
+                                      tensor("v.weight", 4, 16, 8), tensor("v.scales", 4, 1, 8)],
+                                     RuleSet("t", "jax", rules.rules + [Rule(r"v\.weight", "row", experts=True)]),
+                                     tp=2, ep=2)}
+    s = plans["w.scales"]
+    assert s.axis == 1 and s.ranges[1] == [(1, 2)] and s.outer == plans["w.weight"].outer
+    one = plans["v.scales"]   # one group of K: cut by expert groups only
+    assert one.axis == 0 and one.outer is None and one.ranges == [[(0, 2)], [(0, 2)], [(2, 4)], [(2, 4)]]
 
 
 def test_unmatched_tensors_are_replicated_and_said_so():

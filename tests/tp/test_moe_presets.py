@@ -87,3 +87,39 @@ def test_moe_split_by_tp_computes_the_same_experts(moe_models, tmp_path, kind, f
     np.testing.assert_allclose(total, whole, rtol=1e-4, atol=1e-5)
     if kind == "qwen2_moe":
         assert mesh["tensors"]["model.layers.0.mlp.shared_expert.down_proj.weight"]["axis"] == 1
+
+
+@pytest.mark.parametrize("form", ["per_expert", "stacked"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_moe_split_by_ep_and_tp_computes_the_same_experts(moe_models, tmp_path, kind, form):
+    """--ep 2 --tp 2: rank g*2+t holds expert group g (experts 2g, 2g+1), each expert's intermediate
+    axis split by t. Each rank's experts computed on its own, summed over the tp ranks of a group and
+    joined over the groups, equal the unsplit experts; a reshard back to tp 1 is the source."""
+    d, state = moe_models[kind]
+    src, out = d / form, tmp_path / "out"
+    r = run("reshard", src, out, "--tp", 2, "--ep", 2, "--quiet")
+    assert r.exit_code == 0, r.stderr
+    assert run("verify", out, "--against", src).exit_code == 0
+    x = np.random.default_rng(2).standard_normal((3, 32)).astype(np.float32)
+    p = "model.layers.0.mlp.experts."
+    whole = _experts(x, state[p + "gate_up_proj"].numpy(), state[p + "down_proj"].numpy())
+    combined = np.zeros_like(whole)
+    for rank in range(4):
+        group, got = rank // 2, _rank(out, rank)
+        experts = [2 * group, 2 * group + 1]
+        if form == "stacked":
+            gate_up, down = got[p + "gate_up_proj"].numpy(), got[p + "down_proj"].numpy()
+            assert gate_up.shape[0] == 2                 # only its group's experts
+        else:
+            pre = "model.layers.0.block_sparse_moe.experts." if kind == "mixtral" else p
+            g, u, w = ("w1", "w3", "w2") if kind == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+            assert not any(f"{pre}{e}.{g}.weight" in got for e in range(4) if e not in experts)
+            gate_up = np.stack([np.concatenate([got[f"{pre}{e}.{g}.weight"].numpy(), got[f"{pre}{e}.{u}.weight"].numpy()])
+                                for e in experts])
+            down = np.stack([got[f"{pre}{e}.{w}.weight"].numpy() for e in experts])
+        assert gate_up.shape[1] == state[p + "gate_up_proj"].shape[1] // 2   # half of each expert per tp rank
+        combined[experts] += _experts(x, gate_up, down)
+    np.testing.assert_allclose(combined, whole, rtol=1e-4, atol=1e-5)
+    back = tmp_path / "tp1"
+    assert run("reshard", out, back, "--tp", 1, "--quiet").exit_code == 0
+    assert run("verify", back, "--against", src).exit_code == 0

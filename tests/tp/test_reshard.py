@@ -204,17 +204,30 @@ def test_group_straddling_ranks_refused(tmp_path):
 
 
 def test_expert_parallel_grok(tmp_path):
+    """--ep 2 --tp 2: each expert group on its two tp ranks, each expert's ffn axis split between them
+    (mesh.json boxes), the 8-bit scales cut with their weights; verify and a reshard back to tp 1
+    reassemble the source exactly."""
     params = gf.make_params(1, seed=3)
     src = gf.write_dir(tmp_path / "src", params)
     out = reshard(src, tmp_path / "out", "--tp", 2, "--ep", 2, "--heads", 4, "--kv-heads", 2, "--head-dim", 32)
     mesh = json.loads((out / "mesh.json").read_text())
-    assert mesh["ranks"] == 4
+    assert mesh["ranks"] == 4 and mesh["format"] == "ckptconv.mesh/2"
     moe = "transformer.decoder_layer_0.moe.linear.w.weight"
-    assert mesh["tensors"][moe]["ranges"] == [[[0, 2]], [[0, 2]], [[2, 4]], [[2, 4]]]
-    w = params["transformer/decoder_layer_0/moe/linear/w"].weight
-    assert np.array_equal(rank_tensors(out, 3)[moe], w[2:4])
+    w = params["transformer/decoder_layer_0/moe/linear/w"]
+    ffn = w.weight.shape[2]
+    assert mesh["tensors"][moe]["boxes"][3] == [{"0": [2, 4], "2": [ffn // 2, ffn]}]
+    assert np.array_equal(rank_tensors(out, 3)[moe], w.weight[2:4, :, ffn // 2:])
+    assert np.array_equal(rank_tensors(out, 3)[moe.replace("weight", "scales")], w.scales[2:4, :, ffn // 2:])
+    down = params["transformer/decoder_layer_0/moe/linear_1/w"]   # [E, ffn, emb], 8 groups of scales on ffn
+    name = "transformer.decoder_layer_0.moe.linear_1.w."
+    assert np.array_equal(rank_tensors(out, 1)[name + "scales"], down.scales[0:2, 4:8])
+    assert np.array_equal(rank_tensors(out, 2)[name + "weight"], down.weight[2:4, :ffn // 2])
     q = "transformer.decoder_layer_0.multi_head_attention.query.w.weight"
     assert np.array_equal(rank_tensors(out, 2)[q], rank_tensors(out, 0)[q])  # same tp rank in another group
+    assert run("verify", out, "--against", src).exit_code == 0
+    back = reshard(out, tmp_path / "tp1", "--tp", 1, "--heads", 4, "--kv-heads", 2, "--head-dim", 32)
+    assert np.array_equal(rank_tensors(back, 0)[name + "weight"], down.weight)
+    assert run("verify", back, "--against", src).exit_code == 0
 
 
 def test_indivisible_dimension_named(hf_llama, tmp_path):
