@@ -650,8 +650,12 @@ def _check_shared_intervals(name, entry, pieces, path, report):
     for r in range(ranks):
         if name not in pieces[r]:
             continue
+        held = intervals(entry, ranks, r, name)
+        shape = pieces[r][name].shape
+        if len(shape) != len(entry["shape"]) or shape[axis] != sum(b - a for a, b in held):
+            return   # a piece of the wrong shape: reported when the tensor is assembled
         at = 0
-        for a, b in intervals(entry, ranks, r, name):
+        for a, b in held:
             seen.setdefault((outer_cut(entry, r), a, b), []).append((r, at))
             at += b - a
     for (_, a, b), holders in seen.items():

@@ -7,6 +7,7 @@ from pathlib import Path
 from .. import dtypes, safejson
 from ..errors import BadInput
 from ..io.hashing import sha256_file
+from ..limits import MAX_NDIM
 from .sums import NAME as SUMS, is_digest, write_sums
 
 MESH = "mesh.json"
@@ -82,8 +83,8 @@ def _check_rules(rules, bad):
 def _check_entry(name, e, ranks, bad):
     if not isinstance(e, dict):
         raise bad(f"tensor {name!r}: entry must be an object")
-    if not _dims(e.get("shape")):
-        raise bad(f"tensor {name!r}: shape {e.get('shape')!r} is not a list of sizes")
+    if not _dims(e.get("shape")) or len(e["shape"]) > MAX_NDIM:
+        raise bad(f"tensor {name!r}: shape is not a list of at most {MAX_NDIM} sizes")
     if not isinstance(e.get("dtype"), str) or e["dtype"] not in dtypes.BY_CODE:
         raise bad(f"tensor {name!r}: dtype {e.get('dtype')!r} is not a safetensors dtype code")
     if not is_digest(e.get("sha256")):
@@ -119,10 +120,15 @@ def _check_entry(name, e, ranks, bad):
     if not isinstance(ranges, list) or len(ranges) != ranks:
         raise bad(f"tensor {name!r}: ranges must list the intervals of each of the {ranks} ranks")
     for r, ivs in enumerate(ranges):
-        if not isinstance(ivs, list) or not all(
-                isinstance(iv, list) and len(iv) == 2 and all(type(x) is int for x in iv) and 0 <= iv[0] < iv[1] <= n
-                for iv in ivs):
+        if not isinstance(ivs, list) or not all(_interval(iv, n) for iv in ivs):
             raise bad(f"tensor {name!r}: ranges of rank {r} are not [start, stop) intervals within 0..{n}")
+        if len({tuple(iv) for iv in ivs}) != len(ivs):
+            raise bad(f"tensor {name!r}: rank {r} lists an interval twice")
+
+
+def _interval(iv, n) -> bool:
+    """A non-empty [start, stop) within 0..n (reshard replicates a tensor with no elements)."""
+    return isinstance(iv, list) and len(iv) == 2 and all(type(x) is int for x in iv) and 0 <= iv[0] < iv[1] <= n
 
 
 def _check_boxes(name, boxes, shape, axis, ranks, bad):
@@ -131,15 +137,14 @@ def _check_boxes(name, boxes, shape, axis, ranks, bad):
     share their interval on that other axis (so they join into one piece)."""
     if not isinstance(boxes, list) or len(boxes) != ranks:
         raise bad(f"tensor {name!r}: boxes must list the boxes of each of the {ranks} ranks")
-    axes = None
+    axes, sizes = None, {str(i): n for i, n in enumerate(shape)}
     for r, rank_boxes in enumerate(boxes):
         if not isinstance(rank_boxes, list):
             raise bad(f"tensor {name!r}: boxes of rank {r} must be a list")
-        outer = None
+        outer, seen = None, set()
         for box in rank_boxes:
             ok = isinstance(box, dict) and str(axis) in box and all(
-                k in {str(i) for i in range(len(shape))} and isinstance(iv, list) and len(iv) == 2
-                and all(type(x) is int for x in iv) and 0 <= iv[0] < iv[1] <= shape[int(k)] for k, iv in box.items())
+                k in sizes and _interval(iv, sizes[k]) for k, iv in box.items())
             if not ok:
                 raise bad(f"tensor {name!r}: a box of rank {r} is not {{axis: [start, stop)}} within the shape "
                           f"{shape}, naming axis {axis}")
@@ -150,6 +155,9 @@ def _check_boxes(name, boxes, shape, axis, ranks, bad):
             if outer not in (None, box[other]):
                 raise bad(f"tensor {name!r}: the boxes of rank {r} differ on axis {other}: they do not join")
             outer = box[other]
+            if tuple(box[str(axis)]) in seen:
+                raise bad(f"tensor {name!r}: rank {r} lists a box twice")
+            seen.add(tuple(box[str(axis)]))
 
 
 def outer_cut(entry: dict, rank: int):
@@ -200,8 +208,11 @@ def recorded_cut(p) -> dict:
         return {}
     if p.outer is None:
         return {"ranges": [[list(iv) for iv in r] for r in p.ranges]}
-    return {"boxes": [[{str(a): list(box[a]) for a in sorted(box)} for box in p.boxes(r)]
-                      for r in range(len(p.ranges))]}
+    outer, groups = p.outer
+    first = min(outer, p.axis)
+    return {"boxes": [[{str(first): list(groups[r] if first == outer else iv),
+                        str(max(outer, p.axis)): list(iv if first == outer else groups[r])} for iv in rank]
+                      for r, rank in enumerate(p.ranges)]}
 
 
 def document(plans, rules, tp, ep, source, digests) -> dict:

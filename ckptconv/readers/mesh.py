@@ -52,7 +52,10 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         for name in pieces[r]:
             order.setdefault(name, (r, len(order)))
     names = sorted((n for n in mesh["tensors"] if wanted(n, options.only)), key=lambda n: order.get(n, (ranks, 0)))
-    tensors = [assemble(name, mesh["tensors"][name], pieces, ranks) for name in names]
+    try:
+        tensors = [assemble(name, mesh["tensors"][name], pieces, ranks) for name in names]
+    except BadInput as e:
+        raise BadInput(f"{path / MESH}: {e}") from None
     source = {"format": NAME, "path": str(path), "tp": mesh.get("tp"), "ep": mesh.get("ep"), "rules": mesh["rules"]}
     files = model_files(path / rank_dir(0)) if (path / rank_dir(0)).is_dir() else []
     return Checkpoint(tensors, {}, source, files, mapped, recorded_rules=mesh["rules"])

@@ -131,7 +131,8 @@ def _load_file(m: MappedFile, allow, budget, unlisted):
     if not ziparchive.is_zip(m):
         raise BadInput(f"{m.path}: not a torch.save file (neither a zip archive nor the legacy format)")
     entries = ziparchive.read_entries(m)
-    if any(n.startswith(archive_prefix(m, entries) + "code/") for n in entries):
+    code = archive_prefix(m, entries) + "code/"
+    if any(n.startswith(code) for n in entries):
         raise BadInput(f"{m.path}: is a TorchScript archive (torch.jit.save), read by the torchscript reader: give "
                        "the file itself as SRC, or --from torchscript")
     return load_zip(m, allow, budget=budget, unlisted=unlisted, entries=entries)

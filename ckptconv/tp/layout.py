@@ -35,11 +35,6 @@ class TensorPlan:
             shape[self.outer[0]] = b - a
         return tuple(shape)
 
-    def boxes(self, rank) -> list:
-        """Rank `rank`'s piece as boxes {axis: (start, stop)} joined along `axis` (mesh.json's `boxes`)."""
-        outer = {self.outer[0]: self.outer[1][rank]} if self.outer is not None else {}
-        return [{**outer, self.axis: iv} for iv in self.ranges[rank]]
-
     def piece_bytes(self, rank) -> int:
         if self.axis is not None and not self.ranges[rank]:
             return 0
@@ -143,8 +138,9 @@ def _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab=False):
         k = padded // tp
         ranges = [[(r % tp * k, (r % tp + 1) * k)] for r in range(ranks)]
         return TensorPlan(t.name, t.shape, t.dtype, f"vocab (padded to {padded})", 0, ranges, ep == 1, padded)
-    if rule is None or (rule.kind == "replicate"):
+    if rule is None or rule.kind == "replicate" or not math.prod(t.shape):
         why = "replicate" if rule else "replicate (no rule matched)"
+        why = why if math.prod(t.shape) else "empty: replicate"   # nothing to cut (no empty pieces)
         return TensorPlan(t.name, t.shape, t.dtype, why, None, [None] * ranks, False)
     if ep > 1 and rule.experts:  # stacked experts [E, ...]: whole experts per expert group ...
         n = t.shape[0]
@@ -153,7 +149,7 @@ def _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab=False):
         k = n // ep
         groups = [(g * k, (g + 1) * k) for g in range(ep) for _ in range(tp)]
         axis, per_tp = split(t.name, t.shape, rule, rules.layout, tp)
-        if axis in (None, 0):   # ... the same on each tp rank of the group
+        if axis in (None, 0) or tp == 1:   # ... the same on each tp rank of the group
             return TensorPlan(t.name, t.shape, t.dtype, f"expert groups (ep={ep})", 0, [[g] for g in groups], False)
         # ... each expert's own axis split by tp within the group: a piece cut on two axes
         return TensorPlan(t.name, t.shape, t.dtype, f"{rule.describe()} x expert groups (ep={ep})", axis,
@@ -163,8 +159,9 @@ def _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab=False):
         return TensorPlan(t.name, t.shape, t.dtype, rule.describe() + " -> replicate", None, [None] * ranks, False)
     m = re.search(r"\.experts\.(\d+)\.", t.name)
     if ep > 1 and m:  # one tensor per expert: only its expert group holds it
-        per_group = math.ceil(len(experts_named) / ep)
-        group = experts_named.index(int(m.group(1))) // per_group
+        if len(experts_named) % ep:
+            raise BadInput(f"tensor {t.name!r}: {len(experts_named)} experts cannot be split over ep={ep}")
+        group = experts_named.index(int(m.group(1))) // (len(experts_named) // ep)
         ranges = [per_tp[r % tp] if r // tp == group else [] for r in range(ranks)]
     else:
         ranges = [per_tp[r % tp] for r in range(ranks)]

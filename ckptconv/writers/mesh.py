@@ -58,8 +58,7 @@ def _in_global_order(p) -> bool:
     several ranks) and cover it, each rank's in increasing order (fused qkv, gate_up): pushed interval
     by interval in global order, every piece is a run of contiguous slices of the source, and the
     global digest is a tap of the bytes written."""
-    if (p.axis is None or p.padded is not None or p.outer is not None or any(n != 1 for n in p.shape[:p.axis])
-            or _streams_in_order(p)):
+    if p.axis is None or p.padded is not None or any(n != 1 for n in p.shape[:p.axis]) or _streams_in_order(p):
         return False
     if any(list(r) != sorted(r) for r in p.ranges):
         return False

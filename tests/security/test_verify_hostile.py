@@ -437,6 +437,11 @@ MESH_EDITS = {
     "boxes of a rank a dict": lambda m: _boxes(m, [{}, []]),
     "boxes that do not join": lambda m: _boxes(m, [[{"0": [0, 2], "1": [0, 8]}, {"0": [2, 4], "1": [8, 16]}],
                                                    [{"0": [4, 8], "1": [0, 16]}]]),
+    "a box twice on one rank": lambda m: _boxes(m, [[{"0": [0, 4], "1": [0, 16]}, {"0": [0, 4], "1": [0, 16]}],
+                                                     [{"0": [4, 8], "1": [0, 16]}]]),
+    "an interval twice on one rank": lambda m: _tensor(m).update(ranges=[[[0, 4], [0, 4]], [[4, 8]]]),
+    "ranges longer than the piece": lambda m: _tensor(m).update(ranges=[[[0, 4], [4, 8]], [[4, 8]]]),
+    "shape of 33 axes": lambda m: _tensor(m).update(shape=[8, 16] + [1] * 31),
     "boxes that do not tile": lambda m: _boxes(m, [[{"0": [0, 4], "1": [0, 9]}], [{"0": [4, 8], "1": [8, 16]}]]),
 }
 

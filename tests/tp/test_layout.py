@@ -101,6 +101,24 @@ def test_expert_groups_of_a_fused_gate_up_keep_gate_then_up_per_rank():
     assert recorded_cut(p)["boxes"][2] == [{"0": [2, 4], "1": [0, 2]}, {"0": [2, 4], "1": [4, 6]}]
 
 
+def test_expert_groups_at_tp_1_are_whole_experts():
+    rules = RuleSet("t", "torch", [Rule("gu", "gate_up", experts=True)])
+    (p,) = plan([tensor("gu", 4, 8, 3)], rules, tp=1, ep=2)
+    assert p.axis == 0 and p.outer is None and recorded_cut(p) == {"ranges": [[[0, 2]], [[2, 4]]]}
+
+
+def test_a_tensor_with_no_elements_is_replicated():
+    rules = RuleSet("t", "torch", [Rule("gu", "gate_up", experts=True), Rule("w", "column")])
+    plans = plan([tensor("gu", 4, 0, 3), tensor("w", 0, 8)], rules, tp=2, ep=2)
+    assert [p.axis for p in plans] == [None, None] and plans[0].rule == "empty: replicate"
+
+
+def test_per_expert_tensors_need_as_many_experts_in_every_group():
+    rules = RuleSet("t", "torch", [Rule(r".*\.experts\.\d+\.w", "column")])
+    with pytest.raises(BadInput, match="6 experts cannot be split over ep=4"):
+        plan([tensor(f"m.experts.{e}.w", 8, 4) for e in range(6)], rules, tp=1, ep=4)
+
+
 def test_experts_split_on_their_own_axis_stay_whole_per_group():
     rules = RuleSet("t", "jax", [Rule("moe", "expert", experts=True)])
     (p,) = plan([tensor("moe", 4, 8)], rules, tp=2, ep=2)
