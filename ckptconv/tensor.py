@@ -36,6 +36,8 @@ def _normalize(index, shape):
 class TensorSource:
     """Base class: subclasses implement `_region` and may implement `file_span` and `release`."""
 
+    __slots__ = ()   # (subclasses without their own __slots__ still get a __dict__)
+
     name: str
     dtype: DType
     shape: tuple
@@ -96,6 +98,43 @@ class ArraySource(TensorSource):
         if self._span is not None:
             mapped, offset, length = self._span
             mapped.release(offset, length)
+
+
+class MappedView(TensorSource):
+    """A tensor at `start` in a mapped file: row-major (`stride` None) or strided (in elements,
+    possibly big-endian), its array made only when read. A record of a few fields, no closure: a
+    checkpoint of a million small tensors must not hold a million functions and views."""
+
+    __slots__ = ("name", "dtype", "shape", "mapped", "start", "stride", "big_endian", "held")
+
+    def __init__(self, name, dtype: DType, shape, mapped, start: int, stride=None, big_endian=False, held=None):
+        self.name, self.dtype, self.shape, self.mapped, self.start = name, dtype, tuple(shape), mapped, start
+        self.stride, self.big_endian = stride, big_endian
+        self.held = held   # (offset, length) of the bytes the view may reach, when not exactly its own
+
+    def array(self) -> np.ndarray:
+        item, n = self.dtype.itemsize, math.prod(self.shape)
+        np_dtype = self.dtype.numpy.newbyteorder(">") if self.big_endian and item > 1 else self.dtype.numpy
+        if not n:
+            return np.empty(self.shape, self.dtype.numpy)
+        if self.stride is None:
+            return np.frombuffer(self.mapped.view, dtype=np_dtype, count=n, offset=self.start).reshape(self.shape)
+        reach = (sum((k - 1) * s for k, s in zip(self.shape, self.stride)) + 1) * item
+        flat = np.frombuffer(self.mapped.view, dtype=np.uint8, count=reach, offset=self.start)
+        return np.lib.stride_tricks.as_strided(flat.view(np_dtype), self.shape, tuple(s * item for s in self.stride),
+                                               writeable=False)
+
+    def _region(self, index):
+        return self.array()[index]
+
+    def file_span(self):
+        if self.stride is None and not self.big_endian:
+            return self.mapped, self.start
+        return None
+
+    def release(self):
+        offset, length = self.held if self.held is not None else (self.start, self.nbytes)
+        self.mapped.release(offset, length)
 
 
 class Renamed(TensorSource):

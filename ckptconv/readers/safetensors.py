@@ -5,14 +5,13 @@ is a contiguous view of the mapped file. Also reads ckptconv's own outputs.
 """
 from pathlib import Path
 
-import numpy as np
 
 from .base import Reader, register
 from ..errors import BadInput
 from ..io.mapped import MappedFile
 from ..formats.manifest import INDEX_SUFFIX
 from ..formats.safetensors import parse_header
-from ..tensor import ArraySource, Checkpoint
+from ..tensor import Checkpoint, MappedView
 from . import ReadOptions, by_shard, check_listed, model_files, source_root, wanted, weight_map, weights_file
 
 NAME = "safetensors"
@@ -80,10 +79,7 @@ def file_tensors(m: MappedFile) -> list:
 
 
 def _source(m, e):
-    def array():
-        return np.frombuffer(m.view, dtype=e.dtype.numpy, count=(e.end - e.begin) // e.dtype.itemsize,
-                             offset=e.begin).reshape(e.shape)
-    return ArraySource(e.name, e.dtype, e.shape, array, (m, e.begin, e.end - e.begin), contiguous=True)
+    return MappedView(e.name, e.dtype, e.shape, m, e.begin)
 
 
 READER = register(Reader(NAME, "safetensors files and directories with an index (STEM.safetensors.index.json)",

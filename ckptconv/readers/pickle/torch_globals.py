@@ -1,19 +1,18 @@
 """Stand-ins for the torch globals in torch.save pickles: storages, tensor rebuilds, dtypes, Size.
 
 Shared by the torch zip reader, the legacy reader and DCP chunk files. A rebuilt tensor is a
-`TorchTensor` record (storage, offset, size, stride); readers turn it into a lazy `ArraySource`.
+`TorchTensor` record (storage, offset, size, stride); readers turn it into a lazy `MappedView`.
 Storage bytes are located by the reader's `persistent_load`, which returns a `Storage`.
 """
 import math
 from dataclasses import dataclass
 
-import numpy as np
 
 from ... import dtypes
 from ...errors import BadInput, brief
 from ...limits import MAX_DEPTH, Budget, shape_problem
 from .numpy_globals import NumpyArray, numpy_globals, numpy_source
-from ...tensor import ArraySource
+from ...tensor import MappedView
 from . import unpickler
 from .unpickler import BENIGN, Function, Marker, StandIn
 
@@ -76,26 +75,13 @@ class TorchTensor:
     def unsupported(self):
         return self.dtype.what if isinstance(self.dtype, Unsupported) else None
 
-    def source(self, name) -> ArraySource:
-        dt, st = self.dtype, self.storage
-        item = dt.itemsize
-        contiguous = not st.big_endian and _is_row_major(self.size, self.stride)
-        start = st.offset + self.offset * item
-        length = math.prod(self.size) * item
-        np_dtype = dt.numpy.newbyteorder(">") if st.big_endian and item > 1 else dt.numpy
-        size, stride, mapped = self.size, self.stride, st.mapped
-
-        def array():
-            if not math.prod(size):
-                return np.empty(size, dt.numpy)
-            reach = (sum((n - 1) * s for n, s in zip(size, stride)) + 1) * item
-            flat = np.frombuffer(mapped.view, dtype=np.uint8, count=reach, offset=start)
-            return np.lib.stride_tricks.as_strided(flat.view(np_dtype), size, tuple(s * item for s in stride),
-                                                   writeable=False)
-
-        if contiguous:
-            return ArraySource(name, dt, size, array, (mapped, start, length), contiguous=True)
-        return ArraySource(name, dt, size, array, (mapped, st.offset, st.nbytes), contiguous=False)
+    def source(self, name) -> MappedView:
+        st = self.storage
+        start = st.offset + self.offset * self.dtype.itemsize
+        if not st.big_endian and _is_row_major(self.size, self.stride):
+            return MappedView(name, self.dtype, self.size, st.mapped, start)
+        return MappedView(name, self.dtype, self.size, st.mapped, start, self.stride, st.big_endian,
+                          held=(st.offset, st.nbytes))
 
 
 def _is_row_major(size, stride) -> bool:
