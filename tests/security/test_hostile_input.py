@@ -162,10 +162,44 @@ def test_plain_values_round_trip_every_protocol(protocol):
         assert got == value and type(got) is type(value), (protocol, value, got)
 
 
-def test_shared_references_preserved():
+@pytest.mark.parametrize("protocol", range(0, 6))
+def test_shared_references_preserved(protocol):
     shared = [1, 2]
-    got = unpickler.load(pickle.dumps({"a": shared, "b": shared}, protocol=2), {}, "<mem>")
-    assert got["a"] is got["b"]
+    got = unpickler.load(pickle.dumps({"a": shared, "b": shared, "t": (shared, "x"), "u": ("x",)},
+                                      protocol=protocol), {}, "<mem>")
+    assert got["a"] is got["b"] is got["t"][0] and got["u"] == ("x",)
+
+
+def test_only_memo_entries_read_back_are_kept():
+    """torch.save memoizes ~8 objects per tensor and reads back a handful: the run keeps only the
+    keys the stream ever GETs (fetched_memo steps over the opcodes, building nothing)."""
+    buf = io.BytesIO()
+    torch.save({f"t{i}": torch.zeros(2) for i in range(500)}, buf)
+    with zipfile.ZipFile(buf) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    keys = unpickler.fetched_memo(memoryview(data))
+    puts = sum(1 for op, _, _ in __import__("pickletools").genops(data) if "PUT" in op.name)
+    assert keys is not None and len(keys) < 20 < 4000 < puts
+    shared = [1]
+    data = pickle.dumps([shared, shared, {"k": shared}], protocol=4)   # MEMOIZE, no PUT
+    assert unpickler.fetched_memo(memoryview(data)) == {1}
+    got = unpickler.load(data, {}, "<mem>")
+    assert got[0] is got[1] is got[2]["k"]
+
+
+@pytest.mark.parametrize("data, expect", [
+    (b"\x80\x04]\x94}q\x0700h\x00.", []),       # MEMOIZE (key 0) beside a PUT (key 7): everything stored
+    (b"\x80\x02]q\x00h\x00", None),              # no STOP: the run reports it
+    (b"\x80\x02\xff.", None),                      # not an opcode
+    (b"\x80\x02X\xff\xff\xff\x7f.", None),      # a length past the end
+])
+def test_memo_scan_falls_back_to_storing_everything(data, expect):
+    assert unpickler.fetched_memo(memoryview(data)) is None
+    if expect is not None:
+        assert unpickler.load(data, {}, "<mem>") == expect
+    else:
+        with pytest.raises(BadInput):
+            unpickler.load(data, {}, "<mem>")
 
 
 @pytest.mark.parametrize("data, needle", [

@@ -32,7 +32,7 @@ class StorageType:
     dtype: object  # DType, Unsupported, or None for untyped
 
 
-@dataclass
+@dataclass(slots=True)
 class Storage:
     """A storage's bytes in a mapped file: `offset`, `nbytes`; `dtype` as the storage type says."""
 
@@ -46,6 +46,8 @@ class Storage:
 
 class TorchTensor:
     """What `_rebuild_tensor_v2/_v3` builds: a strided view of a storage, validated against it."""
+
+    __slots__ = ("storage", "offset", "size", "stride", "dtype")   # one per tensor: kept small
 
     def __init__(self, ctx, storage, storage_offset, size, stride, dtype=None):
         if not isinstance(storage, Storage):

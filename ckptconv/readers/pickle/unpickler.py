@@ -16,6 +16,7 @@ import codecs
 import hashlib
 import json
 import math
+import pickletools
 import struct
 import sys
 from dataclasses import dataclass
@@ -503,9 +504,77 @@ def load_prefix(data, allowlist: dict, path, base_offset=0, persistent_load=None
         raise ctx.bad(f"malformed pickle: {type(e).__name__}: {printable(e, 200)}") from None
 
 
+def _arg_sizes() -> list:
+    """Per opcode byte, how its argument is laid out, from the standard library's opcode table (data
+    only: pickletools describes the format, it runs nothing): a fixed size, LINE or LINES (one or two
+    newline-terminated), or the Struct of a length prefix; None for a byte that is no opcode."""
+    prefix = {pickletools.TAKEN_FROM_ARGUMENT1: "<B", pickletools.TAKEN_FROM_ARGUMENT4: "<i",
+              pickletools.TAKEN_FROM_ARGUMENT4U: "<I", pickletools.TAKEN_FROM_ARGUMENT8U: "<Q"}
+    sizes = [None] * 256
+    for op in pickletools.opcodes:
+        arg = op.arg
+        if arg is None:
+            sizes[ord(op.code)] = 0
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            sizes[ord(op.code)] = _LINES if arg.name.endswith("_pair") else _LINE
+        else:
+            sizes[ord(op.code)] = arg.n if arg.n >= 0 else struct.Struct(prefix[arg.n])
+    return sizes
+
+
+_LINE, _LINES = "line", "lines"
+_ARG_SIZES = _arg_sizes()
+_GETS = {0x67: _LINE, 0x68: struct.Struct("<B"), 0x6A: struct.Struct("<I")}   # GET, BINGET, LONG_BINGET
+_PUTS, _MEMOIZE, _STOP = {0x70, 0x71, 0x72}, 0x94, 0x2E
+_WATCH = set(_GETS) | _PUTS | {_MEMOIZE, _STOP}
+
+
+def _line_end(mv, pos) -> int:
+    return pos + bytes(mv[pos:pos + 1024]).index(b"\n") + 1   # (a longer line: ValueError, store all)
+
+
+def fetched_memo(mv):
+    """The memo keys the pickle in `mv` ever reads back (GET), found by stepping over its opcodes
+    without building anything, so the run stores only those: torch.save memoizes every object it
+    writes (~8 per tensor) and reads back a handful, and a million-tensor file must not hold eight
+    million dead objects until its end. None (store everything) when the stream cannot be stepped
+    over to its STOP, or mixes MEMOIZE with explicit PUTs (MEMOIZE's key is the memo's length)."""
+    sizes, n, pos, keys, puts, memoize = _ARG_SIZES, len(mv), 0, set(), False, False
+    try:
+        while pos < n:
+            op = mv[pos]
+            pos += 1
+            size = sizes[op]
+            if op in _WATCH:
+                if op == _STOP:
+                    return None if puts and memoize else keys
+                get = _GETS.get(op)
+                if get is _LINE:
+                    keys.add(int(bytes(mv[pos:_line_end(mv, pos) - 1])))
+                elif get is not None:
+                    keys.add(get.unpack_from(mv, pos)[0])
+                puts, memoize = puts or op in _PUTS, memoize or op == _MEMOIZE
+            if size.__class__ is int:
+                pos += size
+            elif size is _LINE:
+                pos = _line_end(mv, pos)
+            elif size is _LINES:
+                pos = _line_end(mv, _line_end(mv, pos))
+            elif size is None:
+                return None
+            else:
+                length = size.unpack_from(mv, pos)[0]
+                if length < 0:
+                    return None
+                pos += size.size + length
+    except (ValueError, struct.error):
+        return None
+    return None
+
+
 def _run(mv, allowlist, ctx, persistent_load, max_memo):
     """Execute opcodes from the table until STOP: (object built, length of the pickle)."""
-    vm = _Machine(mv, allowlist, ctx, persistent_load, max_memo)
+    vm = _Machine(mv, allowlist, ctx, persistent_load, max_memo, fetched_memo(mv))
     n, ops = len(mv), _OPS
     while True:
         pos = vm.pos
@@ -524,12 +593,15 @@ def _run(mv, allowlist, ctx, persistent_load, max_memo):
 class _Machine:
     """The state of one run: the opcode stream and read position, the stack, the marks, the memo."""
 
-    __slots__ = ("mv", "n", "pos", "stack", "metastack", "memo", "allowlist", "ctx", "persistent_load", "max_memo")
+    __slots__ = ("mv", "n", "pos", "stack", "metastack", "memo", "allowlist", "ctx", "persistent_load", "max_memo",
+                 "fetched", "memoized")
 
-    def __init__(self, mv, allowlist, ctx, persistent_load, max_memo):
+    def __init__(self, mv, allowlist, ctx, persistent_load, max_memo, fetched=None):
         self.mv, self.n, self.pos = mv, len(mv), 0
         self.stack, self.metastack, self.memo = [], [], {}
         self.allowlist, self.ctx, self.persistent_load, self.max_memo = allowlist, ctx, persistent_load, max_memo
+        self.fetched = fetched     # the only memo keys ever read back (fetched_memo), or None: store all
+        self.memoized = 0          # MEMOIZEs so far: their keys, when the memo does not hold them all
 
     def take(self, k):
         pos = self.pos
@@ -586,7 +658,8 @@ class _Machine:
             raise self.ctx.bad("PUT on an empty stack")
         if idx < 0 or (idx not in self.memo and len(self.memo) >= self.max_memo):
             raise self.ctx.bad(f"memo index {idx} out of range")
-        self.memo[idx] = self.stack[-1]
+        if self.fetched is None or idx in self.fetched:
+            self.memo[idx] = self.stack[-1]
 
     def memo_get(self, idx):
         if idx not in self.memo:
@@ -873,7 +946,8 @@ _memo_ops(0x72, 0x6A, lambda vm: vm.unpack(_U32))   # LONG_BINPUT, LONG_BINGET
 
 @_op(0x94)  # MEMOIZE
 def _memoize(vm, op):
-    vm.memo_put(len(vm.memo))
+    vm.memo_put(len(vm.memo) if vm.fetched is None else vm.memoized)   # (no PUTs beside: fetched_memo)
+    vm.memoized += 1
 
 
 # --- SECURITY: every opcode that names a global, calls, instantiates, sets state or reaches outside
