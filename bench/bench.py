@@ -1,8 +1,11 @@
 """`make bench`: ckptconv against the bound and the naive way, on the same bytes, in one run.
 
-Method (docs/benchmarks.md): each command is a separate process on a warm page cache, rows
-interleaved and rotated between rounds; we report the median wall time of BENCH_REPEAT runs, GB/s, peak RSS (ru_maxrss of that process, via wait4) and
-ratios to the bound (read + write with SHA-256 in a second thread) and to cp. Not a test: no thresholds.
+Method (docs/benchmarks.md): each command is a separate process on a warm page cache (the `cold`
+scenario drops it before every run), rows interleaved and rotated between rounds; we report the
+median wall time of BENCH_REPEAT runs, GB/s, peak RSS (ru_maxrss of that process, via wait4) and
+per-round ratios to the floors measured in the same run: an O_DIRECT copy of the same bytes
+(convert), a convert of the same source (reshard), hashlib with both cores busy or over the largest
+file (verify); and how many times faster than the naive way. Not a test: no thresholds.
 """
 import json
 import os
@@ -103,6 +106,32 @@ def llama_1b(path, layers: int):
     return path
 
 
+def optimizer_state(path, n: int):
+    """n small float32 tensors (16 each) named like an optimizer state, in one torch.save file."""
+    import torch
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    base = torch.randn(n, 16, generator=torch.Generator().manual_seed(0))
+    kinds = ("exp_avg", "exp_avg_sq", "step", "param")
+    sd = {f"state.{i // 4}.{kinds[i % 4]}": base[i].clone() for i in range(n)}
+    tmp = path.with_suffix(".tmp")
+    torch.save(sd, tmp)
+    os.rename(tmp, path)
+
+
+def llama_scaled(path, gigabytes: float):
+    """A bf16 checkpoint of `gigabytes` in 160 equal [rows, 8192] tensors, written by torch.save
+    tensor by tensor (storage bytes from a repeated random block: the content does not matter)."""
+    import torch
+    path = Path(path)
+    rows = int(gigabytes * 1e9 / 160 / 8192 / 2)
+    block = (torch.randn(rows, 8192, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    sd = {f"model.layers.{i // 8}.w{i % 8}.weight": block.clone() for i in range(160)}
+    tmp = path.with_suffix(".tmp")
+    torch.save(sd, tmp)
+    os.rename(tmp, path)
+
+
 NAIVE_DCP = r'''
 import os, sys, torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -139,6 +168,28 @@ for path in sys.argv[1:]:
         while b := f.read(16 << 20):
             h.update(b)
 '''
+
+# the verify floor: hashlib over the files with both cores busy (each file's two halves on two threads)
+HASH_TWO_THREADS = r'''
+import hashlib, os, sys, threading
+def run(jobs):
+    for path, start, stop in jobs:
+        h = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            while start < stop and (b := f.read(min(16 << 20, stop - start))):
+                h.update(b); start += len(b)
+halves = ([], [])
+for path in sys.argv[1:]:
+    mid = os.path.getsize(path) // 2
+    halves[0].append((path, 0, mid)); halves[1].append((path, mid, os.path.getsize(path)))
+threads = [threading.Thread(target=run, args=(h,)) for h in halves]
+for t in threads: t.start()
+for t in threads: t.join()
+'''
+
+# the convert floor: an O_DIRECT copy (page-cache read, direct write) of every source file
+COPY_FLOOR = 'out=$1; shift; for f; do dd if="$f" of="$out/copy" bs=16M oflag=direct status=none; done'
 
 
 def dcp_dir(path, layers: int):
@@ -212,13 +263,13 @@ def warm(path: Path):
 
 def table(title, nbytes, rows):
     by_name = {name: times for name, times, _ in rows}
-    bound, cp = by_name["bound"], by_name["cp"]
+    floor, bound = by_name["copy floor (dd O_DIRECT)"], by_name["bound"]
     print(f"\n{title} ({nbytes / 1e9:.3f} GB, {REPEAT} rounds; ratios: median of the rounds' ratios (range))")
-    print("| command | median wall s | GB/s | peak RSS MB | x bound | x cp |\n|---|---:|---:|---:|---:|---:|")
+    print("| command | median wall s | GB/s | peak RSS MB | x copy floor | x bound |\n|---|---:|---:|---:|---:|---:|")
     for name, times, rss in rows:
         secs = statistics.median(times)
-        print(f"| {name} | {secs:.2f} | {nbytes / secs / 1e9:.2f} | {rss:.0f} | {paired(times, bound)} | "
-              f"{paired(times, cp)} |")
+        print(f"| {name} | {secs:.2f} | {nbytes / secs / 1e9:.2f} | {rss:.0f} | {paired(times, floor)} | "
+              f"{paired(times, bound)} |")
     sys.stdout.flush()
 
 
@@ -228,22 +279,35 @@ def scratch_dir() -> Path:
     return d
 
 
-def compare(title, src: Path, files, ours: tuple, naive: tuple):
-    """The standard table: cp, the bound (over `files`), ckptconv (`ours` = name, CLI args) and the
-    naive way (`naive` = name, script), all on the same bytes, warm cache, interleaved."""
+def copy_floor_row(files, scratch):
+    return ("copy floor (dd O_DIRECT)", ["sh", "-c", COPY_FLOOR, "sh", scratch / "floor", *files], scratch / "floor")
+
+
+def compare(title, src: Path, files, ours: list, naive: tuple, against=None):
+    """The standard table: the copy floor (an O_DIRECT copy of `files`), cp, the bound, ckptconv
+    (`ours`: [(name, CLI args)]) and the naive way (`naive` = name, script), all on the same bytes,
+    warm cache, interleaved; ratios to the floor per round, and how many times faster than the naive
+    way the first of `ours` is. `against`: the name of another row the first of ours is judged by."""
     scratch = scratch_dir()
     for f in files:
         warm(f)
     recursive = ["-r"] if src.is_dir() else []
     rows = measure_all([
+        copy_floor_row(files, scratch),
         ("cp", ["cp", *recursive, src, scratch / "copy"], scratch / "copy"),
         ("bound", [PY, "-c", BOUND, *files, scratch / "bound"], None),
-        (ours[0], [PY, "-m", "ckptconv.cli", *ours[1][:2], scratch / "out", *ours[1][2:], "--quiet"],
-         scratch / "out"),
+        *[(name, [PY, "-m", "ckptconv.cli", *args[:2], scratch / "out", *args[2:], "--quiet"], scratch / "out")
+          for name, args in ours],
         (naive[0], [PY, "-c", naive[1], src, scratch / "naive"], scratch / "naive"),
     ])
     (scratch / "bound").unlink(missing_ok=True)
     table(title, sum(f.stat().st_size for f in files), rows)
+    by_name = {name: times for name, times, _ in rows}
+    first = ours[0][0]
+    print(f"{first}: {paired(by_name[naive[0]], by_name[first])}x faster than {naive[0]}"
+          + (f"; {paired(by_name[first], by_name[against])}x {against}" if against else ""))
+    sys.stdout.flush()
+    return rows
 
 
 def llama_src(layers) -> Path:
@@ -252,15 +316,15 @@ def llama_src(layers) -> Path:
 
 def bench_convert(layers):
     src = llama_src(layers)
-    compare(f"convert .pt -> safetensors, {layers} layers", src, [src], ("ckptconv convert", ["convert", src]),
-            ("torch.load(mmap) + save_file", NAIVE_TORCH))
+    compare(f"convert .pt -> safetensors, {layers} layers", src, [src], [("ckptconv convert", ["convert", src])],
+            ("torch.load(mmap) + save_file", NAIVE_TORCH), against="copy floor (dd O_DIRECT)")
 
 
 def bench_grok(layers):
     src = generate("grok_dir", DATA / f"grok-{layers}L", str(DATA / f"grok-{layers}L"), layers) / "ckpt-0"
     files = sorted(src.iterdir())
     compare(f"Grok-style pickle directory -> safetensors (lossless), {layers} layers, {len(files)} files", src, files,
-            ("ckptconv pickle-to-safetensors", ["pickle-to-safetensors", src]),
+            [("ckptconv pickle-to-safetensors", ["pickle-to-safetensors", src])],
             ("pickle.load each file + save_file", NAIVE_GROK))
 
 
@@ -268,16 +332,18 @@ def bench_dcp(layers):
     src = generate("dcp_dir", DATA / f"dcp-{layers}L", str(DATA / f"dcp-{layers}L"), layers)
     files = sorted(src.glob("*.distcp"))
     compare(f"DCP (1 process, {len(files)} .distcp) -> safetensors, {layers} layers", src, files,
-            ("ckptconv convert (DCP)", ["convert", src]),
+            [("ckptconv convert (DCP)", ["convert", src])],
             ("dcp_to_torch_save + torch.load + save_file", NAIVE_DCP))
 
 
 def bench_reshard(layers):
     src = llama_src(layers)
     compare(f"reshard .pt -> tp 8, {layers} layers", src, [src],
-            ("ckptconv reshard --tp 8", ["reshard", src, "--tp", "8", "--heads", "16", "--kv-heads", "16",
-                                         "--head-dim", "128"]),
-            ("naive TP=8: torch.load(mmap), chunk, save_file x 8 (no hashes)", NAIVE_TP))
+            [("ckptconv reshard --tp 8", ["reshard", src, "--tp", "8", "--heads", "16", "--kv-heads", "16",
+                                          "--head-dim", "128"]),
+             ("ckptconv convert (same source)", ["convert", src])],
+            ("naive TP=8: torch.load(mmap), chunk, save_file x 8 (no hashes)", NAIVE_TP),
+            against="ckptconv convert (same source)")
 
 
 def bench_vllm(layers):
@@ -310,33 +376,85 @@ def bench_vllm(layers):
 
 
 def bench_verify(layers):
+    """verify against its floor: the larger of one hashlib pass over the largest output file (a file
+    digest is sequential) and hashlib over all output files on two threads (both cores busy), per
+    round; for a one-file output and for one in 500 MB shards."""
     src = llama_src(layers)
-    out, tp8 = DATA / f"verify-{layers}L", DATA / f"verify-{layers}L-tp8"
-    for target, args in ((out, ["convert", src, out]),
+    outs = {"one 2.1 GB shard": DATA / f"verify-{layers}L", "500 MB shards": DATA / f"verify-{layers}L-500MB"}
+    tp8 = DATA / f"verify-{layers}L-tp8"
+    for target, args in ((outs["one 2.1 GB shard"], ["convert", src, outs["one 2.1 GB shard"]]),
+                         (outs["500 MB shards"], ["convert", src, outs["500 MB shards"], "--max-shard-size", "500MB"]),
                          (tp8, ["reshard", src, tp8, "--tp", "8", "--heads", "16", "--kv-heads", "16",
                                 "--head-dim", "128"])):
         if not target.exists():
             subprocess.run([PY, "-m", "ckptconv.cli", *map(str, args), "--quiet"], check=True, stdout=subprocess.DEVNULL)
-    files = sorted(out.glob("*.safetensors"))
-    for f in files:
-        warm(f)
-    n = sum(f.stat().st_size for f in files)
-    (_, hash_times, hash_rss), (_, verify_times, verify_rss) = measure_all([
-        ("hash", [PY, "-c", HASH_ONE_THREAD, *files], None),
-        ("verify", [PY, "-m", "ckptconv.cli", "verify", out, "--quiet"], None)])
-    hash_secs, verify_secs = statistics.median(hash_times), statistics.median(verify_times)
-    print(f"\nverify (structural, every file hashed), {n / 1e9:.3f} GB, {REPEAT} rounds")
-    print("| command | median wall s | GB/s | peak RSS MB | x one hashlib pass |\n|---|---:|---:|---:|---:|")
-    print(f"| hashlib sha256, one thread, 16 MiB reads | {hash_secs:.2f} | {n / hash_secs / 1e9:.2f} | {hash_rss:.0f} | 1.00 |")
-    print(f"| ckptconv verify | {verify_secs:.2f} | {n / verify_secs / 1e9:.2f} | {verify_rss:.0f} | "
-          f"{paired(verify_times, hash_times)} |")
+    for label, out in outs.items():
+        files = sorted(out.glob("*.safetensors"))
+        for f in files:
+            warm(f)
+        n = sum(f.stat().st_size for f in files)
+        largest = max(files, key=lambda f: f.stat().st_size)
+        rows = measure_all([
+            ("hashlib, largest file, one thread", [PY, "-c", HASH_ONE_THREAD, largest], None),
+            ("hashlib, all files, two threads", [PY, "-c", HASH_TWO_THREADS, *files], None),
+            ("ckptconv verify", [PY, "-m", "ckptconv.cli", "verify", out, "--quiet"], None)])
+        by_name = {name: times for name, times, _ in rows}
+        floor = [max(a, b) for a, b in zip(by_name["hashlib, largest file, one thread"],
+                                           by_name["hashlib, all files, two threads"])]
+        print(f"\nverify (structural, every file hashed), {label}: {len(files)} files, {n / 1e9:.3f} GB, "
+              f"{REPEAT} rounds; floor = the larger of the two hashlib rows, per round")
+        print("| command | median wall s | GB/s | peak RSS MB | x floor |\n|---|---:|---:|---:|---:|")
+        for name, times, rss in rows:
+            secs = statistics.median(times)
+            print(f"| {name} | {secs:.2f} | {n / secs / 1e9:.2f} | {rss:.0f} | {paired(times, floor)} |")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([PY, "-m", "ckptconv.cli", "verify", tp8, "--device", "cpu", "--json", "--quiet"],
                        capture_output=True, text=True, env=env)
-    import json
     dev = json.loads(r.stdout)["device"]
     print(f"\nverify --device cpu of the tp 8 output on 8 CPU devices: {dev['bytes'] / 1e9:.3f} GB placed in "
           f"{dev['seconds']:.2f} s = {dev['gb_per_s']:.2f} GB/s, global arrays: {dev['global_arrays']}")
+    sys.stdout.flush()
+
+
+def drop_caches() -> bool:
+    """Empty the page cache (root only): a cold run reads from the disk."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def bench_cold(layers):
+    """convert and verify with a cold page cache beside their floors, each run after dropping the
+    caches (sync; echo 3 > /proc/sys/vm/drop_caches, as root)."""
+    src = llama_src(layers)
+    scratch = scratch_dir()
+    out = DATA / f"verify-{layers}L"
+    if not out.exists():
+        subprocess.run([PY, "-m", "ckptconv.cli", "convert", src, out, "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    files = sorted(out.glob("*.safetensors"))
+    rows = [copy_floor_row([src], scratch),
+            ("ckptconv convert", [PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"], scratch / "out"),
+            ("hashlib, output, two threads", [PY, "-c", HASH_TWO_THREADS, *files], None),
+            ("hashlib, output, one thread", [PY, "-c", HASH_ONE_THREAD, *files], None),
+            ("ckptconv verify", [PY, "-m", "ckptconv.cli", "verify", out, "--quiet"], None)]
+    times = {name: [] for name, _, _ in rows}
+    for _ in range(REPEAT):
+        for name, cmd, dest in rows:
+            if not drop_caches():
+                print("\ncold cache: skipped (dropping the page cache needs root)")
+                return
+            times[name].append(_once(cmd, dest)[0])
+    n = src.stat().st_size
+    print(f"\ncold page cache, {n / 1e9:.3f} GB, {REPEAT} rounds (caches dropped before every run)")
+    print("| command | median wall s | GB/s | ratio |\n|---|---:|---:|---:|")
+    verify_floor = [max(a, b) for a, b in zip(times["hashlib, output, two threads"], times["hashlib, output, one thread"])]
+    for name, ts in times.items():
+        ratio = (paired(ts, times["copy floor (dd O_DIRECT)"]) + " x copy floor" if name == "ckptconv convert" else
+                 paired(ts, verify_floor) + " x hash floor" if name == "ckptconv verify" else "")
+        print(f"| {name} | {statistics.median(ts):.2f} | {n / statistics.median(ts) / 1e9:.2f} | {ratio} |")
     sys.stdout.flush()
 
 
@@ -374,10 +492,57 @@ def bench_distributed(layers):
     sys.stdout.flush()
 
 
+def bench_many():
+    """Many small tensors (an optimizer state): inspect, convert, reshard --tp 2 and verify, each
+    once per size; time per 10,000 tensors (linear means a flat column) and peak RSS."""
+    sizes = [int(n) for n in os.environ.get("BENCH_MANY", "10000,50000,100000,1000000").split(",")]
+    scratch = scratch_dir()
+    rules = scratch / "split-all.toml"
+    rules.write_text('layout = "torch"\n[[rule]]\npattern = ".*"\naxis = 0\n')
+    print("\nmany small tensors (16 float32 each, one torch.save file), one run each; s / 10k = seconds per "
+          "10,000 tensors")
+    print("| tensors | job | wall s | s / 10k | peak RSS MB |\n|---:|---|---:|---:|---:|")
+    for n in sizes:
+        src = generate("optimizer_state", DATA / f"many-{n}.pt", str(DATA / f"many-{n}.pt"), n)
+        warm(src)
+        cli = [PY, "-m", "ckptconv.cli"]
+        out = scratch / "many-out"
+        jobs = [("inspect", [*cli, "inspect", src, "--quiet"], None),
+                ("convert", [*cli, "convert", src, out, "--quiet"], None),
+                ("verify", [*cli, "verify", out, "--quiet"], None),
+                ("reshard --tp 2", [*cli, "reshard", src, scratch / "many-tp2", "--tp", "2", "--rules", rules,
+                                    "--quiet"], scratch / "many-tp2")]
+        remove(out)
+        for job, cmd, dest in jobs:
+            seconds, rss = _once(cmd, dest)
+            print(f"| {n:,} | {job} | {seconds:.2f} | {seconds / n * 1e4:.2f} | {rss:.0f} |")
+            sys.stdout.flush()
+        remove(out)
+        if n >= 1_000_000:
+            src.unlink()   # 360 MB; made again when next asked for
+
+
+def bench_scale():
+    """A generated checkpoint of BENCH_SCALE_GB (default 8: source, output and the floor's copy must
+    fit the disk at once) beside the 2 GB one: peak RSS and the ratio to the copy floor."""
+    gigabytes = float(os.environ.get("BENCH_SCALE_GB", "8"))
+    src = generate("llama_scaled", DATA / f"scaled-{gigabytes:g}GB.pt", str(DATA / f"scaled-{gigabytes:g}GB.pt"),
+                   gigabytes)
+    global REPEAT
+    repeat, REPEAT = REPEAT, min(REPEAT, 3)
+    try:
+        compare(f"convert, generated {gigabytes:g} GB .pt (160 tensors)", src, [src],
+                [("ckptconv convert", ["convert", src])], ("torch.load(mmap) + save_file", NAIVE_TORCH),
+                against="copy floor (dd O_DIRECT)")
+    finally:
+        REPEAT = repeat
+
+
 SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20),
              "dcp": lambda: bench_dcp(18), "reshard": lambda: (bench_reshard(18), bench_reshard(36)),
              "verify": lambda: bench_verify(18), "distributed": lambda: bench_distributed(18),
-             "vllm": lambda: bench_vllm(18)}
+             "vllm": lambda: bench_vllm(18), "cold": lambda: bench_cold(18), "many": bench_many,
+             "scale": bench_scale}
 
 
 def main():

@@ -98,15 +98,20 @@ def _entry(name, info, data_start, data_len) -> HeaderEntry:
 
 def build_header(entries, metadata=None) -> bytes:
     """Header bytes (length prefix + JSON padded to 8) for [(name, DType, shape, nbytes)] in data order."""
-    obj = {"__metadata__": dict(metadata or {"format": "pt"})}
+    # written entry by entry, the same bytes json.dumps gives for the whole object: a million
+    # tensors must not become a million dicts first
+    text = bytearray(b'{"__metadata__":')
+    text += json.dumps(dict(metadata or {"format": "pt"}), separators=(",", ":"), ensure_ascii=False).encode()
     at = 0
     for name, dt, shape, nbytes in entries:
         if name == "__metadata__":
             raise BadInput("a tensor named '__metadata__' cannot be stored: safetensors reserves the name")
-        obj[name] = {"dtype": dt.code, "shape": list(shape), "data_offsets": [at, at + nbytes]}
+        text += (f',{json.dumps(name, ensure_ascii=False)}:{{"dtype":"{dt.code}","shape":[{",".join(map(str, shape))}],'
+                 f'"data_offsets":[{at},{at + nbytes}]}}').encode()
         at += nbytes
-    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b"}"
     text += b" " * (-(8 + len(text)) % 8)
+    text = bytes(text)
     if len(text) > MAX_HEADER:  # no safetensors reader would open the file
         raise BadInput(f"a safetensors header of {len(text)} bytes would be needed, more than the {MAX_HEADER} bytes "
                        "safetensors readers accept (too many tensors or names too long for one file"
