@@ -538,10 +538,36 @@ def bench_scale():
         REPEAT = repeat
 
 
+def bench_plan():
+    """`ckptconv plan`'s estimates of time and peak RSS beside what the same run measures (median of
+    BENCH_REPEAT runs, warm cache): the constants in plan.py come from these rows."""
+    big = llama_src(18)
+    many = generate("optimizer_state", DATA / "many-100000.pt", str(DATA / "many-100000.pt"), 100000)
+    scratch = scratch_dir()
+    tp8 = ["--tp", "8", "--heads", "16", "--kv-heads", "16", "--head-dim", "128"]
+    jobs = [("convert 2.1 GB", "convert", big, []), ("reshard --tp 8 2.1 GB", "reshard", big, tp8),
+            ("convert 100,000 tensors", "convert", many, [])]
+    print("\nplan's estimates against the run (warm cache; ratio = estimate / measured median)")
+    print("| job | est. s | measured s | ratio | est. peak MB | measured peak MB | ratio |\n|---|---:|---:|---:|---:|---:|---:|")
+    for label, job, src, extra in jobs:
+        warm(src)
+        plan_args = ["plan", src, *extra] if job == "reshard" else ["plan", src]
+        est = json.loads(subprocess.run([PY, "-m", "ckptconv.cli", *map(str, plan_args), "--json"], check=True,
+                                        capture_output=True, text=True).stdout)
+        runs = [_once([PY, "-m", "ckptconv.cli", job, src, scratch / "out", *extra, "--quiet"], scratch / "out")
+                for _ in range(REPEAT)]
+        secs, rss = statistics.median(r[0] for r in runs), max(r[1] for r in runs)
+        proc = est["processes"][0]
+        est_mb = proc["peak_rss_bytes"] / 1e6
+        print(f"| {label} | {est['seconds']:.2f} | {secs:.2f} | {est['seconds'] / secs:.2f} | {est_mb:.0f} | "
+              f"{rss * 1.048576:.0f} | {est_mb / (rss * 1.048576):.2f} |")
+        sys.stdout.flush()
+
+
 SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20),
              "dcp": lambda: bench_dcp(18), "reshard": lambda: (bench_reshard(18), bench_reshard(36)),
              "verify": lambda: bench_verify(18), "distributed": lambda: bench_distributed(18),
-             "vllm": lambda: bench_vllm(18), "cold": lambda: bench_cold(18), "many": bench_many,
+             "vllm": lambda: bench_vllm(18), "cold": lambda: bench_cold(18), "many": bench_many, "plan": bench_plan,
              "scale": bench_scale}
 
 

@@ -13,8 +13,12 @@ from .tp.presets import MeshSpec, choose_rules
 from .writers import WRITERS
 from .writers.base import Content, WriteOptions
 
-BASE_RSS = 110 * 2**20        # interpreter, numpy, jax-free import: measured peak of a 2 GB convert
-IN_FLIGHT = 6 * 8 * 2**20 + 2 * 16 * 2**20  # the staging pool (outfile.py) + gathered chunks being hashed
+# The estimates' constants, measured on the bench machine (docs/benchmarks.md, "plan against the run"):
+BASE_RSS = 45 * 2**20          # interpreter, numpy, the reader and writer modules
+IN_FLIGHT = 45 * 2**20         # staging buffers and chunks being hashed that a large write touches
+PER_TENSOR_RSS = 2400          # bytes per tensor written: its source record, manifest entry, digest
+CPU_GBPS = 1.1                 # read, hash (file and tensor digests) and write, one process, warm cache
+PER_TENSOR_SECONDS = 165e-6    # reading a tensor's record, planning, hashing and listing it
 
 
 def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
@@ -33,17 +37,22 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
     work, rules = units(ckpt, mesh, write)
     owner = assign([b for _, b in work], hosts)
     processes = []
+    total = sum(b for _, b in work) or 1
     for p in range(hosts):
         mine = [(n, b) for (n, b), o in zip(work, owner) if o == p]
         written = sum(b for _, b in mine)
+        # tensors this process writes: every tensor in each of its rank directories, or its share of a convert's
+        pieces = len(ckpt.tensors) * len(mine) if mesh else round(len(ckpt.tensors) * written / total)
         processes.append({"process": p, "units": [n for n, _ in mine], "bytes_read": written,
-                          "bytes_written": written, "peak_rss_bytes": BASE_RSS + IN_FLIGHT if mine else BASE_RSS,
-                          "seconds": 2 * written / (disk_gbps * 1e9)})
+                          "bytes_written": written, "tensors_written": pieces,
+                          "peak_rss_bytes": BASE_RSS + min(IN_FLIGHT, written) + PER_TENSOR_RSS * pieces,
+                          "seconds": max(2 * written / (disk_gbps * 1e9), written / (CPU_GBPS * 1e9))
+                          + PER_TENSOR_SECONDS * pieces})
     return {"source": ckpt.source.get("path"), "format": ckpt.format,
             "tensors": len(ckpt.tensors), "source_bytes": sum(math.prod(t.shape) * t.dtype.itemsize for t in ckpt.tensors),
             "job": "reshard" if mesh else "convert", "tp": mesh.tp if mesh else None, "ep": mesh.ep if mesh else 1,
             "rules": rules.name if rules else None, "hosts": hosts, "disk_gbps": disk_gbps,
             "units": [{"name": n, "bytes": b, "process": o} for (n, b), o in zip(work, owner)],
             "processes": processes, "seconds": max(p["seconds"] for p in processes),
-            "time_model": "each process reads and writes its bytes through one disk of --disk-gbps: "
-                          "seconds = 2 x bytes / bandwidth"}
+            "time_model": f"per process, the slower of its disk (2 x bytes / --disk-gbps) and its CPU (bytes / "
+                          f"{CPU_GBPS} GB/s), plus {PER_TENSOR_SECONDS * 1e6:.0f} us per tensor written"}

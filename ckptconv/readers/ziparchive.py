@@ -17,7 +17,7 @@ from ..errors import BadInput
 _EOCD, _EOCD64, _LOC64, _CEN, _LOC = 0x06054B50, 0x06064B50, 0x07064B50, 0x02014B50, 0x04034B50
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
     name: str
     offset: int   # of the data, in the file

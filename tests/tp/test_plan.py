@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from ckptconv.plan import PER_TENSOR_RSS, PER_TENSOR_SECONDS
 from ckptconv.writers.base import assign
 from tests.helpers import DATA, run
 
@@ -24,7 +25,23 @@ def test_grok1_real_shapes_at_tp8(hosts):
     per_process = [p["bytes_written"] for p in plan["processes"]]
     assert len(per_process) == hosts and max(per_process) - min(per_process) <= max(u["bytes"] for u in plan["units"])
     assert sum(per_process) == sum(u["bytes"] for u in plan["units"])
-    assert plan["seconds"] == pytest.approx(2 * max(per_process) / 2e9)
+    busiest = max(plan["processes"], key=lambda p: p["seconds"])
+    assert busiest["tensors_written"] == len(busiest["units"]) * plan["tensor_count"]   # every tensor per rank dir
+    assert plan["seconds"] == pytest.approx(2 * max(per_process) / 2e9 + PER_TENSOR_SECONDS * busiest["tensors_written"])
+
+
+def test_estimates_grow_with_the_tensor_count_not_the_bytes(tmp_path):
+    """Two shapes-only checkpoints of the same bytes, 10 and 10,000 tensors: memory and time grow
+    with the count (per-tensor bookkeeping), memory does not with the bytes."""
+    def plan(n, rows):
+        path = tmp_path / f"{n}.json"
+        path.write_text(json.dumps({"tensors": [{"name": f"t{i}", "shape": [rows, 1024], "dtype": "bfloat16"}
+                                                for i in range(n)]}))
+        return json.loads(run("plan", path, "--json").stdout)["processes"][0]
+    few, many = plan(10, 10000), plan(10000, 10)
+    assert few["bytes_written"] == pytest.approx(many["bytes_written"], rel=0.01)   # (headers differ)
+    assert many["peak_rss_bytes"] - few["peak_rss_bytes"] == pytest.approx(PER_TENSOR_RSS * 9990, rel=0.01)
+    assert many["seconds"] - few["seconds"] == pytest.approx(PER_TENSOR_SECONDS * 9990, rel=0.01)
 
 
 def test_plan_of_a_checkpoint_matches_what_convert_writes(hf_llama, tmp_path):
