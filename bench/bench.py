@@ -295,12 +295,11 @@ def compare(title, src: Path, files, ours: list, naive: tuple, against=None):
     rows = measure_all([
         copy_floor_row(files, scratch),
         ("cp", ["cp", *recursive, src, scratch / "copy"], scratch / "copy"),
-        ("bound", [PY, "-c", BOUND, *files, scratch / "bound"], None),
+        ("bound", [PY, "-c", BOUND, *files, scratch / "bound" / "copy"], scratch / "bound"),
         *[(name, [PY, "-m", "ckptconv.cli", *args[:2], scratch / "out", *args[2:], "--quiet"], scratch / "out")
           for name, args in ours],
         (naive[0], [PY, "-c", naive[1], src, scratch / "naive"], scratch / "naive"),
     ])
-    (scratch / "bound").unlink(missing_ok=True)
     table(title, sum(f.stat().st_size for f in files), rows)
     by_name = {name: times for name, times, _ in rows}
     first = ours[0][0]

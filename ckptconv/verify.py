@@ -299,22 +299,30 @@ def _library_view(path: Path, header, report: Report):
         from safetensors import safe_open
     except ImportError:
         raise UsageError("verify needs the safetensors library: pip install safetensors") from None
-    try:
-        theirs = {}
+    ours = sorted(header.entries, key=lambda e: e.name)   # compared name by name in sorted order: no
+    try:                                                  # second table of a million tensors is built
         with safe_open(str(path), framework="numpy") as f:
-            for name in f.keys():
+            names = sorted(f.keys())
+            at, differ = 0, []
+            for name in names:
+                while at < len(ours) and ours[at].name < name:   # ours only
+                    differ.append((ours[at].name, None, (ours[at].dtype.code, list(ours[at].shape))))
+                    at += 1
                 piece = f.get_slice(name)
-                theirs[name] = (piece.get_dtype(), list(piece.get_shape()))
+                theirs = (piece.get_dtype(), list(piece.get_shape()))
+                mine = (ours[at].dtype.code, list(ours[at].shape)) if at < len(ours) and ours[at].name == name else None
+                at += mine is not None
+                if mine != theirs:
+                    differ.append((name, theirs, mine))
+            differ += [(e.name, None, (e.dtype.code, list(e.shape))) for e in ours[at:]]
             metadata = f.metadata() or {}
     except Exception as e:  # its own error types, whatever they are: the file is what is wrong
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         report.add(path, f"the safetensors library cannot open it: {why}", "consumer")
         return
-    ours = {e.name: (e.dtype.code, list(e.shape)) for e in header.entries}
-    for name in sorted(set(ours) | set(theirs)):
-        if ours.get(name) != theirs.get(name):
-            report.add(path, f"tensor {name!r}: the safetensors library sees {theirs.get(name)}, ckptconv "
-                             f"{ours.get(name)}", "consumer", tensor=name)
+    for name, theirs, mine in sorted(differ, key=lambda d: d[0]):
+        report.add(path, f"tensor {name!r}: the safetensors library sees {theirs}, ckptconv {mine}", "consumer",
+                   tensor=name)
     if metadata != header.metadata:
         report.add(path, "the safetensors library sees different __metadata__", "consumer")
 
@@ -324,7 +332,7 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
     maps the next chunk's pages in; pages are dropped once the hashes are done with them. `m_files`
     is None for a single-file output (no file digest to compare)."""
     path = Path(m.path)
-    hashes, file_h, chunks, digests = HashLanes(), sha256.new(), deque(), []
+    hashes, file_h, chunks, digests, resolved = HashLanes(), sha256.new(), deque(), [], 0
     try:
         pos = released = 0
         ranges = [(None, 0, header.data_start)] + [(e, e.begin, e.end) for e in header.entries if e.end <= m.size]
@@ -347,7 +355,11 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
                 if progress:
                     progress(n)
             if tensor_h is not None:
-                digests.append((entry, hashes.digest("tensor", tensor_h)))
+                digests.append([entry, hashes.digest("tensor", tensor_h)])
+                if len(digests) - resolved >= 4096:   # finished futures become digests (a million futures
+                    while resolved < len(digests) and digests[resolved][1].done():   # hold a million locks)
+                        digests[resolved][1] = digests[resolved][1].result()
+                        resolved += 1
             pos = max(pos, end)
         if pos < m.size:
             chunks.append((hashes.feed(m.view[pos:], file_h), m.size))
@@ -373,7 +385,7 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
         report.add(path, "sha256 differs from SHA256SUMS", "digest")
     for entry, digest in digests:
         want = (m_tensors.get(entry.name) or {}).get("sha256")
-        if want is not None and want != digest.result():
+        if want is not None and want != (digest if isinstance(digest, str) else digest.result()):
             report.add(path, f"tensor {entry.name!r}: sha256 differs from the manifest (its bytes "
                              f"{entry.begin}..{entry.end} are corrupted)", "digest", tensor=entry.name)
 

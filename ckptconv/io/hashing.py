@@ -30,14 +30,16 @@ class OrderedHasher:
 
 class HashLanes:
     """Where each kind of digest runs: the shard file's, a tensor's, and a tap (one more stream of the
-    same bytes: a resharded tensor's global digest). With the compiled streams (sha256.FAST) the
-    file's and the tensor's share a thread, one interleaved pass, and the tap has its own (measured:
-    2.2 s against 2.3 s with all three on one thread, which uses 0.4 s less CPU); with hashlib each
-    has a thread of its own. States come from `sha256.new()`."""
+    same bytes: a resharded tensor's global digest). Where the compiled streams overlap their rounds
+    (sha256.INTERLEAVES) the file's and the tensor's share a thread, one interleaved pass, and the tap
+    has its own (measured: 2.2 s against 2.3 s with all three on one thread, which uses 0.4 s less
+    CPU); elsewhere each has a thread of its own (a CPU that does not overlap them: convert of 2.1 GB
+    2.8 s -> see docs/benchmarks.md). States come from `sha256.new()`."""
 
     def __init__(self):
         file = OrderedHasher()
-        self._lanes = {"file": file, "tensor": file if sha256.FAST else OrderedHasher(), "tap": OrderedHasher()}
+        self._lanes = {"file": file, "tensor": file if sha256.INTERLEAVES else OrderedHasher(),
+                       "tap": OrderedHasher()}
 
     def feed(self, data, file=None, tensor=None, tap=None) -> list:
         """Futures of `data` absorbed into each given state, in submission order per lane."""
