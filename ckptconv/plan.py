@@ -17,7 +17,7 @@ from .writers.base import Content, WriteOptions
 BASE_RSS = 45 * 2**20          # interpreter, numpy, the reader and writer modules
 IN_FLIGHT = 45 * 2**20         # staging buffers and chunks being hashed that a large write touches
 PER_TENSOR_RSS = 2400          # bytes per tensor written: its source record, manifest entry, digest
-CPU_GBPS = 1.1                 # read, hash (file and tensor digests) and write, one process, warm cache
+CPU_GBPS = 1.0                 # read, hash (file and tensor digests) and write, one process, warm cache
 PER_TENSOR_SECONDS = 165e-6    # reading a tensor's record, planning, hashing and listing it
 
 
