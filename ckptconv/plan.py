@@ -17,8 +17,9 @@ from .writers.base import Content, WriteOptions
 BASE_RSS = 45 * 2**20          # interpreter, numpy, the reader and writer modules
 IN_FLIGHT = 45 * 2**20         # staging buffers and chunks being hashed that a large write touches
 PER_TENSOR_RSS = 2400          # bytes per tensor written: its source record, manifest entry, digest
-CPU_GBPS = 1.0                 # read, hash (file and tensor digests) and write, one process, warm cache
-PER_TENSOR_SECONDS = 165e-6    # reading a tensor's record, planning, hashing and listing it
+CPU_GBPS = {"convert": 1.0,    # read, hash (file and tensor digests) and write, one process, warm cache
+            "reshard": 0.6}    # the same and a third digest (the global tensor's), gathered row splits
+PER_TENSOR_SECONDS = 180e-6    # reading a tensor's record, planning, hashing and listing it (per rank piece)
 
 
 def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
@@ -37,7 +38,7 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
     work, rules = units(ckpt, mesh, write)
     owner = assign([b for _, b in work], hosts)
     processes = []
-    total = sum(b for _, b in work) or 1
+    total, cpu_gbps = sum(b for _, b in work) or 1, CPU_GBPS["reshard" if mesh else "convert"]
     for p in range(hosts):
         mine = [(n, b) for (n, b), o in zip(work, owner) if o == p]
         written = sum(b for _, b in mine)
@@ -46,7 +47,7 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
         processes.append({"process": p, "units": [n for n, _ in mine], "bytes_read": written,
                           "bytes_written": written, "tensors_written": pieces,
                           "peak_rss_bytes": BASE_RSS + min(IN_FLIGHT, written) + PER_TENSOR_RSS * pieces,
-                          "seconds": max(2 * written / (disk_gbps * 1e9), written / (CPU_GBPS * 1e9))
+                          "seconds": max(2 * written / (disk_gbps * 1e9), written / (cpu_gbps * 1e9))
                           + PER_TENSOR_SECONDS * pieces})
     return {"source": ckpt.source.get("path"), "format": ckpt.format,
             "tensors": len(ckpt.tensors), "source_bytes": sum(math.prod(t.shape) * t.dtype.itemsize for t in ckpt.tensors),
@@ -55,4 +56,4 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
             "units": [{"name": n, "bytes": b, "process": o} for (n, b), o in zip(work, owner)],
             "processes": processes, "seconds": max(p["seconds"] for p in processes),
             "time_model": f"per process, the slower of its disk (2 x bytes / --disk-gbps) and its CPU (bytes / "
-                          f"{CPU_GBPS} GB/s), plus {PER_TENSOR_SECONDS * 1e6:.0f} us per tensor written"}
+                          f"{cpu_gbps} GB/s), plus {PER_TENSOR_SECONDS * 1e6:.0f} us per tensor written"}
