@@ -187,6 +187,15 @@ def test_only_memo_entries_read_back_are_kept():
     assert got[0] is got[1] is got[2]["k"]
 
 
+def test_memo_bound_counts_the_entries_kept():
+    """max_memo bounds memory: entries never read back are not kept, so they do not count."""
+    unread = b"\x80\x04]" + b"N\x940" * 20 + b"."        # 20 MEMOIZEs, no GET
+    assert unpickler.load_prefix(unread, unpickler.BENIGN, "x", max_memo=10)[0] == []
+    read_back = b"\x80\x02]" + b"".join(b"Nq%c0h%c0" % (i, i) for i in range(20)) + b"."   # 20 PUTs, each GET
+    with pytest.raises(BadInput, match="memo index 10 out of range"):
+        unpickler.load_prefix(read_back, unpickler.BENIGN, "x", max_memo=10)
+
+
 @pytest.mark.parametrize("data, expect", [
     (b"\x80\x04]\x94}q\x0700h\x00.", []),       # MEMOIZE (key 0) beside a PUT (key 7): everything stored
     (b"\x80\x02]q\x00h\x00", None),              # no STOP: the run reports it

@@ -530,7 +530,11 @@ _WATCH = set(_GETS) | _PUTS | {_MEMOIZE, _STOP}
 
 
 def _line_end(mv, pos) -> int:
-    return pos + bytes(mv[pos:pos + 1024]).index(b"\n") + 1   # (a longer line: ValueError, store all)
+    """Just past the newline ending the line at `pos` (a line over 1 KiB: ValueError, store all);
+    a short window first, as almost every line is (a stream of short text opcodes is not copied
+    a kilobyte per opcode)."""
+    at = bytes(mv[pos:pos + 32]).find(b"\n")
+    return pos + (at if at >= 0 else bytes(mv[pos:pos + 1024]).index(b"\n")) + 1
 
 
 def fetched_memo(mv):
@@ -654,6 +658,8 @@ class _Machine:
             self.stack.append(bytearray(view) if mutable else bytes(view))
 
     def memo_put(self, idx):
+        """Store the top of the stack under `idx` if the stream ever reads it back; `max_memo` bounds
+        the entries kept (memory), so a file of more entries than that, none read back, loads."""
         if not self.stack:
             raise self.ctx.bad("PUT on an empty stack")
         if idx < 0 or (idx not in self.memo and len(self.memo) >= self.max_memo):
