@@ -32,10 +32,20 @@ def shard_name(stem: str, i: int, n: int) -> str:
     return f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def dumps(obj) -> bytes:
-    """Our JSON files: pretty, sorted, UTF-8. Text UTF-8 cannot spell (a file name that is not UTF-8,
-    read by Python as unpaired surrogates) is written as its JSON escape, which reads back the same."""
-    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
+def dump_chunks(obj, size=1 << 20):
+    """Our JSON files (pretty, sorted, UTF-8) in pieces of about `size` bytes: a manifest of a
+    million tensors is written without its whole text in memory twice (as str, then as bytes). Text
+    UTF-8 cannot spell (a file name that is not UTF-8, read by Python as unpaired surrogates) is
+    written as its JSON escape, which reads back the same."""
+    pending, held = [], 0
+    for text in json.JSONEncoder(indent=2, sort_keys=True, ensure_ascii=False).iterencode(obj):
+        pending.append(text)
+        held += len(text)
+        if held >= size:
+            yield "".join(pending).encode("utf-8", "backslashreplace")
+            pending, held = [], 0
+    pending.append("\n")
+    yield "".join(pending).encode("utf-8", "backslashreplace")
 
 
 def index_document(shards) -> dict:

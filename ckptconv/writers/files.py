@@ -226,13 +226,17 @@ def copy_files(out_dir, files, written: Written, edited=None):
         written.files[rel] = {"sha256": h.hexdigest(), "size": before.st_size}
 
 
-def write_json(out_dir, name, obj, written: Written = None) -> bytes:
-    data = fmt.dumps(obj)
+def write_json(out_dir, name, obj, written: Written = None) -> str:
+    """Write `obj` as our JSON (formats/manifest.py), streamed and hashed as it goes: its digest."""
+    h, size = hashlib.sha256(), 0
     with open(os.path.join(out_dir, name), "wb") as f:
-        write_all(f, data)
+        for data in fmt.dump_chunks(obj):
+            write_all(f, data)
+            h.update(data)
+            size += len(data)
     if written is not None:
-        written.files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    return data
+        written.files[name] = {"sha256": h.hexdigest(), "size": size}
+    return h.hexdigest()
 
 
 def finish_dir(out_dir, shards, written: Written, source: dict, extras: dict, extra_manifest=None,
@@ -240,9 +244,8 @@ def finish_dir(out_dir, shards, written: Written, source: dict, extras: dict, ex
     """Write a directory's index, manifest and SHA256SUMS once every shard is written and hashed."""
     write_json(out_dir, fmt.index_name(stem), fmt.index_document(shards), written)
     manifest = fmt.manifest_document(source, written.files, written.tensors, extras, extra_manifest)
-    data = write_json(out_dir, fmt.MANIFEST, manifest)
     sums = {name: info["sha256"] for name, info in written.files.items()}
-    sums[fmt.MANIFEST] = hashlib.sha256(data).hexdigest()
+    sums[fmt.MANIFEST] = write_json(out_dir, fmt.MANIFEST, manifest)
     write_sums(out_dir, sums)
     return manifest
 

@@ -42,3 +42,25 @@ def test_units_are_balanced_by_bytes_deterministically():
     assert assign([5, 4, 3, 3, 1], 2) == [0, 1, 1, 0, 1]
     assert assign([1, 1], 3) == [0, 1]
     assert assign([], 2) == []
+
+
+def test_json_and_headers_written_piece_by_piece_are_the_whole_documents_bytes():
+    """Manifests stream in chunks and safetensors headers entry by entry (a million tensors must not
+    be built as one text or one dict first): the bytes are exactly json.dumps' of the whole."""
+    import json
+    import struct
+    from ckptconv.formats.manifest import dump_chunks
+    from ckptconv.formats.safetensors import build_header
+    obj = {"tensors": {f"t{i}\u00fc\"\\\n": {"shape": [i, 0], "sha256": "x" * 64} for i in range(500)},
+           "odd": "\udcff", "empty": {}, "list": []}
+    whole = (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
+    assert b"".join(dump_chunks(obj, size=100)) == whole and b"".join(dump_chunks(obj)) == whole
+    entries = [(f"w{i}\u00e9\"\\\t", dtypes.from_code("BF16"), (i, 3) if i % 2 else (), 6 * i or 2) for i in range(300)]
+    header = build_header(entries, {"format": "pt", "k": "ü"})
+    doc, at = {"__metadata__": {"format": "pt", "k": "ü"}}, 0
+    for name, dt, shape, nbytes in entries:
+        doc[name] = {"dtype": dt.code, "shape": list(shape), "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    assert header == struct.pack("<Q", len(text)) + text
