@@ -19,7 +19,7 @@ import numpy as np
 from . import safejson
 from .io import sha256
 from .errors import BadInput, CkptError, UsageError, brief, printable
-from .io.hashing import CHUNK, HashLanes
+from .io.hashing import CHUNK, Digests, HashLanes
 from .io.mapped import MappedFile
 from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint
 from .formats.safetensors import parse_header
@@ -332,7 +332,7 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
     maps the next chunk's pages in; pages are dropped once the hashes are done with them. `m_files`
     is None for a single-file output (no file digest to compare)."""
     path = Path(m.path)
-    hashes, file_h, chunks, digests, resolved = HashLanes(), sha256.new(), deque(), [], 0
+    hashes, file_h, chunks, digests = HashLanes(), sha256.new(), deque(), Digests()
     try:
         pos = released = 0
         ranges = [(None, 0, header.data_start)] + [(e, e.begin, e.end) for e in header.entries if e.end <= m.size]
@@ -355,11 +355,7 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
                 if progress:
                     progress(n)
             if tensor_h is not None:
-                digests.append([entry, hashes.digest("tensor", tensor_h)])
-                if len(digests) - resolved >= 4096:   # finished futures become digests (a million futures
-                    while resolved < len(digests) and digests[resolved][1].done():   # hold a million locks)
-                        digests[resolved][1] = digests[resolved][1].result()
-                        resolved += 1
+                digests.append(entry, hashes.digest("tensor", tensor_h))
             pos = max(pos, end)
         if pos < m.size:
             chunks.append((hashes.feed(m.view[pos:], file_h), m.size))
@@ -385,7 +381,7 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
         report.add(path, "sha256 differs from SHA256SUMS", "digest")
     for entry, digest in digests:
         want = (m_tensors.get(entry.name) or {}).get("sha256")
-        if want is not None and want != (digest if isinstance(digest, str) else digest.result()):
+        if want is not None and want != digest:
             report.add(path, f"tensor {entry.name!r}: sha256 differs from the manifest (its bytes "
                              f"{entry.begin}..{entry.end} are corrupted)", "digest", tensor=entry.name)
 

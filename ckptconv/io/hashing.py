@@ -58,6 +58,27 @@ class HashLanes:
             hasher.close()
 
 
+class Digests:
+    """(key, future hex digest) pairs in order, the finished futures swapped for their digests as the
+    list grows: a shard of a million small tensors must not hold a million futures (each with its
+    lock) until it closes. Iterating waits for the rest and gives (key, hex digest)."""
+
+    def __init__(self):
+        self._items, self._resolved = [], 0
+
+    def append(self, key, future):
+        self._items.append([key, future])
+        if len(self._items) - self._resolved >= 4096:
+            while self._resolved < len(self._items) and self._items[self._resolved][1].done():
+                item = self._items[self._resolved]
+                item[1] = item[1].result()
+                self._resolved += 1
+
+    def __iter__(self):
+        for key, digest in self._items:
+            yield key, digest if isinstance(digest, str) else digest.result()
+
+
 class Pipeline:
     """Bytes go to their files through the shared staging pool (outfile.py) and are hashed there, by
     the HashLanes. At most `depth` chunks are in flight."""

@@ -18,7 +18,7 @@ from ..errors import BadInput, OutputError
 from ..formats import manifest as fmt
 from ..formats.safetensors import build_header
 from ..formats.sums import write_sums
-from ..io.hashing import CHUNK, Pipeline, write_all
+from ..io.hashing import CHUNK, Digests, Pipeline, write_all
 from ..io.outfile import OutFile
 from ..tensor import as_bytes, iter_blocks
 
@@ -73,7 +73,7 @@ class OutputStream:
         self.on_close = on_close
         self.where = {t.name: i for i, s in enumerate(shards) for t in s.tensors}
         self.written = Written()
-        self._current, self._file, self._file_h, self._digests, self._resolved = None, None, None, [], 0
+        self._current, self._file, self._file_h, self._digests = None, None, None, Digests()
 
     def add(self, t, progress=None, tap=None):
         """Write all of tensor `t` into the shard the plan puts it in; `tap` (a sha256 state) is fed
@@ -100,15 +100,8 @@ class OutputStream:
         return self._file, self._file_h
 
     def _record(self, t, digest):
-        """A tensor of the current shard is fully pushed; `digest` is its future SHA-256. Finished
-        futures are swapped for their digests as the list grows: a shard of a million small tensors
-        must not hold a million futures (each with its lock) until it closes."""
-        self._digests.append([t, digest])
-        if len(self._digests) - self._resolved >= 4096:
-            while self._resolved < len(self._digests) and self._digests[self._resolved][1].done():
-                entry = self._digests[self._resolved]
-                entry[1] = entry[1].result()
-                self._resolved += 1
+        """A tensor of the current shard is fully pushed; `digest` is its future SHA-256."""
+        self._digests.append(t, digest)
 
     def _close(self):
         if self._file is None:
@@ -119,9 +112,9 @@ class OutputStream:
         self._file = None
         for t, digest in self._digests:
             self.written.tensors[t.name] = {"dtype": t.dtype.code, "shape": list(t.shape), "file": shard.name,
-                                            "sha256": digest if isinstance(digest, str) else digest.result()}
+                                            "sha256": digest}
         self.written.files[shard.name] = {"sha256": self._file_h.hexdigest(), "size": shard.size}
-        self._digests, self._resolved = [], 0
+        self._digests = Digests()
         if self.on_close is not None:
             self.on_close(self.written)
 

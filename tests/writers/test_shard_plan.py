@@ -64,3 +64,19 @@ def test_json_and_headers_written_piece_by_piece_are_the_whole_documents_bytes()
     text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-(8 + len(text)) % 8)
     assert header == struct.pack("<Q", len(text)) + text
+
+
+def test_digests_swap_finished_futures_and_keep_order():
+    """Past 4,096 entries, finished futures become their digests; iteration gives every digest in order."""
+    from concurrent.futures import Future
+    from ckptconv.io.hashing import Digests
+    d, futures = Digests(), []
+    for i in range(5000):
+        f = Future()
+        if i != 4500:
+            f.set_result(f"h{i}")
+        futures.append(f)
+        d.append(i, f)
+    assert all(isinstance(item[1], str) for item in d._items[:4096])   # swapped: no futures held
+    futures[4500].set_result("late")
+    assert list(d) == [(i, "late" if i == 4500 else f"h{i}") for i in range(5000)]
