@@ -6,7 +6,8 @@ needs is read. Layout of the output, mesh.json, `ranges` and `boxes`: docs/outpu
 """
 import dataclasses
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
 from . import dtypes, runner, transforms
 from .errors import BadInput, UsageError, brief
@@ -30,7 +31,7 @@ class ReshardResult:
     tp: int
     ep: int
     ranks: int
-    tensors: list          # per tensor: name, rule, axis, shape, dtype, bytes_per_rank (, ranges or boxes)
+    tensors: Sequence      # per tensor: name, rule, axis, shape, dtype, bytes_per_rank (, ranges or boxes)
     split: int
     replicated: list
     bytes_per_rank: list
@@ -44,8 +45,12 @@ class ReshardResult:
     gb_per_s: float | None = None
 
     def to_json(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None or k not in ("out", "seconds", "bytes_written",
-                                                                                      "gb_per_s", "refusal")}
+        out = {}
+        for f in fields(self):   # (not asdict: it would deep-copy the plans behind `tensors`)
+            v = getattr(self, f.name)
+            if v is not None or f.name not in ("out", "seconds", "bytes_written", "gb_per_s", "refusal"):
+                out[f.name] = list(v) if f.name == "tensors" else v
+        return out
 
 
 TARGETS = ("mesh", vllm.TARGET)   # --target: the layout written (writers/mesh.py, writers/vllm.py)

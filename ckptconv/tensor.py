@@ -138,6 +138,8 @@ class MappedView(TensorSource):
 
 
 class Renamed(TensorSource):
+    __slots__ = ("base", "name", "dtype", "shape")
+
     def __init__(self, base: TensorSource, name: str):
         self.base, self.name, self.dtype, self.shape = base, name, base.dtype, base.shape
 
@@ -152,7 +154,10 @@ class Renamed(TensorSource):
 
 
 class Slice(TensorSource):
-    """Rows [start, stop) of `base` along `axis`; still lazy."""
+    """Rows [start, stop) of `base` along `axis`; still lazy. Slotted: reshard holds one per tensor
+    per rank until the run ends."""
+
+    __slots__ = ("base", "axis", "start", "stop", "name", "dtype", "shape")
 
     def __init__(self, base: TensorSource, axis: int, start: int, stop: int, name=None):
         if not 0 <= start <= stop <= base.shape[axis]:

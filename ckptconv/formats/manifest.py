@@ -1,5 +1,7 @@
 """An output directory's metadata, both ways: shard and index names, the index, manifest.json, the
 resume journal, and the checks verify applies to what it reads back. Layout: docs/output.md."""
+import bisect
+import itertools
 import json
 import os
 
@@ -32,13 +34,54 @@ def shard_name(stem: str, i: int, n: int) -> str:
     return f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
+class Rows:
+    """A top-level object of a document too big to build (a manifest's "tensors", an index's
+    "weight_map"): `count` members, and `items()` giving (key, value) already sorted by key, each
+    made as it is written."""
+
+    def __init__(self, count: int, items):
+        self.count, self.items = count, items
+
+
+def _encoder():
+    return json.JSONEncoder(indent=2, sort_keys=True, ensure_ascii=False)
+
+
+def _nested(value, encoder, indent: str):
+    """`value`'s JSON as a member one level down: every line after its first indented by `indent`."""
+    for text in encoder.iterencode(value):
+        yield text.replace("\n", "\n" + indent) if "\n" in text else text
+
+
+def _pieces(obj):
+    """json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False)'s text in pieces, where the top
+    level may hold Rows: those are encoded member by member (same text as the dict they stand for)."""
+    encoder = _encoder()
+    if not isinstance(obj, dict) or not any(isinstance(v, Rows) for v in obj.values()):
+        yield from encoder.iterencode(obj)
+        return
+    yield "{"
+    for i, (key, value) in enumerate(sorted(obj.items())):
+        yield ("," if i else "") + "\n  " + encoder.encode(key) + ": "
+        if not isinstance(value, Rows):
+            yield from _nested(value, encoder, "  ")
+        elif not value.count:
+            yield "{}"
+        else:
+            for j, (name, row) in enumerate(value.items()):
+                yield ("{" if j == 0 else ",") + "\n    " + encoder.encode(name) + ": "
+                yield from _nested(row, encoder, "    ")
+            yield "\n  }"
+    yield "\n}"
+
+
 def dump_chunks(obj, size=1 << 20):
     """Our JSON files (pretty, sorted, UTF-8) in pieces of about `size` bytes: a manifest of a
     million tensors is written without its whole text in memory twice (as str, then as bytes). Text
     UTF-8 cannot spell (a file name that is not UTF-8, read by Python as unpaired surrogates) is
     written as its JSON escape, which reads back the same."""
     pending, held = [], 0
-    for text in json.JSONEncoder(indent=2, sort_keys=True, ensure_ascii=False).iterencode(obj):
+    for text in _pieces(obj):
         pending.append(text)
         held += len(text)
         if held >= size:
@@ -48,15 +91,36 @@ def dump_chunks(obj, size=1 << 20):
     yield "".join(pending).encode("utf-8", "backslashreplace")
 
 
+def _by_name(shards):
+    """(shard index, position) of every planned tensor, in name order (the order JSON sorts keys),
+    from one list of names and one of indices: no record per tensor."""
+    names = [t.name for s in shards for t in s.tensors]
+    starts = list(itertools.accumulate((len(s.tensors) for s in shards), initial=0))
+    for n in sorted(range(len(names)), key=names.__getitem__):
+        i = bisect.bisect_right(starts, n) - 1
+        yield i, n - starts[i]
+
+
 def index_document(shards) -> dict:
     """{"metadata": {"total_size"}, "weight_map": {tensor: shard}} for planned shards (name, tensors)."""
+    def items():
+        for i, k in _by_name(shards):
+            yield shards[i].tensors[k].name, shards[i].name
     return {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s.tensors)},
-            "weight_map": {t.name: s.name for s in shards for t in s.tensors}}
+            "weight_map": Rows(sum(len(s.tensors) for s in shards), items)}
 
 
-def manifest_document(source: dict, files: dict, tensors: dict, extras: dict, extra=None) -> dict:
-    manifest = {"format": FORMAT, "source": source, "files": dict(sorted(files.items())), "tensors": tensors,
-                "extras": extras}
+def manifest_document(source: dict, files: dict, shards, digests: dict, extras: dict, extra=None) -> dict:
+    """manifest.json for planned shards whose tensor digests are `digests` {shard: hex digests of its
+    tensors in plan order, concatenated}."""
+    def items():
+        for i, k in _by_name(shards):
+            s = shards[i]
+            t = s.tensors[k]
+            yield t.name, {"dtype": t.dtype.code, "file": s.name, "sha256": digests[s.name][64 * k:64 * k + 64],
+                           "shape": list(t.shape)}
+    manifest = {"format": FORMAT, "source": source, "files": dict(sorted(files.items())),
+                "tensors": Rows(sum(len(s.tensors) for s in shards), items), "extras": extras}
     manifest.update(extra or {})
     return manifest
 
@@ -64,11 +128,12 @@ def manifest_document(source: dict, files: dict, tensors: dict, extras: dict, ex
 # --- the resume journal
 
 
-def write_journal(out_dir, job: dict, files: dict, tensors: dict):
-    """Record the shards finished so far (atomically), bound to the job (source identity, plan)."""
+def write_journal(out_dir, job: dict, files: dict, digests: dict):
+    """Record the shards finished so far (atomically), bound to the job (source identity, plan):
+    their files and their tensors' digests (writers/files.py's Written)."""
     tmp = os.path.join(out_dir, JOURNAL + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({**job, "files": files, "tensors": tensors}, f)
+        json.dump({**job, "files": files, "digests": digests}, f)
     os.replace(tmp, os.path.join(out_dir, JOURNAL))
 
 
@@ -80,7 +145,7 @@ def read_journal(out_dir) -> dict | None:
             journal = json.load(f)
     except (OSError, ValueError):
         return None
-    ok = isinstance(journal, dict) and isinstance(journal.get("files"), dict) and isinstance(journal.get("tensors"), dict)
+    ok = isinstance(journal, dict) and isinstance(journal.get("files"), dict) and isinstance(journal.get("digests"), dict)
     return journal if ok else None
 
 

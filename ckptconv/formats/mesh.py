@@ -8,6 +8,7 @@ from .. import dtypes, safejson
 from ..errors import BadInput
 from ..io.hashing import sha256_file
 from ..limits import MAX_NDIM
+from .manifest import Rows
 from .sums import NAME as SUMS, is_digest, write_sums
 
 MESH = "mesh.json"
@@ -216,18 +217,21 @@ def recorded_cut(p) -> dict:
 
 
 def document(plans, rules, tp, ep, source, digests) -> dict:
-    """mesh.json for a reshard's TensorPlans (reshard.py), its RuleSet and the global digests."""
-    tensors = {}
-    for p in plans:
-        entry = {"shape": list(p.shape), "dtype": p.dtype.code, "axis": p.axis, "rule": p.rule,
-                 "sha256": digests[p.name], **recorded_cut(p)}
+    """mesh.json for a reshard's TensorPlans (reshard.py), its RuleSet and the global digests; its
+    tensors are written entry by entry (manifest.Rows)."""
+    def entry(p) -> dict:
+        e = {"shape": list(p.shape), "dtype": p.dtype.code, "axis": p.axis, "rule": p.rule,
+             "sha256": digests[p.name], **recorded_cut(p)}
         if p.padded is not None:
-            entry["padded_shape"] = list(p.shape[:p.axis] + (p.padded,) + p.shape[p.axis + 1:])
-        tensors[p.name] = entry
-    boxed = any("boxes" in e for e in tensors.values())
+            e["padded_shape"] = list(p.shape[:p.axis] + (p.padded,) + p.shape[p.axis + 1:])
+        return e
+
+    order = sorted(range(len(plans)), key=lambda i: plans[i].name)
+    boxed = any(p.outer is not None and p.axis is not None and not p.even for p in plans)
     return {"format": FORMAT_BOXES if boxed else FORMAT, "tp": tp, "ep": ep, "ranks": tp * ep,
             "rank_order": "rank = expert_group * tp + tp_rank", "rules": rules.to_json(),
-            "source": {k: v for k, v in source.items() if k != "rules"}, "tensors": tensors}
+            "source": {k: v for k, v in source.items() if k != "rules"},
+            "tensors": Rows(len(plans), lambda: ((plans[i].name, entry(plans[i])) for i in order))}
 
 
 def write_top_sums(out_dir, known=None):

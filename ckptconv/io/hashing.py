@@ -59,24 +59,41 @@ class HashLanes:
 
 
 class Digests:
-    """(key, future hex digest) pairs in order, the finished futures swapped for their digests as the
-    list grows: a shard of a million small tensors must not hold a million futures (each with its
-    lock) until it closes. Iterating waits for the rest and gives (key, hex digest)."""
+    """(key, future hex digest) pairs in order, kept as the keys (references to objects that live
+    anyway) and the finished digests' 32 bytes each: a shard of a million small tensors must hold
+    neither a million futures (each with its lock) nor a million hex strings until it closes.
+    Futures are swapped for their bytes, in order, as they finish; iterating waits for the rest and
+    gives (key, hex digest)."""
 
     def __init__(self):
-        self._items, self._resolved = [], 0
+        self._keys, self._done, self._pending = [], bytearray(), deque()
 
     def append(self, key, future):
-        self._items.append([key, future])
-        if len(self._items) - self._resolved >= 4096:
-            while self._resolved < len(self._items) and self._items[self._resolved][1].done():
-                item = self._items[self._resolved]
-                item[1] = item[1].result()
-                self._resolved += 1
+        self._keys.append(key)
+        self._pending.append(future)
+        while self._pending and self._pending[0].done():
+            self._done += bytes.fromhex(self._pending.popleft().result())
+
+    def _finish(self):
+        while self._pending:
+            self._done += bytes.fromhex(self._pending.popleft().result())
+
+    def joined(self) -> str:
+        """Every digest's hex, in order, as one string."""
+        self._finish()
+        return self._done.hex()
+
+    def __len__(self):
+        return len(self._keys)
+
+    def order(self) -> list:
+        """The keys, in the order they were added (not `keys()`: dict() would take this for a mapping)."""
+        return self._keys
 
     def __iter__(self):
-        for key, digest in self._items:
-            yield key, digest if isinstance(digest, str) else digest.result()
+        self._finish()
+        for k, key in enumerate(self._keys):
+            yield key, self._done[32 * k:32 * k + 32].hex()
 
 
 class Pipeline:

@@ -4,8 +4,10 @@ For every tensor: the rule that matched, the split axis and, per rank, the inter
 tensor along that axis that make up the rank's piece (`plan`). A source that is itself sliced (a
 previous reshard, DCP chunks) is planned the same way. The mesh format: docs/output.md.
 """
+import functools
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import BadInput, UsageError
@@ -13,7 +15,7 @@ from ..formats.mesh import recorded_cut
 from .rules import RuleSet
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorPlan:
     name: str
     shape: tuple
@@ -60,6 +62,13 @@ def rule_axis(rule, layout: str, ndim: int):
 def _even(name, n, tp, axis, what="size"):
     if n % tp:
         raise BadInput(f"tensor {name!r}: axis {axis} has {what} {n}, not divisible by tp={tp}")
+    return _blocks(n, tp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _blocks(n, tp) -> list:
+    """The tp equal blocks of n, one list shared by every tensor of that size (plans are never
+    changed once made): a million small tensors do not each get their own."""
     k = n // tp
     return [[(r * k, (r + 1) * k)] for r in range(tp)]
 
@@ -164,7 +173,7 @@ def _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab=False):
         group = experts_named.index(int(m.group(1))) // (len(experts_named) // ep)
         ranges = [per_tp[r % tp] if r // tp == group else [] for r in range(ranks)]
     else:
-        ranges = [per_tp[r % tp] for r in range(ranks)]
+        ranges = per_tp if ranks == tp else [per_tp[r % tp] for r in range(ranks)]
     n = t.shape[axis]
     even = ep == 1 and all(ranges[r] == [(r * n // tp, (r + 1) * n // tp)] for r in range(tp))
     return TensorPlan(t.name, t.shape, t.dtype, rule.describe(), axis, ranges, even)
@@ -225,12 +234,28 @@ def silent_replication(plans, rules: RuleSet, allow=()) -> list:
     return found
 
 
+class PlanRows(Sequence):
+    """Per tensor: name, rule, axis, shape, dtype, bytes_per_rank (and ranges or boxes), each row made
+    when it is read: a reshard of a million tensors holds its plans, not a second table beside them."""
+
+    def __init__(self, plans, ranks: int):
+        self._plans, self._ranks = plans, ranks
+
+    def __len__(self):
+        return len(self._plans)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        p = self._plans[i]
+        return {"name": p.name, "rule": p.rule, "axis": p.axis, "shape": list(p.shape), "dtype": p.dtype.code,
+                "bytes_per_rank": [p.piece_bytes(r) for r in range(self._ranks)], **recorded_cut(p)}
+
+
 def plan_summary(plans, rules, tp, ep) -> dict:
     ranks = tp * ep
-    rows = [{"name": p.name, "rule": p.rule, "axis": p.axis, "shape": list(p.shape), "dtype": p.dtype.code,
-             "bytes_per_rank": [p.piece_bytes(r) for r in range(ranks)], **recorded_cut(p)} for p in plans]
     return {"preset": rules.name, "layout": rules.layout, "params": rules.params, "tp": tp, "ep": ep,
-            "ranks": ranks, "tensors": rows,
+            "ranks": ranks, "tensors": PlanRows(plans, ranks),
             "split": sum(p.axis is not None for p in plans),
             "replicated": [p.name for p in plans if p.axis is None],
             "replicated_bytes": sum(math.prod(p.shape) * p.dtype.itemsize for p in plans if p.axis is None),

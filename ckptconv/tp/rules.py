@@ -5,6 +5,7 @@ list of rules; the first whose pattern fully matches a name wins, and unmatched 
 replicated. Presets (presets.py) are rule sets too, built from a model's config; `--rules FILE`
 reads the same thing from TOML (docs/reshard.md). tp/layout.py turns a rule into per-rank intervals.
 """
+import functools
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ class Rule:
     head_dim: int | None = None  # qkv (and column with heads, where it can also be derived)
     experts: bool = False        # leading axis holds experts: with --ep it is split across expert groups
 
+    @functools.cache   # (a rule is frozen; a plan names its rule once per tensor)
     def describe(self) -> str:
         params = {k: v for k, v in asdict(self).items() if k in ("heads", "kv_heads", "head_dim") and v}
         base = self.kind or f"axis {self.axis}"

@@ -53,14 +53,23 @@ def plan_shards(tensors, max_shard_size: int, stem: str = fmt.STEM) -> list:
 
 @dataclass
 class Written:
-    """What writing produced: digests for the manifest (JSON-able: it crosses processes)."""
+    """What writing produced (JSON-able: it crosses processes). A tensor's manifest entry is its
+    plan's dtype, shape and file with its digest: only the digests are kept, 64 hex characters per
+    tensor, never an object per tensor (a million-tensor optimizer state)."""
 
     files: dict = field(default_factory=dict)     # name -> {"sha256", "size"}
-    tensors: dict = field(default_factory=dict)   # name -> {"dtype", "shape", "file", "sha256"}
+    digests: dict = field(default_factory=dict)   # shard name -> its tensors' hex digests in plan order, joined
 
     def add(self, other: "Written"):
         self.files.update(other.files)
-        self.tensors.update(other.tensors)
+        self.digests.update(other.digests)
+
+    def by_tensor(self, shards):
+        """(tensor name, hex digest) of every tensor of the written `shards`, in plan order."""
+        for s in shards:
+            row = self.digests[s.name]
+            for k, t in enumerate(s.tensors):
+                yield t.name, row[64 * k:64 * k + 64]
 
 
 class OutputStream:
@@ -110,9 +119,10 @@ class OutputStream:
         self.pipeline.drain()
         self._file.close(self.fsync)  # on failure, the caller abandons the stream (and this file)
         self._file = None
-        for t, digest in self._digests:
-            self.written.tensors[t.name] = {"dtype": t.dtype.code, "shape": list(t.shape), "file": shard.name,
-                                            "sha256": digest}
+        if len(self._digests) != len(shard.tensors) or any(
+                a is not b for a, b in zip(self._digests.order(), shard.tensors)):
+            raise AssertionError(f"{shard.name}: its tensors were not written as planned, one by one in order")
+        self.written.digests[shard.name] = self._digests.joined()
         self.written.files[shard.name] = {"sha256": self._file_h.hexdigest(), "size": shard.size}
         self._digests = Digests()
         if self.on_close is not None:
@@ -236,7 +246,7 @@ def finish_dir(out_dir, shards, written: Written, source: dict, extras: dict, ex
                stem: str = fmt.STEM) -> dict:
     """Write a directory's index, manifest and SHA256SUMS once every shard is written and hashed."""
     write_json(out_dir, fmt.index_name(stem), fmt.index_document(shards), written)
-    manifest = fmt.manifest_document(source, written.files, written.tensors, extras, extra_manifest)
+    manifest = fmt.manifest_document(source, written.files, shards, written.digests, extras, extra_manifest)
     sums = {name: info["sha256"] for name, info in written.files.items()}
     sums[fmt.MANIFEST] = write_json(out_dir, fmt.MANIFEST, manifest)
     write_sums(out_dir, sums)
@@ -255,13 +265,13 @@ def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False
     """Write `shards` into `out_dir`, skipping those in `reuse`; with `journal` (the job's identity
     and plan), record each finished shard for --resume."""
     reuse = reuse or Written()
-    on_close = (lambda w: fmt.write_journal(out_dir, journal, w.files, w.tensors)) if journal else None
+    on_close = (lambda w: fmt.write_journal(out_dir, journal, w.files, w.digests)) if journal else None
     stream = OutputStream(out_dir, shards, pipeline, fsync, on_close, direct)
     try:
         for shard in shards:
             if shard.name in reuse.files:
                 stream.written.files[shard.name] = reuse.files[shard.name]
-                stream.written.tensors.update({t.name: reuse.tensors[t.name] for t in shard.tensors})
+                stream.written.digests[shard.name] = reuse.digests[shard.name]
                 continue
             for t in shard.tensors:
                 stream.add(t, progress)

@@ -18,7 +18,7 @@ import numpy as np
 from ..io import sha256
 from ..errors import BadInput
 from ..formats import mesh as fmt
-from ..io.hashing import CHUNK, Pipeline
+from ..io.hashing import CHUNK, Digests, Pipeline
 from ..tensor import Concat, as_bytes, sha256_of, zero_padded
 from .base import Content, WriteOptions, Writer, assign, register
 from .files import OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json, write_tensor
@@ -91,10 +91,7 @@ class MeshWriter(Writer):
     def write(self, units, tmp, progress=None, share=(0, 1)):
         mine = [u.rank for u in units]
         check_space(tmp, sum(u.size for u in units), self.content.model_files, len(units))
-        every_rank = len(mine) == self.ranks
-        taps = {p.name: sha256.new() for p in self.layout
-                if every_rank and (_streams_in_order(p) or _in_global_order(p) or _scatters(p))}
-        streams = self._write_ranks(tmp, mine, progress, taps)
+        streams, taps = self._write_ranks(tmp, mine, progress, tapped=len(mine) == self.ranks)
         for rank, stream in streams.items():
             source = {**self.content.source, "resharded": {"tp": self.tp, "ep": self.ep, "rank": rank},
                       **self.content.skipped()}
@@ -105,9 +102,11 @@ class MeshWriter(Writer):
         # share (by bytes) of one bounded pass over the source each
         split = [p for p in self.layout if p.axis is not None]
         owner = assign([math.prod(p.shape) * p.dtype.itemsize for p in split], share[1])
-        digests = {p.name: taps[p.name].hexdigest() if p.name in taps else sha256_of(self.sources[p.name])
+        digests = {p.name: taps[p.name] if p.name in taps else sha256_of(self.sources[p.name])
                    for p, o in zip(split, owner) if p.name in taps or o == share[0]}
-        rank0 = {n: v["sha256"] for n, v in streams[0].written.tensors.items()} if 0 in streams else None
+        whole = {p.name for p in self.layout if p.axis is None}   # their global digest is rank 0's
+        rank0 = {n: d for n, d in streams[0].written.by_tensor(streams[0].shards) if n in whole} \
+            if 0 in streams else None
         shards = {rank: [[s.name, stream.written.files[s.name]["sha256"]] for s in stream.shards]
                   for rank, stream in streams.items()}
         return {"rank0": rank0, "global": digests, "shards": shards}
@@ -125,8 +124,10 @@ class MeshWriter(Writer):
         """Top-level files whose digests the run already has (none here; the vLLM layout's links)."""
         return {}
 
-    def _write_ranks(self, tmp, ranks, progress, taps) -> dict:
-        """Every rank directory's shards written side by side, tensor by tensor. Returns {rank: stream}."""
+    def _write_ranks(self, tmp, ranks, progress, tapped: bool) -> tuple:
+        """Every rank directory's shards written side by side, tensor by tensor. Returns ({rank: stream},
+        {tensor: global digest} of those whose global bytes went by in order, when `tapped` (this
+        process writes every rank)."""
         pieces = {r: {t.name: t for t in rank_pieces(self.sources, self.layout, r)} for r in ranks}
         pipeline = Pipeline()
         streams = {}
@@ -137,19 +138,23 @@ class MeshWriter(Writer):
                 streams[r] = OutputStream(rank_dir, plan_shards(list(pieces[r].values()), self.options.max_shard_size,
                                                                 self.options.stem),
                                           pipeline, self.options.fsync, direct=self.options.direct)
+            taps = Digests()
             for p in self.layout:
                 holders = [r for r in ranks if p.name in pieces[r]]
-                if _scatters(p):
-                    _scatter(p, self.sources[p.name], holders, pieces, streams, pipeline, progress, taps.get(p.name))
-                    continue
-                if _in_global_order(p):
-                    _ordered(p, self.sources[p.name], holders, pieces, streams, progress, taps.get(p.name))
-                    continue
-                for r in holders:
-                    streams[r].add(pieces[r][p.name], progress, taps.get(p.name))
+                scatters, ordered = _scatters(p), _in_global_order(p)
+                tap = sha256.new() if tapped and (scatters or ordered or _streams_in_order(p)) else None
+                if scatters:
+                    _scatter(p, self.sources[p.name], holders, pieces, streams, pipeline, progress, tap)
+                elif ordered:
+                    _ordered(p, self.sources[p.name], holders, pieces, streams, progress, tap)
+                else:
+                    for r in holders:
+                        streams[r].add(pieces[r][p.name], progress, tap)
+                if tap is not None:   # (a state per tensor only while it is written)
+                    taps.append(p.name, pipeline.hashes.digest("tap", tap))
             for stream in streams.values():
                 stream.finish()
-            return streams
+            return streams, dict(taps)
         except BaseException:
             for stream in streams.values():
                 stream.abandon()

@@ -7,6 +7,7 @@ import json
 import os
 
 from ..formats import manifest as fmt
+from ..formats.sums import is_digest
 from ..io.hashing import Pipeline, sha256_file
 from .base import Content, WriteOptions, Writer, register
 from .files import Written, check_space, copy_files, finish_dir, plan_shards, write_shards
@@ -43,18 +44,19 @@ def reusable(out_dir, shards, identity: str, progress=None):
         return done, "the interrupted run read a different or changed source; started over"
     if journal.get("plan") != _plan_id(shards):
         return done, "the interrupted run wrote other tensors or used other options; started over"
-    files, tensors, redone = journal["files"], journal["tensors"], 0
+    files, digests, redone = journal["files"], journal["digests"], 0
     for shard in shards:
         info = files.get(shard.name)
         path = os.path.join(out_dir, shard.name)
         if not isinstance(info, dict) or not os.path.isfile(path) or os.path.getsize(path) != info.get("size"):
             continue
-        if sha256_file(path, progress=progress) != info.get("sha256") or not all(
-                isinstance(tensors.get(t.name), dict) for t in shard.tensors):
+        row = digests.get(shard.name)
+        if sha256_file(path, progress=progress) != info.get("sha256") or not isinstance(row, str) \
+                or len(row) != 64 * len(shard.tensors) or not all(is_digest(row[k:k + 64]) for k in range(0, len(row), 64)):
             redone += 1
             continue
         done.files[shard.name] = info
-        done.tensors.update({t.name: tensors[t.name] for t in shard.tensors})
+        done.digests[shard.name] = row
     return done, (f"{redone} finished shard(s) failed their re-check and were rewritten" if redone else None)
 
 
@@ -83,7 +85,7 @@ class ShardedWriter(Writer):
                                    self.options.direct)
         finally:
             pipeline.close()
-        return {"files": written.files, "tensors": written.tensors,
+        return {"files": written.files, "digests": written.digests,
                 "reused": sum(v["size"] for v in reuse.files.values()), "note": note}
 
     def finish(self, tmp, results) -> dict:
@@ -93,7 +95,7 @@ class ShardedWriter(Writer):
         for shard in self.shards:  # merged in plan order: the manifest is what one process writes
             r = by_name[shard.name]
             written.files[shard.name] = r["files"][shard.name]
-            written.tensors.update({t.name: r["tensors"][t.name] for t in shard.tensors})
+            written.digests[shard.name] = r["digests"][shard.name]
         copy_files(tmp, self.content.model_files, written, self.content.edited)
         manifest = finish_dir(tmp, self.shards, written, {**self.content.source, **self.content.skipped()},
                               self.content.extras, self.content.manifest, self.options.stem)

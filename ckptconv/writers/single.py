@@ -41,7 +41,7 @@ class SingleWriter(Writer):
 
     def write(self, units, tmp, progress=None, share=(0, 1)):
         if not units:
-            return {"tensors": {}}
+            return {"digests": {}}
         unit = units[0]
         check_space(tmp, unit.size)
         pipeline = Pipeline()
@@ -49,7 +49,7 @@ class SingleWriter(Writer):
             written = write_shards(tmp, [unit], pipeline, progress, self.options.fsync, direct=self.options.direct)
         finally:
             pipeline.close()
-        header = self._header(unit.tensors, {name: e["sha256"] for name, e in written.tensors.items()})
+        header = self._header(unit.tensors, dict(written.by_tensor([unit])))
         if len(header) != len(unit.header):
             raise AssertionError("the header changed length when its digests were filled in")
         fd = os.open(os.path.join(tmp, unit.name), os.O_WRONLY | os.O_CLOEXEC)
@@ -61,7 +61,7 @@ class SingleWriter(Writer):
                 os.fsync(fd)
         finally:
             os.close(fd)
-        return {"tensors": written.tensors}
+        return {"digests": written.digests}
 
     def finish(self, tmp, results) -> dict:
         return {"files": [self.file_name]}

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ckptconv.errors import BadInput, UnsafePickle
+from ckptconv.limits import Budget
 from ckptconv.io.mapped import MappedFile
 from ckptconv.readers import ziparchive
 from ckptconv.readers.pickle import unpickler
@@ -194,6 +195,22 @@ def test_memo_bound_counts_the_entries_kept():
     read_back = b"\x80\x02]" + b"".join(b"Nq%c0h%c0" % (i, i) for i in range(20)) + b"."   # 20 PUTs, each GET
     with pytest.raises(BadInput, match="memo index 10 out of range"):
         unpickler.load_prefix(read_back, unpickler.BENIGN, "x", max_memo=10)
+
+
+def test_records_of_tuples_nothing_holds_are_let_go():
+    """Every call's arguments (a nested tuple per tensor in torch.save) have their depth and size
+    recorded; once nothing but the record holds one it is dropped, and one still held stays."""
+    transient = b"".join(b"K\x01\x85\x850" for _ in range(20000))     # (1,) in a 1-tuple, popped
+    ctx = unpickler.Context("x", 0, Budget("x", 10 ** 6))
+    held = ctx.tuple([ctx.tuple([1]), 2])
+    for _ in range(20000):
+        ctx.tuple([(1,), 2])
+    assert len(ctx._shape) < 2 * unpickler._SWEEP_MIN and ctx._shape[id(held)][0] is held
+    # a tuple shared on the stack (DUP) is still held: sweeps in between do not hide its expansion
+    bomb = b"\x80\x02" + transient + b"N" + b"2\x86" * 64 + b"."
+    with pytest.raises(BadInput, match="expands to"):
+        unpickler.load(bomb, {}, "bomb.pkl")
+    assert unpickler.load(b"\x80\x02" + transient + b"N.", {}, "ok.pkl") is None
 
 
 @pytest.mark.parametrize("data, expect", [

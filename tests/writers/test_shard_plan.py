@@ -1,5 +1,6 @@
 """The shard plan on plain data (Hugging Face's rule): shards filled in order up to the limit, a
 tensor never split, one larger than the limit alone, names always STEM-0000k-of-0000n."""
+import hashlib
 from types import SimpleNamespace
 
 from ckptconv import dtypes
@@ -49,12 +50,19 @@ def test_json_and_headers_written_piece_by_piece_are_the_whole_documents_bytes()
     be built as one text or one dict first): the bytes are exactly json.dumps' of the whole."""
     import json
     import struct
-    from ckptconv.formats.manifest import dump_chunks
+    from ckptconv.formats.manifest import Rows, dump_chunks
     from ckptconv.formats.safetensors import build_header
     obj = {"tensors": {f"t{i}\u00fc\"\\\n": {"shape": [i, 0], "sha256": "x" * 64} for i in range(500)},
            "odd": "\udcff", "empty": {}, "list": []}
     whole = (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
     assert b"".join(dump_chunks(obj, size=100)) == whole and b"".join(dump_chunks(obj)) == whole
+    # top-level members made row by row (a manifest's tensors, an index's weight map) give the same text
+    for rows in ({}, {"only": [1]}, obj["tensors"]):
+        doc = {**obj, "tensors": rows, "zz": {"after": [1, {"a": "b"}]}}
+        lazy = {**doc, "tensors": Rows(len(rows), lambda rows=rows: iter(sorted(rows.items())))}
+        whole = (json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8",
+                                                                                            "backslashreplace")
+        assert b"".join(dump_chunks(lazy, size=100)) == whole and b"".join(dump_chunks(lazy)) == whole
     entries = [(f"w{i}\u00e9\"\\\t", dtypes.from_code("BF16"), (i, 3) if i % 2 else (), 6 * i or 2) for i in range(300)]
     header = build_header(entries, {"format": "pt", "k": "ü"})
     doc, at = {"__metadata__": {"format": "pt", "k": "ü"}}, 0
@@ -67,16 +75,18 @@ def test_json_and_headers_written_piece_by_piece_are_the_whole_documents_bytes()
 
 
 def test_digests_swap_finished_futures_and_keep_order():
-    """Past 4,096 entries, finished futures become their digests; iteration gives every digest in order."""
+    """Finished futures become their 32 bytes as soon as those before them are done (none is held
+    past that); iteration gives every digest in order, a late one too."""
     from concurrent.futures import Future
     from ckptconv.io.hashing import Digests
     d, futures = Digests(), []
     for i in range(5000):
         f = Future()
         if i != 4500:
-            f.set_result(f"h{i}")
+            f.set_result(hashlib.sha256(str(i).encode()).hexdigest())
         futures.append(f)
         d.append(i, f)
-    assert all(isinstance(item[1], str) for item in d._items[:4096])   # swapped: no futures held
-    futures[4500].set_result("late")
-    assert list(d) == [(i, "late" if i == 4500 else f"h{i}") for i in range(5000)]
+    assert len(d._done) == 32 * 4500 and len(d._pending) == 500   # up to the late one: bytes, no futures
+    futures[4500].set_result("ab" * 32)
+    want = [(i, "ab" * 32 if i == 4500 else hashlib.sha256(str(i).encode()).hexdigest()) for i in range(5000)]
+    assert list(d) == want and d.joined() == "".join(h for _, h in want) and d.order() == list(range(5000))

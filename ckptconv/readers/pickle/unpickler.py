@@ -379,6 +379,10 @@ class _Mark:
 MARK = _Mark()
 
 
+_SWEEP_MIN = 4096
+_ONLY_HERE = 2   # getrefcount of an object held by its shape record alone: the record, the argument
+
+
 class Context:
     """What stand-ins see: where we are (for messages), the work budget, and the depth and expanded
     size of every tuple and frozenset built so far. Those two are immutable, so both numbers are exact
@@ -389,6 +393,7 @@ class Context:
         self.path, self.base_offset, self.pos, self.budget = path, base_offset, 0, budget
         self.unlisted = unlisted   # None: a global on no allowlist stops the run at once
         self._shape = {}   # id -> (object, depth, expanded size), for nested tuples and frozensets
+        self._sweep_at = _SWEEP_MIN
         self._credited = 0
         self.payloads = 0  # bytes of the payloads left in the file (Payload), up to here
 
@@ -427,8 +432,21 @@ class Context:
             raise self.bad(f"a {what} that expands to {size} values (shared members), more than the pickle's "
                            f"{self.budget.nbytes} bytes justify")
         if depth > 1:
+            if len(self._shape) >= self._sweep_at:
+                self._forget_unreachable()
             self._shape[id(obj)] = (obj, depth, size)
         return obj
+
+    def _forget_unreachable(self):
+        """Drop the records of tuples and frozensets nothing else holds any more: no opcode can reach
+        them again (not the stack, the memo, nor a container), so they can never be a member again.
+        Held by the table alone, every call's arguments (torch.save: one nested tuple per tensor)
+        would live to the end of the load. Exact: CPython counts references. Swept when the table
+        has doubled since the last sweep: linear in all."""
+        shape = self._shape
+        for key in [k for k, info in shape.items() if sys.getrefcount(info[0]) <= _ONLY_HERE]:
+            del shape[key]
+        self._sweep_at = max(_SWEEP_MIN, 2 * len(shape))
 
     def copying(self, n: int):
         """Charge for copying `n` items or bytes: a stand-in called again and again on one shared
