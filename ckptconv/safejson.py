@@ -44,13 +44,26 @@ def _no_gc():
             gc.enable()
 
 
-def _no_duplicates(pairs):
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"names {dup!r} twice")
-    return obj
+_SHARED_TEXT = 40   # string values up to this long are kept once per document (dtypes, file names)
+
+
+def _objects():
+    """The object hook of one parse: duplicate keys refused, and short string values shared: a
+    manifest or index of a million tensors names one shard file and one dtype a million times, and
+    the parser makes a new string each time (keys it already shares). Digests (64) stay apart."""
+    shared = {}
+
+    def hook(pairs):
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            seen = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise ValueError(f"names {dup!r} twice")
+        for k, v in pairs:
+            if v.__class__ is str and len(v) <= _SHARED_TEXT:
+                obj[k] = shared.setdefault(v, v)
+        return obj
+    return hook
 
 
 def loads(data, where, what="JSON") -> object:
@@ -66,7 +79,7 @@ def loads(data, where, what="JSON") -> object:
         raise BadInput(f"{where}: {what} nests {levels} levels deep; at most {MAX_DEPTH} are accepted")
     try:
         with _no_gc():
-            return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
+            return json.loads(data.decode("utf-8"), object_pairs_hook=_objects())
     except UnicodeDecodeError:
         raise BadInput(f"{where}: {what} is not valid UTF-8") from None
     except ValueError as e:

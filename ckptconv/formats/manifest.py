@@ -153,19 +153,22 @@ def read_journal(out_dir) -> dict | None:
 
 
 def check_index(raw) -> tuple:
-    """(valid {tensor: shard}, every tensor name listed, problems); (None, None, problems) when it is
-    not an index. A shard that is not a plain file name in the directory is never returned."""
+    """(valid {tensor: shard}, every tensor name listed (a set-like view), problems); (None, None,
+    problems) when it is not an index. A shard that is not a plain file name in the directory is never returned."""
     if not isinstance(raw, dict) or not isinstance(raw.get("weight_map"), dict):
         return None, None, ["the index has no 'weight_map' object"]
-    weight_map, problems = {}, []
-    for name, file in raw["weight_map"].items():
+    listed, problems, safe = raw["weight_map"], [], set()   # (a few shard files, named a million times)
+    for name, file in listed.items():
+        if file.__class__ is str and file in safe:
+            continue
         why = unsafe_name(file)
-        if why is not None:
-            problems.append(f"tensor {name!r} is listed in {brief(file)}, which is not a plain file name in this "
-                            f"directory ({why}); not opened")
-        else:
-            weight_map[name] = file
-    return weight_map, set(raw["weight_map"]), problems
+        if why is None:
+            safe.add(file)
+            continue
+        problems.append(f"tensor {name!r} is listed in {brief(file)}, which is not a plain file name in this "
+                        f"directory ({why}); not opened")
+    weight_map = {n: f for n, f in listed.items() if f.__class__ is str and f in safe} if problems else listed
+    return weight_map, listed.keys(), problems
 
 
 def check_manifest(raw) -> tuple:
@@ -176,7 +179,7 @@ def check_manifest(raw) -> tuple:
     problems = []
     if raw.get("format") != FORMAT:
         problems.append(f"format is {brief(raw.get('format'))}, not {FORMAT}")
-    files, tensors = {}, {}
+    files, malformed, safe = {}, [], set()
     raw_files, raw_tensors = raw.get("files", {}), raw.get("tensors", {})
     if not isinstance(raw_files, dict):
         problems.append("'files' is not an object")
@@ -201,13 +204,21 @@ def check_manifest(raw) -> tuple:
               and is_digest(entry.get("sha256")))
         if not ok:
             problems.append(f"tensor {name!r}: entry {brief(entry)} is not {{dtype, shape, file, sha256}}")
-            tensors[name] = None
+            malformed.append(name)
+            continue
+        if entry["file"] in safe:
             continue
         why = unsafe_name(entry["file"])
-        if why is not None:
+        if why is None:
+            safe.add(entry["file"])
+        else:
             problems.append(f"tensor {name!r}: file {entry['file']!r} is not a plain file name in this directory "
                             f"({why})")
-        tensors[name] = entry
+    if malformed:
+        tensors = dict(raw_tensors)
+        tensors.update(dict.fromkeys(malformed))
+    else:
+        tensors = raw_tensors   # (not a copy: a million entries)
     return files, tensors, problems
 
 
