@@ -8,6 +8,7 @@ project's exceptions (docs/api.md). The command line is a thin layer over the sa
 """
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import convert as _convert, reshard as _reshard, verify as _verify
@@ -15,6 +16,7 @@ from .dtypes import CAST_TARGETS
 from .errors import UsageError
 from .formats.manifest import stem_problem
 from .readers import ReadOptions, Source, open_source
+from .rowview import RowView
 from .sizes import parse_size
 from .tp.presets import MeshSpec
 from .writers.base import WriteOptions
@@ -133,7 +135,7 @@ class Inspection:
 
     path: str
     format: str
-    tensors: list                  # {"name", "dtype", "shape", "bytes"} in source order
+    tensors: Sequence              # {"name", "dtype", "shape", "bytes"} in source order (made when read)
     total_bytes: int
     dtypes: dict                   # dtype code -> bytes
     extras: dict
@@ -141,6 +143,10 @@ class Inspection:
     model_files: list = field(default_factory=list)
     skipped_files: list = field(default_factory=list)
     also: list = field(default_factory=list)
+
+
+def _tensor_row(t) -> dict:
+    return {"name": t.name, "dtype": t.dtype.code, "shape": list(t.shape), "bytes": t.nbytes}
 
 
 def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=2,
@@ -151,8 +157,6 @@ def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", 
     hist = Counter()
     for t in ckpt.tensors:
         hist[t.dtype.code] += t.nbytes
-    return Inspection(str(path), ckpt.format,
-                      [{"name": t.name, "dtype": t.dtype.code, "shape": list(t.shape), "bytes": t.nbytes}
-                       for t in ckpt.tensors],
+    return Inspection(str(path), ckpt.format, RowView(ckpt.tensors, _tensor_row),
                       ckpt.total_bytes, dict(sorted(hist.items())), ckpt.extras, ckpt.source,
                       [rel for rel, _ in ckpt.model_files], ckpt.skipped_files, ckpt.also)

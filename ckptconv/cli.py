@@ -516,12 +516,12 @@ def inspect_cmd(path, fmt, read, quiet, as_json):
     """Show what a checkpoint holds (format, tensors, dtypes, bytes, extras) without converting it."""
     found = inspect(path, format=fmt, only=read.only, allow_globals=read.allow_globals, state_dict=read.state_dict,
                     skip_unsupported=read.skip_unsupported, workers=read.workers, reader_options=read.declared)
-    info = {"path": found.path, "format": found.format, "source": found.source, "tensor_count": len(found.tensors),
-            "total_bytes": found.total_bytes, "dtypes": found.dtypes, "tensors": found.tensors, "extras": found.extras,
-            "model_files": found.model_files, **({"skipped_files": found.skipped_files} if found.skipped_files else {}),
-            **({"also": found.also} if found.also else {})}
     if as_json:
-        emit("inspect", info)
+        emit("inspect", {"path": found.path, "format": found.format, "source": found.source,
+                         "tensor_count": len(found.tensors), "total_bytes": found.total_bytes, "dtypes": found.dtypes,
+                         "tensors": list(found.tensors), "extras": found.extras, "model_files": found.model_files,
+                         **({"skipped_files": found.skipped_files} if found.skipped_files else {}),
+                         **({"also": found.also} if found.also else {})})
         return
     say(f"{path}: {found.format}, {len(found.tensors)} tensors, {format_size(found.total_bytes)}")
     say("dtypes: " + ", ".join(f"{k} {format_size(v)}" for k, v in found.dtypes.items()))

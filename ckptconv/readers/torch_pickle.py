@@ -83,12 +83,12 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         budget, unlisted = Budget(shard), unpickler.Unlisted(shard)
         obj, rest, unwrapped = unwrap(_load_file(m, allow, budget, unlisted), options.state_dict, shard)
         t, e, s = flatten(obj, shard, skip_unsupported=options.skip_unsupported, budget=budget)
+        obj = None   # the pickle's records (tensor, storage, its key, per tensor): the sources replace them
         if listed is not None:
             check_listed(target, shard.name, listed[shard.name], set(t) | {x["name"] for x in s})
         justified(m, t.values())
-        for name, src in t.items():
-            if wanted(name, options.only):
-                tensors.append(src)
+        tensors += [src for name, src in t.items() if wanted(name, options.only)]
+        t = None
         extras.update(unpickler.extras_json({k: v for k, v in e.items() if wanted(k, options.only)}, budget))
         skipped += s
         for key, value in rest.items():  # the rest of a training wrapper: kept as extras, or dropped
@@ -192,7 +192,7 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
             raise ctx.bad(f"malformed storage reference {brief(pid)}")
         if key in storages:
             return storages[key]
-        entry = entries.get(f"{prefix}data/{key}")
+        entry = entries.pop(f"{prefix}data/{key}", None)   # used once: its storage stands for it from here
         if entry is None:
             raise ctx.bad(f"storage {key!r} has no entry data/{key} in the archive")
         if entry.method:

@@ -7,10 +7,10 @@ previous reshard, DCP chunks) is planned the same way. The mesh format: docs/out
 import functools
 import math
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import BadInput, UsageError
+from ..rowview import RowView
 from ..formats.mesh import recorded_cut
 from .rules import RuleSet
 
@@ -234,28 +234,17 @@ def silent_replication(plans, rules: RuleSet, allow=()) -> list:
     return found
 
 
-class PlanRows(Sequence):
-    """Per tensor: name, rule, axis, shape, dtype, bytes_per_rank (and ranges or boxes), each row made
-    when it is read: a reshard of a million tensors holds its plans, not a second table beside them."""
-
-    def __init__(self, plans, ranks: int):
-        self._plans, self._ranks = plans, ranks
-
-    def __len__(self):
-        return len(self._plans)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        p = self._plans[i]
-        return {"name": p.name, "rule": p.rule, "axis": p.axis, "shape": list(p.shape), "dtype": p.dtype.code,
-                "bytes_per_rank": [p.piece_bytes(r) for r in range(self._ranks)], **recorded_cut(p)}
+def plan_row(p, ranks: int) -> dict:
+    """A plan's row in `reshard --dry-run/--json`: name, rule, axis, shape, dtype, bytes_per_rank
+    (and ranges or boxes)."""
+    return {"name": p.name, "rule": p.rule, "axis": p.axis, "shape": list(p.shape), "dtype": p.dtype.code,
+            "bytes_per_rank": [p.piece_bytes(r) for r in range(ranks)], **recorded_cut(p)}
 
 
 def plan_summary(plans, rules, tp, ep) -> dict:
     ranks = tp * ep
     return {"preset": rules.name, "layout": rules.layout, "params": rules.params, "tp": tp, "ep": ep,
-            "ranks": ranks, "tensors": PlanRows(plans, ranks),
+            "ranks": ranks, "tensors": RowView(plans, functools.partial(plan_row, ranks=ranks)),
             "split": sum(p.axis is not None for p in plans),
             "replicated": [p.name for p in plans if p.axis is None],
             "replicated_bytes": sum(math.prod(p.shape) * p.dtype.itemsize for p in plans if p.axis is None),

@@ -1,4 +1,5 @@
 """The Python API (docs/api.md): the commands as functions, typed results, one exception hierarchy."""
+import dataclasses
 import json
 
 import pytest
@@ -40,6 +41,10 @@ def test_convert_verify_inspect(ckpt, tmp_path):
     found = ckptconv.inspect(src)
     assert found.format == "torch" and [t["name"] for t in found.tensors] == list(sd)
     assert found.extras == {"epoch": 2} and found.dtypes == {"F32": sum(t.nbytes for t in sd.values())}
+    # per-tensor rows are made when read (a million tensors are not held twice), and behave as a list
+    rows = [{"name": n, "dtype": "F32", "shape": list(t.shape), "bytes": t.nbytes} for n, t in sd.items()]
+    assert found.tensors == rows and found.tensors[1:] == rows[1:] and found.tensors[-1] == rows[-1]
+    assert json.loads(json.dumps(dataclasses.asdict(found)))["tensors"] == rows
 
 
 def test_sharded_output_and_reshard(ckpt, tmp_path):

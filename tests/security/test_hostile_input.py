@@ -442,14 +442,21 @@ def test_resume_reuses_verified_shards(big_pt, tmp_path):
         pytest.skip("the conversion finished before it could be killed")
     journal = json.loads((tmp / ".ckptconv-journal.json").read_text())
     # corrupt one finished shard: resume must re-verify and redo it, not trust it
-    first = sorted(journal["files"])[0]
+    first, *rest = sorted(journal["files"])
     with open(tmp / first, "r+b") as f:
         f.seek(1000)
         f.write(b"\xff")
+    # and give another well-formed but wrong tensor digests (rotated): they are recomputed, not believed
+    redone = {first}
+    if rest:
+        row = journal["digests"][rest[0]]
+        journal["digests"][rest[0]] = row[64:] + row[:64] if len(row) > 64 else "0" * 64
+        (tmp / ".ckptconv-journal.json").write_text(json.dumps(journal))
+        redone.add(rest[0])
     r = run("convert", big_pt, out, "--max-shard-size", "16MiB", "--resume", "--json")
     assert r.exit_code == 0, r.stderr
     summary = json.loads(r.stdout)
-    expected = sum(v["size"] for k, v in journal["files"].items() if k != first)
+    expected = sum(v["size"] for k, v in journal["files"].items() if k not in redone)
     assert summary["resumed_bytes"] == expected and expected > 0
     assert run("verify", out).exit_code == 0
     fresh = tmp_path / "fresh"

@@ -90,3 +90,20 @@ def test_digests_swap_finished_futures_and_keep_order():
     futures[4500].set_result("ab" * 32)
     want = [(i, "ab" * 32 if i == 4500 else hashlib.sha256(str(i).encode()).hexdigest()) for i in range(5000)]
     assert list(d) == want and d.joined() == "".join(h for _, h in want) and d.order() == list(range(5000))
+
+
+def test_resume_rehash_gives_each_tensors_digest_from_the_bytes(tmp_path, monkeypatch):
+    """--resume believes a journal's digests only where one read of the shard gives them again:
+    tensors across read chunks, empty ones (first, between, last), and a short file gives none."""
+    from ckptconv.writers import sharded
+    sizes = [0, 5, 13, 0, 1, 30, 0]
+    blobs = [bytes((i * 7 + j) % 251 for j in range(n)) for i, n in enumerate(sizes)]
+    shard = SimpleNamespace(header=b"H" * 11, tensors=[SimpleNamespace(nbytes=n) for n in sizes])
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(shard.header + b"".join(blobs))
+    want = "".join(hashlib.sha256(b).hexdigest() for b in blobs)
+    for chunk in (1, 4, 7, 64, 1 << 20):
+        monkeypatch.setattr(sharded, "CHUNK", chunk)
+        assert sharded._rehash(path, shard) == (hashlib.sha256(path.read_bytes()).hexdigest(), want)
+    path.write_bytes(shard.header + b"".join(blobs)[:-3])
+    assert sharded._rehash(path, shard)[1] is None

@@ -44,10 +44,13 @@ class Storage:
     big_endian: bool = False
 
 
-class TorchTensor:
-    """What `_rebuild_tensor_v2/_v3` builds: a strided view of a storage, validated against it."""
+class TorchTensor(MappedView):
+    """What `_rebuild_tensor_v2/_v3` builds: a strided view of a storage, validated against it, and
+    kept as the view it describes (where in the mapped file, row-major or strided), without the
+    storage: a million-tensor file does not hold a million storage records (each with its key) past
+    its load. It is its own source under the first name it is flattened to."""
 
-    __slots__ = ("storage", "offset", "size", "stride", "dtype")   # one per tensor: kept small
+    __slots__ = ("pending",)   # (storage, element offset, strided): a legacy file places storages after its pickle
 
     def __init__(self, ctx, storage, storage_offset, size, stride, dtype=None):
         if not isinstance(storage, Storage):
@@ -66,24 +69,39 @@ class TorchTensor:
         if problem or len(size) != len(stride) or any(v < 0 for v in stride) or storage_offset < 0:
             raise ctx.bad(problem and f"tensor {problem}" or
                           f"tensor size {size} / stride {stride} / offset {storage_offset} are invalid")
-        self.storage, self.offset, self.size, self.stride, self.dtype = storage, storage_offset, size, stride, dt
         if isinstance(dt, dtypes.DType) and math.prod(size):
             last = storage_offset + sum((n - 1) * s for n, s in zip(size, stride))
             if (last + 1) * dt.itemsize > storage.nbytes:
                 raise ctx.bad(f"tensor of size {size}, stride {stride}, offset {storage_offset} reaches element "
                               f"{last}, beyond its storage {storage.key!r} of {storage.nbytes} bytes")
+        placed = storage.offset >= 0
+        start = storage.offset + storage_offset * dt.itemsize if placed else -1
+        if not storage.big_endian and _is_row_major(size, stride):
+            super().__init__(None, dt, size, storage.mapped, start)
+            strided = False
+        else:
+            super().__init__(None, dt, size, storage.mapped, start, stride, storage.big_endian,
+                             held=(storage.offset, storage.nbytes) if placed else None)
+            strided = True
+        self.pending = None if placed else (storage, storage_offset, strided)
 
     @property
     def unsupported(self):
         return self.dtype.what if isinstance(self.dtype, Unsupported) else None
 
     def source(self, name) -> MappedView:
-        st = self.storage
-        start = st.offset + self.offset * self.dtype.itemsize
-        if not st.big_endian and _is_row_major(self.size, self.stride):
-            return MappedView(name, self.dtype, self.size, st.mapped, start)
-        return MappedView(name, self.dtype, self.size, st.mapped, start, self.stride, st.big_endian,
-                          held=(st.offset, st.nbytes))
+        """The tensor under `name`: this record the first time, a copy under a second name (one
+        tensor saved under two keys, tied weights)."""
+        if self.pending is not None:   # its storage is placed by now (the whole file was read)
+            storage, offset, strided = self.pending
+            self.start, self.pending = storage.offset + offset * self.dtype.itemsize, None
+            if strided:
+                self.held = (storage.offset, storage.nbytes)
+        if self.name is None:
+            self.name = name
+            return self
+        return MappedView(name, self.dtype, self.shape, self.mapped, self.start, self.stride, self.big_endian,
+                          self.held)
 
 
 def _is_row_major(size, stride) -> bool:
