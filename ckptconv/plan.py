@@ -16,7 +16,7 @@ from .writers.base import Content, WriteOptions
 # The estimates' constants, measured on the bench machine (docs/benchmarks.md, "plan against the run"):
 BASE_RSS = 45 * 2**20          # interpreter, numpy, the reader and writer modules
 IN_FLIGHT = 45 * 2**20         # staging buffers and chunks being hashed that a large write touches
-PER_TENSOR_RSS = 2400          # bytes per tensor written: its source record, manifest entry, digest
+PER_TENSOR_RSS = 900           # bytes per tensor written: its source record, plan entry, digest (in bulk)
 CPU_GBPS = {"convert": 1.0,    # read, hash (file and tensor digests) and write, one process, warm cache
             "reshard": 0.6}    # the same and a third digest (the global tensor's), gathered row splits
 PER_TENSOR_SECONDS = 180e-6    # reading a tensor's record, planning, hashing and listing it (per rank piece)
