@@ -145,8 +145,9 @@ class Inspection:
     also: list = field(default_factory=list)
 
 
-def _tensor_row(t) -> dict:
-    return {"name": t.name, "dtype": t.dtype.code, "shape": list(t.shape), "bytes": t.nbytes}
+def _tensor_row(fact) -> dict:
+    name, dtype, shape, nbytes = fact
+    return {"name": name, "dtype": dtype, "shape": list(shape), "bytes": nbytes}
 
 
 def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=2,
@@ -157,6 +158,8 @@ def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", 
     hist = Counter()
     for t in ckpt.tensors:
         hist[t.dtype.code] += t.nbytes
-    return Inspection(str(path), ckpt.format, RowView(ckpt.tensors, _tensor_row),
+    # the rows come from plain facts, not from the sources: a result kept must not keep files mapped
+    facts = [(t.name, t.dtype.code, t.shape, t.nbytes) for t in ckpt.tensors]
+    return Inspection(str(path), ckpt.format, RowView(facts, _tensor_row),
                       ckpt.total_bytes, dict(sorted(hist.items())), ckpt.extras, ckpt.source,
                       [rel for rel, _ in ckpt.model_files], ckpt.skipped_files, ckpt.also)

@@ -100,7 +100,7 @@ def build_header(entries, metadata=None) -> bytes:
     """Header bytes (length prefix + JSON padded to 8) for [(name, DType, shape, nbytes)] in data order."""
     # written entry by entry, the same bytes json.dumps gives for the whole object: a million
     # tensors must not become a million dicts first
-    text = bytearray(b'{"__metadata__":')
+    text = bytearray(8) + b'{"__metadata__":'   # the length prefix is filled in at the end (no copy to prepend it)
     text += json.dumps(dict(metadata or {"format": "pt"}), separators=(",", ":"), ensure_ascii=False).encode()
     at = 0
     for name, dt, shape, nbytes in entries:
@@ -110,11 +110,12 @@ def build_header(entries, metadata=None) -> bytes:
                  f'"data_offsets":[{at},{at + nbytes}]}}').encode()
         at += nbytes
     text += b"}"
-    text += b" " * (-(8 + len(text)) % 8)
-    text = bytes(text)
-    if len(text) > MAX_HEADER:  # no safetensors reader would open the file
-        raise BadInput(f"a safetensors header of {len(text)} bytes would be needed, more than the {MAX_HEADER} bytes "
+    text += b" " * (-len(text) % 8)
+    n = len(text) - 8
+    if n > MAX_HEADER:  # no safetensors reader would open the file
+        raise BadInput(f"a safetensors header of {n} bytes would be needed, more than the {MAX_HEADER} bytes "
                        "safetensors readers accept (too many tensors or names too long for one file"
                        + (", or the non-tensor state is too large to keep in the file's metadata: write a "
                           "directory instead)" if metadata else ")"))
-    return struct.pack("<Q", len(text)) + text
+    struct.pack_into("<Q", text, 0, n)
+    return bytes(text)

@@ -47,7 +47,7 @@ def plan_shards(tensors, max_shard_size: int, stem: str = fmt.STEM) -> list:
     if current or not groups:
         groups.append(current)
     n = len(groups)
-    return [ShardFile(fmt.shard_name(stem, i, n), g, build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in g]))
+    return [ShardFile(fmt.shard_name(stem, i, n), g, build_header((t.name, t.dtype, t.shape, t.nbytes) for t in g))
             for i, g in enumerate(groups)]
 
 
@@ -80,9 +80,9 @@ class OutputStream:
     def __init__(self, out_dir, shards, pipeline: Pipeline, fsync=False, on_close=None, direct=True):
         self.out_dir, self.shards, self.pipeline, self.fsync, self.direct = out_dir, shards, pipeline, fsync, direct
         self.on_close = on_close
-        self.where = {t.name: i for i, s in enumerate(shards) for t in s.tensors}
         self.written = Written()
         self._current, self._file, self._file_h, self._digests = None, None, None, Digests()
+        self._next = 0   # of the current shard's tensors, the next to be written
 
     def add(self, t, progress=None, tap=None):
         """Write all of tensor `t` into the shard the plan puts it in; `tap` (a sha256 state) is fed
@@ -95,17 +95,24 @@ class OutputStream:
         """A writer for tensor `t`'s bytes, pushed in order by the caller (reshard's scatter)."""
         return TensorWriter(self, t, tap)
 
-    def _file_for(self, name):
-        """(file, file hash) of the shard that holds tensor `name`, opening it (and closing the one
-        before) when the plan moves on to it."""
-        index = self.where[name]
-        if index != self._current:
+    def _file_for(self, t):
+        """(file, file hash) of the shard that holds tensor `t`: tensors come in plan order, so it
+        is the open shard's next one, or the first of a later shard (those before it were reused by
+        --resume), which is opened and the one before closed. No lookup table per tensor."""
+        shard = self.shards[self._current] if self._current is not None else None
+        if shard is None or self._next >= len(shard.tensors) or shard.tensors[self._next] is not t:
+            start = 0 if self._current is None else self._current + 1
+            index = next((i for i in range(start, len(self.shards))
+                          if self.shards[i].tensors and self.shards[i].tensors[0] is t), None)
+            if index is None:
+                raise AssertionError(f"tensor {t.name!r} was not written in plan order")
             self._close()
             shard = self.shards[index]
             path = os.path.join(self.out_dir, shard.name)
             self._file = OutFile(path, self.pipeline.staging, self.direct)
-            self._current, self._file_h = index, sha256.new()
+            self._current, self._file_h, self._next = index, sha256.new(), 0
             self.pipeline.push(self._file, self._file_h, None, shard.header)
+        self._next += 1
         return self._file, self._file_h
 
     def _record(self, t, digest):
@@ -145,7 +152,7 @@ class TensorWriter:
 
     def __init__(self, stream: OutputStream, t, tap=None):
         self.stream, self.t, self.tap = stream, t, tap
-        self.file, self.file_h = stream._file_for(t.name)
+        self.file, self.file_h = stream._file_for(t)
         self.tensor_h = sha256.new()
 
     def fill(self, fill_at, offset, n, progress=None):

@@ -32,7 +32,7 @@ class SingleWriter(Writer):
         self.unit = None
 
     def _header(self, tensors, digests) -> bytes:
-        return build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], metadata(self.content, digests))
+        return build_header(((t.name, t.dtype, t.shape, t.nbytes) for t in tensors), metadata(self.content, digests))
 
     def plan(self, tensors) -> list:
         placeholder = {t.name: "0" * 64 for t in tensors}  # real digests have the same length

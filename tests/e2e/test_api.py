@@ -1,6 +1,7 @@
 """The Python API (docs/api.md): the commands as functions, typed results, one exception hierarchy."""
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -45,6 +46,10 @@ def test_convert_verify_inspect(ckpt, tmp_path):
     rows = [{"name": n, "dtype": "F32", "shape": list(t.shape), "bytes": t.nbytes} for n, t in sd.items()]
     assert found.tensors == rows and found.tensors[1:] == rows[1:] and found.tensors[-1] == rows[-1]
     assert json.loads(json.dumps(dataclasses.asdict(found)))["tensors"] == rows
+    # ... from plain facts: results kept do not keep the checkpoint mapped (or a descriptor open)
+    fds = len(os.listdir("/proc/self/fd"))
+    kept = [ckptconv.inspect(src) for _ in range(20)]
+    assert len(os.listdir("/proc/self/fd")) - fds < 5 and len(kept) == 20
 
 
 def test_sharded_output_and_reshard(ckpt, tmp_path):
