@@ -1,5 +1,6 @@
 """The Python API (docs/api.md): the commands as functions, typed results, one exception hierarchy."""
 import dataclasses
+import gc
 import json
 import os
 
@@ -47,8 +48,10 @@ def test_convert_verify_inspect(ckpt, tmp_path):
     assert found.tensors == rows and found.tensors[1:] == rows[1:] and found.tensors[-1] == rows[-1]
     assert json.loads(json.dumps(dataclasses.asdict(found)))["tensors"] == rows
     # ... from plain facts: results kept do not keep the checkpoint mapped (or a descriptor open)
+    gc.collect()
     fds = len(os.listdir("/proc/self/fd"))
     kept = [ckptconv.inspect(src) for _ in range(20)]
+    gc.collect()   # (what the readers leave in cycles goes at the collector's pace)
     assert len(os.listdir("/proc/self/fd")) - fds < 5 and len(kept) == 20
 
 
