@@ -272,6 +272,7 @@ def flatten(obj, path, prefix="", skip_unsupported=False, budget: Budget = None)
         return found
 
     walk(obj, prefix, 0)
+    walk = None   # (it calls itself: the cycle would keep `seen`, and the whole state dict, until a collection)
     return tensors, extras, skipped
 
 
