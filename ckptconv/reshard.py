@@ -7,7 +7,7 @@ needs is read. Layout of the output, mesh.json, `ranges` and `boxes`: docs/outpu
 import dataclasses
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from . import dtypes, runner, transforms
 from .errors import BadInput, UsageError, brief
@@ -45,12 +45,8 @@ class ReshardResult:
     gb_per_s: float | None = None
 
     def to_json(self) -> dict:
-        out = {}
-        for f in fields(self):   # (not asdict: it would deep-copy the plans behind `tensors`)
-            v = getattr(self, f.name)
-            if v is not None or f.name not in ("out", "seconds", "bytes_written", "gb_per_s", "refusal"):
-                out[f.name] = list(v) if f.name == "tensors" else v
-        return out
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in ("out", "seconds", "bytes_written",
+                                                                                      "gb_per_s", "refusal")}
 
 
 TARGETS = ("mesh", vllm.TARGET)   # --target: the layout written (writers/mesh.py, writers/vllm.py)

@@ -93,30 +93,36 @@ def dump_chunks(obj, size=1 << 20):
     yield "".join(pending).encode("utf-8", "backslashreplace")
 
 
-def _by_name(shards):
-    """(shard index, position) of every planned tensor, in name order (the order JSON sorts keys),
-    from one list of names and one of indices: no record per tensor."""
+def name_order(shards) -> list:
+    """Every planned tensor's place in plan order, listed in name order (the order JSON sorts keys):
+    sorted once for the index and the manifest, as one list of numbers (no record per tensor)."""
     names = [t.name for s in shards for t in s.tensors]
+    return sorted(range(len(names)), key=names.__getitem__)
+
+
+def _by_name(shards, order):
+    """(shard index, position in it) of each place in `order` (name_order)."""
     starts = list(itertools.accumulate((len(s.tensors) for s in shards), initial=0))
-    for n in sorted(range(len(names)), key=names.__getitem__):
+    for n in order:
         i = bisect.bisect_right(starts, n) - 1
         yield i, n - starts[i]
 
 
-def index_document(shards) -> dict:
-    """{"metadata": {"total_size"}, "weight_map": {tensor: shard}} for planned shards (name, tensors)."""
+def index_document(shards, order) -> dict:
+    """{"metadata": {"total_size"}, "weight_map": {tensor: shard}} for planned shards (name, tensors)
+    in `order` (name_order)."""
     def items():
-        for i, k in _by_name(shards):
+        for i, k in _by_name(shards, order):
             yield shards[i].tensors[k].name, shards[i].name
     return {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s.tensors)},
             "weight_map": Rows(sum(len(s.tensors) for s in shards), items)}
 
 
-def manifest_document(source: dict, files: dict, shards, digests: dict, extras: dict, extra=None) -> dict:
-    """manifest.json for planned shards whose tensor digests are `digests` {shard: hex digests of its
-    tensors in plan order, concatenated}."""
+def manifest_document(source: dict, files: dict, shards, order, digests: dict, extras: dict, extra=None) -> dict:
+    """manifest.json for planned shards in `order` (name_order) whose tensor digests are `digests`
+    {shard: hex digests of its tensors in plan order, concatenated}."""
     def items():
-        for i, k in _by_name(shards):
+        for i, k in _by_name(shards, order):
             s = shards[i]
             t = s.tensors[k]
             yield t.name, {"dtype": t.dtype.code, "file": s.name, "sha256": digests[s.name][64 * k:64 * k + 64],

@@ -201,13 +201,18 @@ def intervals(entry: dict, ranks: int, rank: int, name: str):
     return [(rank * k, (rank + 1) * k)]
 
 
+def _boxed(p) -> bool:
+    """A TensorPlan recorded as `boxes`: split unevenly on two axes (which makes mesh.json `/2`)."""
+    return p.axis is not None and not p.even and p.outer is not None
+
+
 def recorded_cut(p) -> dict:
     """How mesh.json (and the plan) records a TensorPlan's (tp/layout.py) uneven cut: `ranges` along
     `axis`, or `boxes` for a piece cut on two axes (docs/output.md); {} for an even split or a
     replicated tensor."""
     if p.axis is None or p.even:
         return {}
-    if p.outer is None:
+    if not _boxed(p):
         return {"ranges": [[list(iv) for iv in r] for r in p.ranges]}
     outer, groups = p.outer
     first = min(outer, p.axis)
@@ -227,8 +232,7 @@ def document(plans, rules, tp, ep, source, digests) -> dict:
         return e
 
     order = sorted(range(len(plans)), key=lambda i: plans[i].name)
-    boxed = any(p.outer is not None and p.axis is not None and not p.even for p in plans)
-    return {"format": FORMAT_BOXES if boxed else FORMAT, "tp": tp, "ep": ep, "ranks": tp * ep,
+    return {"format": FORMAT_BOXES if any(map(_boxed, plans)) else FORMAT, "tp": tp, "ep": ep, "ranks": tp * ep,
             "rank_order": "rank = expert_group * tp + tp_rank", "rules": rules.to_json(),
             "source": {k: v for k, v in source.items() if k != "rules"},
             "tensors": Rows(len(plans), lambda: ((plans[i].name, entry(plans[i])) for i in order))}

@@ -80,7 +80,7 @@ class OutFile:
 
     def __init__(self, path, pool: StagingPool, direct=True):
         self.name, self.pool = os.fspath(path), pool
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW   # (never through a link)
         self.fd = None
         try:
             if direct and hasattr(os, "O_DIRECT"):
@@ -150,7 +150,7 @@ class OutFile:
     def _plain(self) -> int:
         with self._plain_lock:
             if self._plain_fd is None:
-                self._plain_fd = os.open(self.name, os.O_WRONLY | os.O_CLOEXEC)
+                self._plain_fd = os.open(self.name, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             return self._plain_fd
 
     def _check_pending(self, wait=False):

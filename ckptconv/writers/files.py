@@ -252,8 +252,9 @@ def write_json(out_dir, name, obj, written: Written = None) -> str:
 def finish_dir(out_dir, shards, written: Written, source: dict, extras: dict, extra_manifest=None,
                stem: str = fmt.STEM) -> dict:
     """Write a directory's index, manifest and SHA256SUMS once every shard is written and hashed."""
-    write_json(out_dir, fmt.index_name(stem), fmt.index_document(shards), written)
-    manifest = fmt.manifest_document(source, written.files, shards, written.digests, extras, extra_manifest)
+    order = fmt.name_order(shards)
+    write_json(out_dir, fmt.index_name(stem), fmt.index_document(shards, order), written)
+    manifest = fmt.manifest_document(source, written.files, shards, order, written.digests, extras, extra_manifest)
     sums = {name: info["sha256"] for name, info in written.files.items()}
     sums[fmt.MANIFEST] = write_json(out_dir, fmt.MANIFEST, manifest)
     write_sums(out_dir, sums)

@@ -5,6 +5,7 @@ journal after every shard so that `--resume` can reuse what a killed run finishe
 import hashlib
 import json
 import os
+import stat
 
 from ..formats import manifest as fmt
 from ..io.hashing import CHUNK, Pipeline
@@ -47,7 +48,8 @@ def reusable(out_dir, shards, identity: str, progress=None):
     for shard in shards:
         info = files.get(shard.name)
         path = os.path.join(out_dir, shard.name)
-        if not isinstance(info, dict) or not os.path.isfile(path) or os.path.getsize(path) != info.get("size"):
+        st = os.lstat(path) if os.path.lexists(path) else None   # (a link put there is not followed)
+        if not isinstance(info, dict) or st is None or not stat.S_ISREG(st.st_mode) or st.st_size != info.get("size"):
             continue
         file_digest, row = _rehash(path, shard, progress)
         if file_digest != info.get("sha256") or row != digests.get(shard.name):
@@ -63,7 +65,7 @@ def _rehash(path, shard, progress=None) -> tuple:
     read: a journal's digests are believed only where the bytes give them again."""
     file_h, done, pos = hashlib.sha256(), bytearray(), 0
     tensors, k, h = iter(shard.tensors), len(shard.header), None   # k: where the current tensor ends
-    with open(path, "rb", buffering=0) as f:
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb", buffering=0) as f:
         while chunk := f.read(CHUNK):
             file_h.update(chunk)
             view, end = memoryview(chunk), pos + len(chunk)

@@ -52,7 +52,7 @@ class SingleWriter(Writer):
         header = self._header(unit.tensors, dict(written.by_tensor([unit])))
         if len(header) != len(unit.header):
             raise AssertionError("the header changed length when its digests were filled in")
-        fd = os.open(os.path.join(tmp, unit.name), os.O_WRONLY | os.O_CLOEXEC)
+        fd = os.open(os.path.join(tmp, unit.name), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             view = memoryview(header)
             while view:

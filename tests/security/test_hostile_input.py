@@ -523,3 +523,20 @@ def test_unreadable_inputs(tmp_path):
     r = run("convert", fifo, tmp_path / "out", "--from", "torch")
     assert r.exit_code == 2 and str(fifo) in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_link_in_the_temporary_directory_is_not_written_through(tmp_path):
+    """`--resume` keeps what a killed run left beside OUT; a link put there under a shard's name
+    used to be written through (the file it pointed to, outside OUT, was overwritten) and published.
+    Now: exit 2, one line naming it, that file untouched, nothing left."""
+    src = tmp_path / "m.pt"
+    torch.save({"a": torch.ones(4)}, src)
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me")
+    (tmp_path / ".out.ckptconv-tmp").mkdir()
+    (tmp_path / ".out.ckptconv-tmp" / "model-00001-of-00001.safetensors").symlink_to(outside)
+    r = run("convert", src, tmp_path / "out", "--resume")
+    assert r.exit_code == 2 and "model-00001-of-00001.safetensors" in r.stderr and "cannot write" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert outside.read_bytes() == b"keep me" and not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "outside.txt"]

@@ -3,6 +3,8 @@ tensor never split, one larger than the limit alone, names always STEM-0000k-of-
 import hashlib
 from types import SimpleNamespace
 
+import pytest
+
 from ckptconv import dtypes
 from ckptconv.writers.base import assign
 from ckptconv.writers.files import plan_shards
@@ -107,3 +109,21 @@ def test_resume_rehash_gives_each_tensors_digest_from_the_bytes(tmp_path, monkey
         assert sharded._rehash(path, shard) == (hashlib.sha256(path.read_bytes()).hexdigest(), want)
     path.write_bytes(shard.header + b"".join(blobs)[:-3])
     assert sharded._rehash(path, shard)[1] is None
+
+
+def test_output_files_are_never_opened_through_a_link(tmp_path):
+    """A link put in the temporary directory under a shard's name (a --resume, a race) is refused,
+    not written through: the file it points to, outside OUT, is untouched."""
+    from ckptconv.errors import OutputError
+    from ckptconv.io.outfile import OutFile, StagingPool
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model-00001-of-00001.safetensors").symlink_to(outside)
+    pool = StagingPool()
+    try:
+        with pytest.raises(OutputError, match="cannot write"):
+            OutFile(tmp_path / "out" / "model-00001-of-00001.safetensors", pool)
+    finally:
+        pool.close()
+    assert outside.read_bytes() == b"keep me"
