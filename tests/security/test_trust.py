@@ -367,8 +367,8 @@ SIGNALS = ["SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGA
 def _signal_during(big_pt, tmp_path, sig, after_bytes, extra=(), preexec=None):
     out = tmp_path / "out"
     tmp = tmp_path / ".out.ckptconv-tmp"
-    proc = subprocess.Popen([sys.executable, "-m", "ckptconv.cli", "convert", big_pt, out, "--quiet",
-                             "--max-shard-size", "16MiB", *extra], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "ckptconv.cli", "convert", big_pt, out,
+                             "--quiet", "--max-shard-size", "16MiB", *extra], cwd=ROOT, stderr=subprocess.PIPE, text=True,
                             preexec_fn=preexec)
     deadline = time.monotonic() + 60
     while proc.poll() is None and time.monotonic() < deadline:
@@ -380,7 +380,12 @@ def _signal_during(big_pt, tmp_path, sig, after_bytes, extra=(), preexec=None):
                 break
         time.sleep(0.001)
     proc.send_signal(getattr(signal, sig))
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:   # a hang: every thread's stack (faulthandler on SIGABRT) says where
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"no exit within 60 s of {sig}; the run's threads:\n{err}") from None
     return proc.returncode, err
 
 
