@@ -104,7 +104,8 @@ def command(fn):
 
 
 def _interrupted(e: signals.Interrupted, as_json=False):
-    _fail(f"interrupted by {e.name}; no output was published", e.exit_code, as_json)
+    after = f"{e.published} was published before it and is complete" if e.published else "no output was published"
+    _fail(f"interrupted by {e.name}; {after}", e.exit_code, as_json)
 
 
 def _reason(e: Exception) -> tuple:

@@ -8,12 +8,23 @@ among them: returning from a handler would re-run the faulting instruction. Sign
 ignored (`nohup`'s SIGHUP) stay ignored, and so do SIGPIPE and SIGXFSZ, which Python ignores so that
 writes fail with an error instead.
 
-Python runs signal handlers in the main thread between bytecodes, so the handler can raise. A few steps
-must not be cut in half (taking the lock, publishing, cleaning up): they run inside `deferred()`, and a
-signal that arrives there is raised when the step is done.
+Python runs signal handlers in the main thread between bytecodes, and an exception raised by one
+appears "out of thin air" there. Most library code cannot survive that (Python's signal docs, "Note on
+Signal Handlers and Exceptions", bpo-42340): raised just after `threading.Condition.__enter__` took
+its lock, it leaves the lock held, and the next thread to notify that condition (a hash or write
+thread finishing a future) waits forever, and so does the run. So the handler raises only when the
+main thread was running ckptconv's own code. Anywhere else (the standard library, numpy, click) the
+signal is left pending, and raised at the next checkpoint: `check()`, called once per chunk where
+bytes are written or hashed, and before anything is published. A few steps must not be cut in half
+(taking the lock, publishing, cleaning up): they run inside `deferred()`, and a signal that arrives
+there is raised when the step is done. A raise that lands where Python can only print it (a `__del__`,
+a weakref callback) is caught by our `sys.unraisablehook` and made pending again, not lost.
 """
 import contextlib
+import os
 import signal
+import sys
+import threading
 
 _FAULTS = {"SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGIOT", "SIGTRAP", "SIGSYS", "SIGKILL", "SIGSTOP"}
 _NAMED = ["SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF",
@@ -35,6 +46,7 @@ class Interrupted(BaseException):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+        self.published = _state.published   # the output, when the signal came after it was published
 
     @property
     def exit_code(self) -> int:
@@ -52,29 +64,58 @@ class _State:
     received = None   # the first signal; later ones are ignored while the run winds down
     raised = False
     deferring = 0
+    unraisable = sys.unraisablehook   # the hook ours hands other exceptions to
+    published = None  # this run's output, once published: an interruption after that leaves it complete
 
 
 _state = _State()
 
 
-def _handler(signum, _frame):
+_OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _handler(signum, frame):
     if _state.received is not None:
         return
     _state.received = signum
-    if not _state.deferring:
+    if not _state.deferring and frame is not None and frame.f_code.co_filename.startswith(_OURS):
         _state.raised = True
         raise Interrupted(signum)
 
 
+def check():
+    """Raise the signal received in this run if it is still pending (it arrived outside our own code,
+    or its exception was swallowed). Cheap: call it once per unit of work, from the main thread."""
+    if _state.received is not None and not _state.raised and not _state.deferring \
+            and threading.current_thread() is threading.main_thread():
+        _state.raised = True
+        raise Interrupted(_state.received)
+
+
+def _unraisable(args):
+    if isinstance(args.exc_value, Interrupted):
+        _state.raised = False  # swallowed where it landed: pending again, for the next check()
+        return
+    _state.unraisable(args)
+
+
 def install():
     """Handle every terminating signal that is not ignored (call once, from the main thread)."""
-    _state.received, _state.raised, _state.deferring = None, False, 0
+    _state.received, _state.raised, _state.deferring, _state.published = None, False, 0, None
+    if sys.unraisablehook is not _unraisable:
+        _state.unraisable, sys.unraisablehook = sys.unraisablehook, _unraisable
     for sig in terminating():
         try:
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 signal.signal(sig, _handler)
         except (OSError, ValueError):  # not settable here (or not in the main thread)
             continue
+
+
+def published(out):
+    """This run's output is published: a signal from now on still ends the run (128 + n), and the
+    message says that `out` is complete."""
+    _state.published = out
 
 
 def received():
@@ -92,6 +133,4 @@ def deferred():
         yield
     finally:
         _state.deferring -= 1
-    if not _state.deferring and _state.received is not None and not _state.raised:
-        _state.raised = True
-        raise Interrupted(_state.received)
+    check()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import safejson
+from . import safejson, signals
 from .io import sha256
 from .errors import BadInput, CkptError, UsageError, brief, printable
 from .io.hashing import CHUNK, Digests, HashLanes
@@ -354,6 +354,7 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
                     released = done_to
                 if progress:
                     progress(n)
+                signals.check()
             if tensor_h is not None:
                 digests.append(entry, hashes.digest("tensor", tensor_h))
             pos = max(pos, end)

@@ -8,6 +8,7 @@ import numpy as np
 
 from . import sha256
 from .outfile import StagingPool
+from .. import signals
 
 CHUNK = 16 * 1024 * 1024
 
@@ -132,6 +133,7 @@ class Pipeline:
             offset += len(view)
             if progress:
                 progress(len(view))
+            signals.check()
 
     def drain(self):
         while self._inflight:
@@ -140,6 +142,7 @@ class Pipeline:
     def retire_one(self):
         for f in self._inflight.popleft():
             f.result()
+        signals.check()
 
     def close(self):
         try:

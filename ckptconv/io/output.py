@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import OutputError
-from ..signals import deferred
+from ..signals import check, deferred, published
 
 
 def temp_path(out: Path) -> Path:
@@ -138,6 +138,7 @@ def atomic_output(out, overwrite=False, resume=False, inputs=(), single_file=Fal
                 shutil.rmtree(tmp)  # left by a killed run
             tmp.mkdir(exist_ok=resume)
         yield tmp
+        check()  # a signal still pending (it arrived outside our code) stops the run before it publishes
         with deferred():
             _fsync_dir(tmp)
             # again: something may have appeared at OUT while the run wrote (hours, for a big model)
@@ -148,6 +149,7 @@ def atomic_output(out, overwrite=False, resume=False, inputs=(), single_file=Fal
                 _fsync_dir(out.parent)
             else:
                 _publish(tmp, out)
+            published(out)
     except BaseException:
         if lock is not None:  # (without the lock, the temporary directory is another run's)
             with deferred():

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from .base import Reader, ReaderOption, register
-from .. import dtypes, safejson
+from .. import dtypes, safejson, signals
 from .pickle import unpickler
 from ..errors import BadInput, UsageError
 from ..io.mapped import MappedFile
@@ -184,10 +184,13 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     allow = allowlist(options.allow_globals)
     jobs = [(i, h, files[i][h]) for i in keep for h in sorted(files[i])]
     pool = ThreadPoolExecutor(max(1, options.workers))
+    parsed = {}
     try:
-        parsed = dict(zip([(i, h) for i, h, _ in jobs], pool.map(lambda j: _parse(j[2], allow), jobs)))
+        for (i, h, _), tree in zip(jobs, pool.map(lambda j: _parse(j[2], allow), jobs)):
+            parsed[i, h] = tree
+            signals.check()  # a signal that came while this thread waited (signals.py)
     finally:
-        pool.shutdown(cancel_futures=True)  # on a bad file or a signal, the files not yet parsed are not
+        pool.shutdown(cancel_futures=True)  # on a bad file or a signal, the files not yet parsed are not parsed
     hosts = len(files[0])
     if joined_on is not None:
         def host_axis(_name):
