@@ -83,22 +83,25 @@ def command(fn):
     @functools.wraps(fn)
     def wrapper(*args, debug, verbose, **kwargs):
         click.get_current_context().meta[_VERBOSE] = verbose
-        signals.install()
         mapped.forget_changes()
         as_json = kwargs.get("as_json")
-        try:
-            return fn(*args, **kwargs)
-        except signals.Interrupted as e:
-            _interrupted(e, as_json)
-        except BrokenPipeError:  # stdout closed early (`| head`): not an error of ours
-            sys.stderr.close()
-            sys.exit(0)
-        except Exception as e:
-            if debug:
-                traceback.print_exc()
-            if signals.received():
-                _interrupted(signals.received(), as_json)
-            _fail(*_reason(e), as_json=as_json)
+        with signals.handled():
+            try:
+                result = fn(*args, **kwargs)
+                signals.check()   # one that came while the summary was printed (outside our code)
+                return result
+            except signals.Interrupted as e:
+                _interrupted(e, as_json)
+            except BrokenPipeError:  # stdout closed early (`| head`): not an error of ours
+                sys.stderr.close()
+                sys.exit(0)
+            except Exception as e:
+                with signals.deferred():   # the error is reported whole, not cut by a signal
+                    if debug:
+                        traceback.print_exc()
+                    if signals.received():
+                        _interrupted(signals.received(), as_json)
+                    _fail(*_reason(e), as_json=as_json)
 
     return wrapper
 

@@ -74,11 +74,20 @@ _state = _State()
 _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def _ours(frame) -> bool:
+    """Whether `frame` runs ckptconv's code: its own, or code generated for it (a dataclass's or
+    namedtuple's `__init__`, filed as "<string>") called from ours. Not importlib's frozen modules."""
+    while frame is not None and frame.f_code.co_filename.startswith("<") \
+            and not frame.f_code.co_filename.startswith("<frozen"):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(_OURS)
+
+
 def _handler(signum, frame):
     if _state.received is not None:
         return
     _state.received = signum
-    if not _state.deferring and frame is not None and frame.f_code.co_filename.startswith(_OURS):
+    if not _state.deferring and _ours(frame):
         _state.raised = True
         raise Interrupted(signum)
 
@@ -99,17 +108,29 @@ def _unraisable(args):
     _state.unraisable(args)
 
 
-def install():
-    """Handle every terminating signal that is not ignored (call once, from the main thread)."""
-    _state.received, _state.raised, _state.deferring, _state.published = None, False, 0, None
-    if sys.unraisablehook is not _unraisable:
-        _state.unraisable, sys.unraisablehook = sys.unraisablehook, _unraisable
+@contextlib.contextmanager
+def handled():
+    """Handle every terminating signal that is not ignored while the block runs (a command, from the
+    main thread); then the process's own handlers and unraisable hook are back, and no signal of the
+    run stays pending (a test suite or a program calling the API after an in-process run)."""
+    before = {}
     for sig in terminating():
         try:
-            if signal.getsignal(sig) is not signal.SIG_IGN:
+            current = signal.getsignal(sig)
+            if current is not signal.SIG_IGN:
                 signal.signal(sig, _handler)
+                before[sig] = current
         except (OSError, ValueError):  # not settable here (or not in the main thread)
             continue
+    _state.received, _state.raised, _state.deferring, _state.published = None, False, 0, None
+    _state.unraisable, sys.unraisablehook = sys.unraisablehook, _unraisable
+    try:
+        yield
+    finally:
+        sys.unraisablehook = _state.unraisable
+        for sig, h in before.items():
+            signal.signal(sig, signal.SIG_DFL if h is None else h)
+        _state.received, _state.raised = None, False
 
 
 def published(out):

@@ -183,9 +183,8 @@ def _read_meta(d: Path, entries: dict, report: Report):
     return index, weight_map, index_names, m_files, m_tensors, sums
 
 
-def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structural=True) -> dict:
-    """Check one output directory; returns {tensor: manifest entry} for what checked out structurally.
-    `hash_only` limits the (expensive) hashing to some shards; `structural=False` skips everything
+def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structural=True):
+    """Check one output directory. `hash_only` limits the (expensive) hashing to some shards; `structural=False` skips everything
     else (another process of a multi-process run does it)."""
     found = report if structural else Report()  # what every process would find alike: reported once
     entries = _scan(d, found)
@@ -197,6 +196,7 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
 
     located = {}   # tensor -> (file, HeaderEntry)
     for shard in shard_names:
+        signals.check()
         path = d / shard
         if shard not in entries:
             found.add(path, "shard is missing", "missing")
@@ -218,7 +218,7 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
             _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress)
             report.files += 1
     if not structural:
-        return {}
+        return
 
     for name, file in (weight_map or {}).items():
         if name not in located:
@@ -275,7 +275,6 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
                        "not-regular")
         elif name != SUMS and name not in listed:
             report.add(d / name, "file is not listed in SHA256SUMS or the manifest", "unlisted")
-    return {n: m_tensors[n] for n in located if m_tensors.get(n) is not None}
 
 
 def _parsed(path: Path, report: Report):
@@ -789,6 +788,7 @@ def _compare(a, b, where, report):
         done += x.size
         a.release()
         b.release()
+        signals.check()
 
 
 def verify(path, against=None, read=None, fmt=None, device=None, allow_fewer=False, progress=None,
@@ -886,7 +886,9 @@ def _share(path: Path, is_mesh: bool, cluster):
 
 
 def _merge(cluster, stage, report: Report):
-    """Process 0 collects every process's findings for a stage, and tells everyone the total."""
+    """Process 0 collects every process's findings for a stage, and tells everyone the total. (A
+    stage's end is a checkpoint for a pending signal, see signals.py.)"""
+    signals.check()
     if cluster is None:
         return
     from .cluster import gather

@@ -1,5 +1,6 @@
 """Where a terminating signal becomes an exception (ckptconv/signals.py): at once in ckptconv's own
 code, and otherwise only at a checkpoint, so that it never lands inside the standard library's locks."""
+import importlib.util
 import signal
 import sys
 import threading
@@ -9,16 +10,16 @@ import pytest
 from ckptconv import cli as cli_module, signals
 from ckptconv.io import output
 from ckptconv.io.hashing import Digests
+from ckptconv.rowview import RowView
+from tests.helpers import run
 
 
 @pytest.fixture
-def install():
-    """Our handlers for the test (installed in its body: pytest sets its own unraisable hook for each
-    phase), the process's own afterwards, and no signal left pending."""
+def restored():
+    """The process's own handlers and unraisable hook after the test, whatever it did."""
     saved = {sig: signal.getsignal(sig) for sig in signals.terminating()}
     hook = sys.unraisablehook
-    yield signals.install
-    signals.install()   # forget what the test received
+    yield
     for sig, h in saved.items():
         signal.signal(sig, h)
     sys.unraisablehook = hook
@@ -33,106 +34,167 @@ def _frame_in_threading():
     return frames[0]
 
 
-def test_a_signal_inside_the_standard_library_waits_for_a_checkpoint(install):
+def test_a_signal_inside_the_standard_library_waits_for_a_checkpoint(restored):
     """Raised just after `Condition.__enter__` took its lock, the exception would leave the lock held and
     the thread that next notifies it (a hash or write thread finishing a future) blocked forever
     (bpo-42340): the hang a signal test met twice. There, the handler only records the signal."""
-    install()
-    signals._handler(signal.SIGUSR1, _frame_in_threading())
-    assert signals.received().signum == signal.SIGUSR1
-    with pytest.raises(signals.Interrupted) as e:
-        signals.check()
-    assert e.value.signum == signal.SIGUSR1
-    signals.check()   # raised once
+    with signals.handled():
+        signals._handler(signal.SIGUSR1, _frame_in_threading())
+        assert signals.received().signum == signal.SIGUSR1
+        with pytest.raises(signals.Interrupted) as e:
+            signals.check()
+        assert e.value.signum == signal.SIGUSR1
+        signals.check()   # raised once
 
 
-def test_a_signal_in_our_own_code_is_raised_at_once(install):
-    install()
-    ours = iter(Digests()).gi_frame          # a frame of ckptconv/io/hashing.py
-    with pytest.raises(signals.Interrupted):
-        signals._handler(signal.SIGTERM, ours)
-    signals.check()   # already raised: nothing pending
+def test_a_signal_in_our_own_code_is_raised_at_once(restored):
+    with signals.handled():
+        ours = iter(Digests()).gi_frame          # a frame of ckptconv/io/hashing.py
+        with pytest.raises(signals.Interrupted):
+            signals._handler(signal.SIGTERM, ours)
+        signals.check()   # already raised: nothing pending
 
 
-def test_a_real_signal_outside_our_code_is_pending_until_checked(install):
-    install()
-    signal.raise_signal(signal.SIGUSR2)   # lands in this test's frame: not ckptconv's
-    with pytest.raises(signals.Interrupted) as e:
-        signals.check()
-    assert e.value.exit_code == 128 + signal.SIGUSR2
+def test_a_real_signal_outside_our_code_is_pending_until_checked(restored):
+    with signals.handled():
+        signal.raise_signal(signal.SIGUSR2)   # lands in this test's frame: not ckptconv's
+        with pytest.raises(signals.Interrupted) as e:
+            signals.check()
+        assert e.value.exit_code == 128 + signal.SIGUSR2
 
 
-def test_a_deferred_step_finishes_before_a_pending_signal_is_raised(install):
-    install()
-    done = []
-    with pytest.raises(signals.Interrupted):
-        with signals.deferred():
-            signals._handler(signal.SIGHUP, iter(Digests()).gi_frame)   # even in our own code
-            signals.check()                                             # not inside the step
-            done.append(True)
-    assert done == [True]
+def test_a_deferred_step_finishes_before_a_pending_signal_is_raised(restored):
+    with signals.handled():
+        done = []
+        with pytest.raises(signals.Interrupted):
+            with signals.deferred():
+                signals._handler(signal.SIGHUP, iter(Digests()).gi_frame)   # even in our own code
+                signals.check()                                             # not inside the step
+                done.append(True)
+        assert done == [True]
 
 
-def test_a_signal_swallowed_where_python_can_only_print_it_is_raised_again(install):
+def test_a_signal_swallowed_where_python_can_only_print_it_is_raised_again(restored):
     """A handler that raised inside a `__del__` or a weakref callback: Python prints the exception and
     goes on. The run must not go on to publish as if no signal had come."""
-    install()
-    signal.raise_signal(signal.SIGUSR1)
-    with pytest.raises(signals.Interrupted):
-        signals.check()
+    with signals.handled():
+        signal.raise_signal(signal.SIGUSR1)
+        with pytest.raises(signals.Interrupted):
+            signals.check()
 
-    class Dropped:
-        def __del__(self):
-            raise signals.Interrupted(signal.SIGUSR1)   # what the handler raises when it lands here
+        class Dropped:
+            def __del__(self):
+                raise signals.Interrupted(signal.SIGUSR1)   # what the handler raises when it lands here
 
-    Dropped()
-    with pytest.raises(signals.Interrupted):
-        signals.check()
+        Dropped()
+        with pytest.raises(signals.Interrupted):
+            signals.check()
 
 
-def test_other_unraisable_errors_still_reach_the_previous_hook(install):
-    install()
+def test_other_unraisable_errors_still_reach_the_previous_hook(restored):
     seen = []
-    signals._state.unraisable = seen.append
+    sys.unraisablehook = seen.append
 
     class Dropped:
         def __del__(self):
             raise ValueError("not ours")
 
-    Dropped()
+    with signals.handled():
+        Dropped()
     assert [type(a.exc_value) for a in seen] == [ValueError]
+    assert sys.unraisablehook == seen.append
 
 
-def test_a_signal_pending_at_the_end_of_the_work_stops_the_run_before_it_publishes(install, tmp_path):
-    install()
-    out = tmp_path / "out"
-    with pytest.raises(signals.Interrupted) as e:
-        with output.atomic_output(out) as tmp:
-            (tmp / "x").write_bytes(b"x")
-            signal.raise_signal(signal.SIGTERM)   # outside our code: pending
-    assert e.value.published is None
-    assert list(tmp_path.iterdir()) == []
+def test_after_a_command_the_process_handles_signals_as_before(restored):
+    """An in-process run (a test suite, a program using the CLI) must not leave our handlers behind:
+    they would only record a signal raised outside our code, and a later SIGTERM would not stop it."""
+    before = {sig: signal.getsignal(sig) for sig in signals.terminating()}
+    with signals.handled():
+        signal.raise_signal(signal.SIGUSR1)   # received, pending
+    assert {sig: signal.getsignal(sig) for sig in signals.terminating()} == before
+    assert signals.received() is None
+    signals.check()   # nothing of that run is raised in a later one
 
 
-def test_a_signal_that_comes_while_publishing_says_the_output_is_complete(install, tmp_path, monkeypatch, capsys):
+def test_generated_code_called_from_ours_counts_as_ours(restored):
+    """A dataclass's or namedtuple's `__init__` is compiled from a string ("<string>"): a signal landing
+    in one (a zip entry record, made once per tensor) is raised there, not held until the next chunk."""
+    namespace = {}
+    exec(compile("import sys\ndef row(_x):\n    return sys._getframe()\n", "<string>", "exec"), namespace)
+    generated = RowView([0], namespace["row"])[0]           # called from ckptconv/rowview.py
+    assert generated.f_code.co_filename == "<string>"
+    with signals.handled():
+        with pytest.raises(signals.Interrupted):
+            signals._handler(signal.SIGTERM, generated)
+    frozen = next(f for f in _frames_of(importlib.util.find_spec, "json") if f.f_code.co_filename.startswith("<frozen"))
+    with signals.handled():
+        signals._handler(signal.SIGTERM, frozen)             # importlib's module locks: never raised in
+        with pytest.raises(signals.Interrupted):
+            signals.check()
+
+
+def _frames_of(fn, *args):
+    """The frames `fn(*args)` runs through, innermost first, caught by a profile hook."""
+    frames = []
+    sys.setprofile(lambda frame, event, _arg: frames.append(frame) if event == "call" else None)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return frames
+
+
+def test_a_signal_while_the_summary_is_printed_is_not_lost(restored, tmp_path, monkeypatch):
+    """After publishing, the summary is printed by click (not our code): a signal there is pending, and
+    was dropped (exit 0, nothing said). It ends the run, and says OUT is complete."""
+    import click
+    import torch
+    torch.save({"w": torch.ones(4)}, tmp_path / "m.pt")
+    echo, sent = click.echo, []
+
+    def echo_signalled(*a, **k):
+        if not sent:
+            sent.append(signal.raise_signal(signal.SIGTERM))
+        return echo(*a, **k)
+
+    monkeypatch.setattr(click, "echo", echo_signalled)
+    r = run("convert", tmp_path / "m.pt", tmp_path / "out")
+    assert r.exit_code == 128 + signal.SIGTERM, r.stderr
+    assert r.stderr == f"ckptconv: error: interrupted by SIGTERM; {tmp_path / 'out'} was published before it " \
+                       "and is complete\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "out"]
+
+
+def test_a_signal_pending_at_the_end_of_the_work_stops_the_run_before_it_publishes(restored, tmp_path):
+    with signals.handled():
+        out = tmp_path / "out"
+        with pytest.raises(signals.Interrupted) as e:
+            with output.atomic_output(out) as tmp:
+                (tmp / "x").write_bytes(b"x")
+                signal.raise_signal(signal.SIGTERM)   # outside our code: pending
+        assert e.value.published is None
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_a_signal_that_comes_while_publishing_says_the_output_is_complete(restored, tmp_path, monkeypatch, capsys):
     """Publishing is not cut in half; the signal is raised after it, and must not claim that nothing
     was published (it did, before this test: exit 128 + n, "no output was published", OUT there)."""
-    install()
-    publish = output._publish
+    with signals.handled():
+        publish = output._publish
 
-    def signalled(tmp, out):
-        signals._handler(signal.SIGTERM, iter(Digests()).gi_frame)   # in our code, inside the step
-        publish(tmp, out)
+        def signalled(tmp, out):
+            signals._handler(signal.SIGTERM, iter(Digests()).gi_frame)   # in our code, inside the step
+            publish(tmp, out)
 
-    monkeypatch.setattr(output, "_publish", signalled)
-    out = tmp_path / "out"
-    with pytest.raises(signals.Interrupted) as e:
-        with output.atomic_output(out) as tmp:
-            (tmp / "x").write_bytes(b"x")
-    assert e.value.published == out
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "x").read_bytes() == b"x"
-    with pytest.raises(SystemExit) as code:
-        cli_module._interrupted(e.value)
-    assert code.value.code == 128 + signal.SIGTERM
-    assert capsys.readouterr().err == f"ckptconv: error: interrupted by SIGTERM; {out} was published before it " \
-                                      "and is complete\n"
+        monkeypatch.setattr(output, "_publish", signalled)
+        out = tmp_path / "out"
+        with pytest.raises(signals.Interrupted) as e:
+            with output.atomic_output(out) as tmp:
+                (tmp / "x").write_bytes(b"x")
+        assert e.value.published == out
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "x").read_bytes() == b"x"
+        with pytest.raises(SystemExit) as code:
+            cli_module._interrupted(e.value)
+        assert code.value.code == 128 + signal.SIGTERM
+        assert capsys.readouterr().err == f"ckptconv: error: interrupted by SIGTERM; {out} was published before it " \
+                                          "and is complete\n"
