@@ -295,8 +295,8 @@ def _convert_command(name, pickle_only, help_text):
     @command
     def run(src, out, fmt, read, strip_prefix, dtype, no_copy_extras, write, cluster, quiet, as_json):
         source = Source(src, fmt, read)
-        reader, _ = reader_for(src, fmt)
-        if pickle_only and not reader.parses_pickles:
+        reader = reader_for(src, fmt)[0] if pickle_only else None   # (detection reads the source: only if needed)
+        if reader is not None and not reader.parses_pickles:
             raise UsageError(f"{src}: is a {reader.name} checkpoint, not a pickle-based one; use `ckptconv convert` "
                              "for it")
         result = convert(source, out, ConvertOptions(strip_prefix, dtype, not no_copy_extras), write, cluster(),

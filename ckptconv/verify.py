@@ -19,7 +19,7 @@ import numpy as np
 from . import safejson, signals
 from .io import sha256
 from .errors import BadInput, CkptError, UsageError, brief, printable
-from .io.hashing import CHUNK, Digests, HashLanes
+from .io.hashing import CHUNK, SMALL, Digests, HashLanes
 from .io.mapped import MappedFile
 from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint
 from .formats.safetensors import parse_header
@@ -31,7 +31,6 @@ from . import dtypes, transforms
 from .formats import manifest as manifest_format
 from .formats.manifest import MANIFEST
 from .formats.mesh import MESH, intervals, outer_cut, parse_mesh, rank_dir, rank_dirs, rank_number, read_regular
-
 
 # What a problem is about (docs/verify.md#problems): a listed file or tensor that is absent; one present
 # that nothing lists; one in another place than listed, or twice; bytes whose digest or size differs;
@@ -328,37 +327,45 @@ def _library_view(path: Path, header, report: Report):
 
 def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
     """Digest the file and each tensor in one streaming pass (hashing.HashLanes), while this thread
-    maps the next chunk's pages in; pages are dropped once the hashes are done with them. `m_files`
-    is None for a single-file output (no file digest to compare)."""
+    maps the next chunk's pages in; pages are dropped once the hashes are done with them. A tensor
+    of at most SMALL bytes is digested here, in this thread, and its bytes go to the file's digest with
+    its neighbours' in CHUNK pieces (hashing.SMALL). `m_files` is None for a single-file output (no file digest to compare)."""
     path = Path(m.path)
     hashes, file_h, chunks, digests = HashLanes(), sha256.new(), deque(), Digests()
+    fed = released = 0   # the file's bytes before `fed` are on their way to its digest
+
+    def feed(upto, tensor_h=None):
+        """File bytes [fed, upto) to the file's digest (and `tensor_h`), CHUNK at a time."""
+        nonlocal fed, released
+        while fed < upto:
+            n = min(CHUNK, upto - fed)
+            m.populate(fed, n)
+            chunks.append((hashes.feed(m.view[fed:fed + n], file_h, tensor_h), fed + n))
+            fed += n
+            if len(chunks) > 4:  # wait for the oldest chunk, drop the pages the hashes are done with
+                futures, done_to = chunks.popleft()
+                for f in futures:
+                    f.result()
+                m.release(released, done_to - released)
+                released = done_to
+            if progress:
+                progress(n)
+            signals.check()
+
     try:
-        pos = released = 0
+        pos = 0   # the end of the furthest range so far (overlapping entries: a header problem)
         ranges = [(None, 0, header.data_start)] + [(e, e.begin, e.end) for e in header.entries if e.end <= m.size]
         for entry, begin, end in ranges:
-            if begin > pos:
-                chunks.append((hashes.feed(m.view[pos:begin], file_h), begin))
             begin = max(begin, pos)
-            tensor_h = sha256.new() if entry is not None else None
-            while begin < end:
-                n = min(CHUNK, end - begin)
-                m.populate(begin, n)
-                chunks.append((hashes.feed(m.view[begin:begin + n], file_h, tensor_h), begin + n))
-                begin += n
-                if len(chunks) > 4:  # wait for the oldest chunk, drop the pages the hashes are done with
-                    futures, done_to = chunks.popleft()
-                    for f in futures:
-                        f.result()
-                    m.release(released, done_to - released)
-                    released = done_to
-                if progress:
-                    progress(n)
-                signals.check()
-            if tensor_h is not None:
+            if entry is not None and end - begin <= SMALL:
+                digests.append_done(entry, hashlib.sha256(m.view[begin:max(begin, end)]).digest())
+            elif entry is not None:
+                feed(begin)
+                tensor_h = sha256.new()
+                feed(end, tensor_h)
                 digests.append(entry, hashes.digest("tensor", tensor_h))
             pos = max(pos, end)
-        if pos < m.size:
-            chunks.append((hashes.feed(m.view[pos:], file_h), m.size))
+        feed(m.size)
         for futures, _ in chunks:
             for f in futures:
                 f.result()

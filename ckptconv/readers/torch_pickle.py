@@ -37,7 +37,7 @@ def _is_torch_file(path: Path) -> bool:
     if not head.startswith(b"PK\x03\x04"):
         return False
     try:
-        return any(n.endswith("data.pkl") for n in ziparchive.read_entries(MappedFile(path)))
+        return any(n.endswith("data.pkl") for n in ziparchive.names(MappedFile(path)))
     except BadInput:
         return path.suffix in (".pt", ".pth", ".bin", ".ckpt")  # let open() give the precise error
 

@@ -49,7 +49,19 @@ def _entries(path: Path):
 
 
 def detect(path: Path) -> bool:
-    return path.is_file() and _entries(path) is not None
+    """A torch zip archive with `code/` beside its data.pkl, told by the names alone (ziparchive.names)."""
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return False
+        m = MappedFile(path)
+        names = list(ziparchive.names(m))
+        prefix = archive_prefix(m, names)
+    except (OSError, BadInput):
+        return False
+    return any(n.startswith(prefix + "code/") for n in names)
 
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:

@@ -18,7 +18,7 @@ from ..errors import BadInput, OutputError
 from ..formats import manifest as fmt
 from ..formats.safetensors import build_header
 from ..formats.sums import write_sums
-from ..io.hashing import CHUNK, Digests, Pipeline, write_all
+from ..io.hashing import CHUNK, SMALL, Digests, Pipeline, write_all
 from ..io.outfile import OutFile
 from ..tensor import as_bytes, iter_blocks
 
@@ -83,17 +83,25 @@ class OutputStream:
         self.written = Written()
         self._current, self._file, self._file_h, self._digests = None, None, None, Digests()
         self._next = 0   # of the current shard's tensors, the next to be written
+        self._small = bytearray()   # small tensors' bytes, in order, not yet pushed (SmallTensorWriter)
 
     def add(self, t, progress=None, tap=None):
         """Write all of tensor `t` into the shard the plan puts it in; `tap` (a sha256 state) is fed
         the same bytes."""
-        piece = self.tensor(t, tap)
+        piece = SmallTensorWriter(self, t) if tap is None and t.nbytes <= SMALL else self.tensor(t, tap)
         write_tensor(piece, t, progress)
         piece.close()
 
     def tensor(self, t, tap=None) -> "TensorWriter":
         """A writer for tensor `t`'s bytes, pushed in order by the caller (reshard's scatter)."""
+        self._flush()
         return TensorWriter(self, t, tap)
+
+    def _flush(self):
+        """Push the small tensors' bytes gathered so far into the open shard (and its digest)."""
+        if self._small:
+            self.pipeline.push(self._file, self._file_h, None, self._small)
+            self._small = bytearray()
 
     def _file_for(self, t):
         """(file, file hash) of the shard that holds tensor `t`: tensors come in plan order, so it
@@ -123,6 +131,7 @@ class OutputStream:
         if self._file is None:
             return
         shard = self.shards[self._current]
+        self._flush()
         self.pipeline.drain()
         self._file.close(self.fsync)  # on failure, the caller abandons the stream (and this file)
         self._file = None
@@ -166,6 +175,31 @@ class TensorWriter:
     def close(self):
         """Every byte is pushed: the tensor's digest (a future) goes to the stream's manifest entry."""
         self.stream._record(self.t, self.stream.pipeline.hashes.digest("tensor", self.tensor_h))
+
+
+class SmallTensorWriter:
+    """A tensor of at most SMALL bytes: digested in this thread, and its bytes gathered with its
+    neighbours' into one push of up to CHUNK bytes (hashing.SMALL says why). Same calls as TensorWriter."""
+
+    def __init__(self, stream: OutputStream, t):
+        stream._file_for(t)   # (the shard before it, with what was gathered for it, is closed here)
+        self.stream, self.t, self.tensor_h = stream, t, hashlib.sha256()
+
+    def fill(self, fill_at, offset, n, progress=None):
+        data = bytearray(n)
+        fill_at(memoryview(data), offset)
+        self.copy(data)
+        if progress:
+            progress(n)
+
+    def copy(self, data):
+        self.tensor_h.update(data)
+        self.stream._small += data
+
+    def close(self):
+        self.stream._digests.append_done(self.t, self.tensor_h.digest())
+        if len(self.stream._small) >= CHUNK:
+            self.stream._flush()
 
 
 def write_tensor(piece: TensorWriter, t, progress):

@@ -217,3 +217,31 @@ def test_fewer_devices_than_ranks(outputs):
     r = subprocess.run([sys.executable, "-m", "ckptconv.cli", "verify", outputs / "tp8", "--device", "cpu",
                         "--allow-fewer-devices"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_tensor_size_is_checked_whichever_thread_digests_it(tmp_path, monkeypatch):
+    """Small tensors are digested by verify's own thread and fed to the file's digest with their
+    neighbours; larger ones go to the hash threads chunk by chunk. A flipped byte is named, each way."""
+    import importlib
+    import torch
+    verify_module = importlib.import_module("ckptconv.verify")   # (the package exports the function verify)
+    monkeypatch.setattr(verify_module, "SMALL", 1024)
+    monkeypatch.setattr(verify_module, "CHUNK", 4096)
+    sizes = {"empty": 0, "one": 1, "small": 100, "at_small": 256, "above": 257, "chunks": 2500, "tail": 3}
+    torch.save({k: torch.arange(n, dtype=torch.float32) for k, n in sizes.items()}, tmp_path / "m.pt")
+    good = tmp_path / "good"
+    assert run("convert", tmp_path / "m.pt", good, "--quiet").exit_code == 0
+    assert problems(good)[0] == 0
+    for name, n in sizes.items():
+        if not n:
+            continue
+        out = tmp_path / name
+        shutil.copytree(good, out)
+        path, b, e = locate(out, name)
+        data = bytearray(path.read_bytes())
+        data[e - 1] ^= 0x80
+        path.write_bytes(bytes(data))
+        code, text = problems(out)
+        named = [line for line in text.splitlines() if "sha256 differs from the manifest" in line]
+        assert code == 1 and len(named) == 1 and repr(name) in named[0], text
+        assert any("sha256 differs from manifest.json" in line and path.name in line for line in text.splitlines())
