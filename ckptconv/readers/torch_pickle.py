@@ -210,8 +210,9 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
                        "compressed one could build far more than the file holds (was this archive repacked? "
                        "store it again with `zip -0`)")
     data = ziparchive.read_small(m, entry)
+    m.release(entry.offset, entry.span)   # read once for its CRC; the run reads it again, a step at a time
     try:
-        return unpickler.load(data, allow, m.path, entry.offset, persistent_load, budget, unlisted)
+        return unpickler.load(data, allow, m.path, entry.offset, persistent_load, budget, unlisted, m.release)
     finally:
         m.release(entry.offset, entry.span)  # parsed: its pages go (a DCP checkpoint has one per chunk)
 

@@ -266,3 +266,30 @@ def test_archive_entries_scanned_a_bounded_number_of_times(tmp_path, monkeypatch
     monkeypatch.setattr(torch_pickle, "archive_prefix", lambda *a: calls.append(1) or real(*a))
     assert run("inspect", tmp_path / "many.pt").exit_code == 0
     assert 1 <= len(calls) <= 2
+
+
+def test_the_pickle_is_read_with_its_pages_let_go_behind(tmp_path, monkeypatch):
+    """A million-tensor data.pkl is ~110 MB of mapped pages: they are dropped after the CRC pass and
+    after the memo pass, then a step at a time behind the run, which builds the same objects."""
+    import torch
+    from ckptconv.io.mapped import MappedFile
+    from ckptconv.readers import ziparchive
+    from ckptconv.readers.pickle import unpickler
+    from ckptconv.readers.pickle.torch_globals import torch_globals
+    from ckptconv.readers.torch_pickle import load_zip
+    torch.save({f"w{i}": torch.full((3,), float(i)) for i in range(300)}, tmp_path / "m.pt")
+    m = MappedFile(tmp_path / "m.pt")
+    entries = ziparchive.read_entries(m)
+    pkl = entries[next(n for n in entries if n.endswith("data.pkl"))]
+    calls = []
+    release = m.release
+    monkeypatch.setattr(m, "release", lambda offset, length: calls.append((offset, length)) or release(offset, length))
+    monkeypatch.setattr(unpickler, "RELEASE_STEP", 512)
+    stepped = load_zip(m, torch_globals(), entries=entries)
+    steps = sorted(calls)
+    assert len(steps) > pkl.size // 512 // 2
+    assert steps[0][0] == pkl.offset and max(o + n for o, n in steps) >= pkl.offset + pkl.size - 512
+    assert all(pkl.offset <= o and o + n <= pkl.offset + pkl.span for o, n in steps)
+    monkeypatch.setattr(unpickler, "RELEASE_STEP", 16 << 20)
+    whole = load_zip(MappedFile(tmp_path / "m.pt"), torch_globals())
+    assert [(k, v.shape, v.start) for k, v in stepped.items()] == [(k, v.shape, v.start) for k, v in whole.items()]

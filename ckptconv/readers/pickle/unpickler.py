@@ -492,7 +492,8 @@ class Context:
                 todo.extend(x)
 
 
-def load(data, allowlist: dict, path, base_offset=0, persistent_load=None, budget: Budget = None, unlisted=None):
+def load(data, allowlist: dict, path, base_offset=0, persistent_load=None, budget: Budget = None, unlisted=None,
+         release=None):
     """Run the pickle in `data` (bytes or memoryview) and return the object it builds.
 
     `allowlist` maps (module, name) to StandIns, and (module, "*") accepts a module and those below it
@@ -502,17 +503,20 @@ def load(data, allowlist: dict, path, base_offset=0, persistent_load=None, budge
     `persistent_load(pid, ctx)` resolves PERSID ids.
     `budget` (default: one sized by `data`) is charged here and by whoever walks the result next
     (`flatten`, `extras_json`), so the whole reading of one pickle stays bounded by its size.
+    `release(offset, length)`, given a mapped file's, drops the pages of bytes read (file offsets):
+    a million-tensor data.pkl is 110 MB, and it is read twice (fetched_memo, then the run).
     """
-    return load_prefix(data, allowlist, path, base_offset, persistent_load, budget=budget, unlisted=unlisted)[0]
+    return load_prefix(data, allowlist, path, base_offset, persistent_load, budget=budget, unlisted=unlisted,
+                       release=release)[0]
 
 
 def load_prefix(data, allowlist: dict, path, base_offset=0, persistent_load=None, max_memo=10_000_000,
-                budget: Budget = None, unlisted=None):
+                budget: Budget = None, unlisted=None, release=None):
     """Like `load` for a pickle followed by other bytes: returns (object, length of the pickle)."""
     mv = memoryview(data).cast("B")
     ctx = Context(path, base_offset, budget or Budget(path), unlisted)
     try:
-        obj, length = _run(mv, allowlist, ctx, persistent_load, max_memo)
+        obj, length = _run(mv, allowlist, ctx, persistent_load, max_memo, release)
         ctx.credit(length)
         return obj, length
     except (BadInput,):
@@ -594,14 +598,23 @@ def fetched_memo(mv):
     return None
 
 
-def _run(mv, allowlist, ctx, persistent_load, max_memo):
+RELEASE_STEP = 16 << 20   # with `release`, the pages of each this many bytes read are dropped
+
+
+def _run(mv, allowlist, ctx, persistent_load, max_memo, release=None):
     """Execute opcodes from the table until STOP: (object built, length of the pickle)."""
     vm = _Machine(mv, allowlist, ctx, persistent_load, max_memo, fetched_memo(mv))
     n, ops = len(mv), _OPS
+    if release is not None:
+        release(ctx.base_offset, n)   # stepped over by fetched_memo: read again below, a step at a time
+    released, mark = 0, min(n, RELEASE_STEP) if release is not None else n   # (one comparison per opcode)
     while True:
         pos = vm.pos
-        if pos >= n:
-            raise ctx.bad("truncated pickle: no STOP opcode")
+        if pos >= mark:
+            if pos >= n:
+                raise ctx.bad("truncated pickle: no STOP opcode")
+            release(ctx.base_offset + released, pos - released)
+            released, mark = pos, min(n, pos + RELEASE_STEP)
         ctx.pos = pos
         op = mv[pos]
         vm.pos = pos + 1
