@@ -359,6 +359,8 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
             begin = max(begin, pos)
             if entry is not None and end - begin <= SMALL:
                 digests.append_done(entry, hashlib.sha256(m.view[begin:max(begin, end)]).digest())
+                if end - fed >= CHUNK:   # the file's digest follows (and drops the pages read here)
+                    feed(end)
             elif entry is not None:
                 feed(begin)
                 tensor_h = sha256.new()

@@ -35,16 +35,16 @@ CUSTOM_CLASSES = SCRIPT_MODULE + ".torch.classes"   # C++ classes (torch.classes
 
 def _entries(path: Path):
     """The archive's entries and the folder of its data.pkl, if `path` is a TorchScript archive (a
-    torch zip with `code/` beside data.pkl); else None."""
+    torch zip with `code/` beside data.pkl); else None. A damaged archive is BadInput, saying how."""
     try:
         with open(path, "rb") as f:
             if f.read(4) != b"PK\x03\x04":
                 return None
-        m = MappedFile(path)
-        entries = ziparchive.read_entries(m)
-        prefix = archive_prefix(m, entries)
-    except (OSError, BadInput):
+    except OSError:
         return None
+    m = MappedFile(path)
+    entries = ziparchive.read_entries(m)
+    prefix = archive_prefix(m, entries)
     return (m, entries, prefix) if any(n.startswith(prefix + "code/") for n in entries) else None
 
 

@@ -13,6 +13,7 @@ import shutil
 import stat
 from dataclasses import dataclass, field
 
+from .. import signals
 from ..io import sha256
 from ..errors import BadInput, OutputError
 from ..formats import manifest as fmt
@@ -200,6 +201,7 @@ class SmallTensorWriter:
         self.stream._digests.append_done(self.t, self.tensor_h.digest())
         if len(self.stream._small) >= CHUNK:
             self.stream._flush()
+        signals.check()   # (a signal pending outside our code: no chunk may pass for a million of these)
 
 
 def write_tensor(piece: TensorWriter, t, progress):

@@ -245,3 +245,27 @@ def test_every_tensor_size_is_checked_whichever_thread_digests_it(tmp_path, monk
         named = [line for line in text.splitlines() if "sha256 differs from the manifest" in line]
         assert code == 1 and len(named) == 1 and repr(name) in named[0], text
         assert any("sha256 differs from manifest.json" in line and path.name in line for line in text.splitlines())
+
+
+def test_a_run_of_small_tensors_does_not_stay_mapped(tmp_path, monkeypatch):
+    """Small tensors are read by verify's own thread; their pages must go as the file's digest passes
+    them, not at the end of the shard (a 1 GB shard of 64 KiB tensors held 1.1 GB)."""
+    import hashlib
+    import importlib
+    import types
+    import torch
+    from ckptconv.io.mapped import MappedFile
+    verify_module = importlib.import_module("ckptconv.verify")
+    monkeypatch.setattr(verify_module, "CHUNK", 4096)
+    torch.save({f"w{i}": torch.full((100,), float(i)) for i in range(200)}, tmp_path / "m.pt")   # 400 B each
+    assert run("convert", tmp_path / "m.pt", tmp_path / "out", "--quiet").exit_code == 0
+    events = []
+    release = MappedFile.release
+    monkeypatch.setattr(MappedFile, "release", lambda self, o, n: events.append("release") or release(self, o, n))
+    monkeypatch.setattr(verify_module, "hashlib", types.SimpleNamespace(
+        sha256=lambda *a: (a and events.append("read")) or hashlib.sha256(*a)))   # (with bytes: a tensor)
+    assert problems(tmp_path / "out")[0] == 0
+    reads = [i for i, e in enumerate(events) if e == "read"]
+    assert len(reads) >= 200
+    between = events[reads[0]:reads[-1]].count("release")   # pages let go while tensors are still being read
+    assert between >= 200 * 400 // 4096 // 2, events

@@ -1,6 +1,7 @@
 """TorchScript archives (torch.jit.save) -> safetensors: the state dict torch.jit.load gives, bit for
 bit, from the module tree alone; code is never read as code, and a hostile archive is refused."""
 import json
+import warnings
 import zipfile
 
 import pytest
@@ -145,3 +146,24 @@ def test_each_source_file_is_scanned_once(archives, tmp_path, monkeypatch):
 def test_the_torch_reader_names_a_torchscript_archive(archives, tmp_path):
     r = run("convert", archives["traced"][0], tmp_path / "out", "--from", "torch")
     assert r.exit_code == 2 and "is a TorchScript archive" in r.stderr and "--from torchscript" in r.stderr
+
+
+@pytest.mark.parametrize("case,fragment", [("escaping name", "is absolute or escapes the archive"),
+                                           ("name twice", "appears twice")])
+def test_a_damaged_archive_is_refused_by_the_reader_that_recognised_it_saying_why(archives, tmp_path, case, fragment):
+    """Detection reads the names alone; the full check at load must then say what is wrong, not
+    "not a TorchScript archive" (it is one)."""
+    src, _ = archives["traced"]
+    with zipfile.ZipFile(src) as z:
+        code = next(n for n in z.namelist() if "/code/__torch__/" in n and n.endswith(".py"))
+    bad = tmp_path / "bad.pt"
+    if case == "escaping name":   # the same length, in the local header and the central directory
+        bad.write_bytes(src.read_bytes().replace(code.encode(), code.replace("/__torch__/", "/../orch__/", 1).encode()))
+    else:
+        with zipfile.ZipFile(src) as zin, zipfile.ZipFile(bad, "w") as zout, warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # zipfile warns about the duplicate name it is asked to write
+            for item in zin.infolist():
+                zout.writestr(item.filename, zin.read(item), zipfile.ZIP_STORED)
+            zout.writestr(code, b"pass\n", zipfile.ZIP_DEFLATED)
+    r = run("inspect", bad)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and fragment in r.stderr, r.stderr
