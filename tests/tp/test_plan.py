@@ -29,7 +29,7 @@ def test_grok1_real_shapes_at_tp8(hosts):
     assert busiest["tensors_written"] == len(busiest["units"]) * plan["tensor_count"]   # every tensor per rank dir
     bytes_ = max(per_process)   # the slower of disk (read + write at 2 GB/s) and CPU, plus the per-tensor work
     assert plan["seconds"] == pytest.approx(max(2 * bytes_ / 2e9, bytes_ / (CPU_GBPS["reshard"] * 1e9))
-                                            + PER_TENSOR_SECONDS * busiest["tensors_written"])
+                                            + PER_TENSOR_SECONDS["reshard"] * busiest["tensors_written"])
 
 
 def test_estimates_grow_with_the_tensor_count_not_the_bytes(tmp_path):
@@ -43,7 +43,7 @@ def test_estimates_grow_with_the_tensor_count_not_the_bytes(tmp_path):
     few, many = plan(10, 10000), plan(10000, 10)
     assert few["bytes_written"] == pytest.approx(many["bytes_written"], rel=0.01)   # (headers differ)
     assert many["peak_rss_bytes"] - few["peak_rss_bytes"] == pytest.approx(PER_TENSOR_RSS * 9990, rel=0.01)
-    assert many["seconds"] - few["seconds"] == pytest.approx(PER_TENSOR_SECONDS * 9990, rel=0.01)
+    assert many["seconds"] - few["seconds"] == pytest.approx(PER_TENSOR_SECONDS["convert"] * 9990, rel=0.01)
 
 
 def test_plan_of_a_checkpoint_matches_what_convert_writes(hf_llama, tmp_path):
