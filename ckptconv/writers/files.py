@@ -87,9 +87,10 @@ class OutputStream:
         self._small = bytearray()   # small tensors' bytes, in order, not yet pushed (SmallTensorWriter)
 
     def add(self, t, progress=None, tap=None):
-        """Write all of tensor `t` into the shard the plan puts it in; `tap` (a sha256 state) is fed
-        the same bytes."""
-        piece = SmallTensorWriter(self, t) if tap is None and t.nbytes <= SMALL else self.tensor(t, tap)
+        """Write all of tensor `t` into the shard the plan puts it in; `tap` (a sha256 state fed by
+        the hash threads, or an InlineTap) is fed the same bytes."""
+        small = t.nbytes <= SMALL and (tap is None or isinstance(tap, InlineTap))
+        piece = SmallTensorWriter(self, t, tap) if small else self.tensor(t, tap)
         write_tensor(piece, t, progress)
         piece.close()
 
@@ -178,13 +179,27 @@ class TensorWriter:
         self.stream._record(self.t, self.stream.pipeline.hashes.digest("tensor", self.tensor_h))
 
 
+class InlineTap:
+    """A global digest fed in this thread: reshard's, of a tensor whose every rank piece is small (a
+    state the hash threads also fed could not take bytes here without racing them)."""
+
+    def __init__(self):
+        self._h = hashlib.sha256()
+
+    def update(self, data):
+        self._h.update(data)
+
+    def digest(self) -> bytes:
+        return self._h.digest()
+
+
 class SmallTensorWriter:
     """A tensor of at most SMALL bytes: digested in this thread, and its bytes gathered with its
     neighbours' into one push of up to CHUNK bytes (hashing.SMALL says why). Same calls as TensorWriter."""
 
-    def __init__(self, stream: OutputStream, t):
+    def __init__(self, stream: OutputStream, t, tap: InlineTap = None):
         stream._file_for(t)   # (the shard before it, with what was gathered for it, is closed here)
-        self.stream, self.t, self.tensor_h = stream, t, hashlib.sha256()
+        self.stream, self.t, self.tap, self.tensor_h = stream, t, tap, hashlib.sha256()
 
     def fill(self, fill_at, offset, n, progress=None):
         data = bytearray(n)
@@ -195,6 +210,8 @@ class SmallTensorWriter:
 
     def copy(self, data):
         self.tensor_h.update(data)
+        if self.tap is not None:
+            self.tap.update(data)
         self.stream._small += data
 
     def close(self):

@@ -18,10 +18,11 @@ import numpy as np
 from ..io import sha256
 from ..errors import BadInput
 from ..formats import mesh as fmt
-from ..io.hashing import CHUNK, Digests, Pipeline
+from ..io.hashing import CHUNK, SMALL, Digests, Pipeline
 from ..tensor import Concat, as_bytes, sha256_of, zero_padded
 from .base import Content, WriteOptions, Writer, assign, register
-from .files import OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json, write_tensor
+from .files import (InlineTap, OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json,
+                    write_tensor)
 
 
 @dataclass
@@ -148,9 +149,13 @@ class MeshWriter(Writer):
                 elif ordered:
                     _ordered(p, self.sources[p.name], holders, pieces, streams, progress, tap)
                 else:
+                    if tap is not None and math.prod(p.shape) * p.dtype.itemsize <= SMALL:
+                        tap = InlineTap()   # every piece is small: digested in this thread, as they are
                     for r in holders:
                         streams[r].add(pieces[r][p.name], progress, tap)
-                if tap is not None:   # (a state per tensor only while it is written)
+                if isinstance(tap, InlineTap):
+                    taps.append_done(p.name, tap.digest())
+                elif tap is not None:   # (a state per tensor only while it is written)
                     taps.append(p.name, pipeline.hashes.digest("tap", tap))
             for stream in streams.values():
                 stream.finish()
