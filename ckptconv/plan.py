@@ -21,7 +21,7 @@ CPU_GBPS = {"convert": 1.0,    # read, hash (file and tensor digests) and write,
             "reshard": 0.6}    # the same and a third digest (the global tensor's), gathered row splits
 # reading a tensor's record, planning, hashing and listing it; a convert's small tensors are digested
 # in bulk (hashing.SMALL), a reshard's rank pieces one by one through the hash threads
-PER_TENSOR_SECONDS = {"convert": 95e-6, "reshard": 180e-6}
+PER_TENSOR_SECONDS = {"convert": 95e-6, "reshard": 80e-6}
 
 
 def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
