@@ -87,9 +87,10 @@ def command(fn):
         as_json = kwargs.get("as_json")
         with signals.handled():
             try:
-                result = fn(*args, **kwargs)
-                signals.check()   # one that came while the summary was printed (outside our code)
-                return result
+                try:
+                    return fn(*args, **kwargs)
+                finally:   # one that came while the summary or problems were printed (outside our code)
+                    signals.check()
             except signals.Interrupted as e:
                 _interrupted(e, as_json)
             except BrokenPipeError:  # stdout closed early (`| head`): not an error of ours
@@ -295,10 +296,11 @@ def _convert_command(name, pickle_only, help_text):
     @command
     def run(src, out, fmt, read, strip_prefix, dtype, no_copy_extras, write, cluster, quiet, as_json):
         source = Source(src, fmt, read)
-        reader = reader_for(src, fmt)[0] if pickle_only else None   # (detection reads the source: only if needed)
-        if reader is not None and not reader.parses_pickles:
-            raise UsageError(f"{src}: is a {reader.name} checkpoint, not a pickle-based one; use `ckptconv convert` "
-                             "for it")
+        if pickle_only:   # (detection reads the source: only when it decides something)
+            reader, _ = reader_for(src, fmt)
+            if not reader.parses_pickles:
+                raise UsageError(f"{src}: is a {reader.name} checkpoint, not a pickle-based one; use `ckptconv "
+                                 "convert` for it")
         result = convert(source, out, ConvertOptions(strip_prefix, dtype, not no_copy_extras), write, cluster(),
                          lambda total: byte_progress(total, "convert", quiet))
         if as_json:

@@ -15,7 +15,9 @@ its lock, it leaves the lock held, and the next thread to notify that condition 
 thread finishing a future) waits forever, and so does the run. So the handler raises only when the
 main thread was running ckptconv's own code. Anywhere else (the standard library, numpy, click) the
 signal is left pending, and raised at the next checkpoint: `check()`, called once per chunk where
-bytes are written or hashed, and before anything is published. A few steps must not be cut in half
+bytes are written or hashed, per small tensor written, and before anything is published. A second
+signal while the first is pending is raised at once, wherever it lands: if the run waits on something
+that never comes, the user's insistence is worth that risk. A few steps must not be cut in half
 (taking the lock, publishing, cleaning up): they run inside `deferred()`, and a signal that arrives
 there is raised when the step is done. A raise that lands where Python can only print it (a `__del__`,
 a weakref callback) is caught by our `sys.unraisablehook` and made pending again, not lost.
@@ -64,7 +66,7 @@ class _State:
     received = None   # the first signal; later ones are ignored while the run winds down
     raised = False
     deferring = 0
-    unraisable = sys.unraisablehook   # the hook ours hands other exceptions to
+    active = False    # inside handled()
     published = None  # this run's output, once published: an interruption after that leaves it complete
 
 
@@ -85,6 +87,9 @@ def _ours(frame) -> bool:
 
 def _handler(signum, frame):
     if _state.received is not None:
+        if not _state.raised and not _state.deferring:   # a second one while the first waits: now, wherever
+            _state.raised = True
+            raise Interrupted(_state.received)
         return
     _state.received = signum
     if not _state.deferring and _ours(frame):
@@ -101,35 +106,40 @@ def check():
         raise Interrupted(_state.received)
 
 
-def _unraisable(args):
-    if isinstance(args.exc_value, Interrupted):
-        _state.raised = False  # swallowed where it landed: pending again, for the next check()
-        return
-    _state.unraisable(args)
-
-
 @contextlib.contextmanager
 def handled():
     """Handle every terminating signal that is not ignored while the block runs (a command, from the
     main thread); then the process's own handlers and unraisable hook are back, and no signal of the
-    run stays pending (a test suite or a program calling the API after an in-process run)."""
-    before = {}
-    for sig in terminating():
-        try:
-            current = signal.getsignal(sig)
-            if current is not signal.SIG_IGN:
-                signal.signal(sig, _handler)
-                before[sig] = current
-        except (OSError, ValueError):  # not settable here (or not in the main thread)
-            continue
+    run stays pending (a test suite or a program calling the API after an in-process run). Nested,
+    the inner block changes nothing. Our hook makes an Interrupted that was swallowed where Python
+    can only print it pending again, for the next check()."""
+    if _state.active:
+        yield
+        return
     _state.received, _state.raised, _state.deferring, _state.published = None, False, 0, None
-    _state.unraisable, sys.unraisablehook = sys.unraisablehook, _unraisable
+    previous, before = sys.unraisablehook, {}
+
+    def hook(args):
+        if isinstance(args.exc_value, Interrupted):
+            _state.raised = False
+            return
+        previous(args)
+
+    sys.unraisablehook, _state.active = hook, True
     try:
+        for sig in terminating():
+            try:
+                current = signal.getsignal(sig)
+                if current is not signal.SIG_IGN:
+                    signal.signal(sig, _handler)
+                    before[sig] = current
+            except (OSError, ValueError):  # not settable here (or not in the main thread)
+                continue
         yield
     finally:
-        sys.unraisablehook = _state.unraisable
         for sig, h in before.items():
             signal.signal(sig, signal.SIG_DFL if h is None else h)
+        sys.unraisablehook, _state.active = previous, False
         _state.received, _state.raised = None, False
 
 

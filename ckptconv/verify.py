@@ -183,8 +183,8 @@ def _read_meta(d: Path, entries: dict, report: Report):
 
 
 def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structural=True):
-    """Check one output directory. `hash_only` limits the (expensive) hashing to some shards; `structural=False` skips everything
-    else (another process of a multi-process run does it)."""
+    """Check one output directory. `hash_only` limits the (expensive) hashing to some shards;
+    `structural=False` skips everything else (another process of a multi-process run does it)."""
     found = report if structural else Report()  # what every process would find alike: reported once
     entries = _scan(d, found)
     index, weight_map, index_names, m_files, m_tensors, sums = _read_meta(d, entries, found)
@@ -329,7 +329,8 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
     """Digest the file and each tensor in one streaming pass (hashing.HashLanes), while this thread
     maps the next chunk's pages in; pages are dropped once the hashes are done with them. A tensor
     of at most SMALL bytes is digested here, in this thread, and its bytes go to the file's digest with
-    its neighbours' in CHUNK pieces (hashing.SMALL). `m_files` is None for a single-file output (no file digest to compare)."""
+    its neighbours' in CHUNK pieces (hashing.SMALL). `m_files` is None for a single-file output (no
+    file digest to compare)."""
     path = Path(m.path)
     hashes, file_h, chunks, digests = HashLanes(), sha256.new(), deque(), Digests()
     fed = released = 0   # the file's bytes before `fed` are on their way to its digest

@@ -2,7 +2,7 @@
 import hashlib
 import os
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -13,7 +13,7 @@ from .. import signals
 CHUNK = 16 * 1024 * 1024
 # A tensor this small is digested by the thread that has its bytes (hashlib, ~1 us for 64 bytes) and
 # its bytes reach the file's digest with its neighbours': handing each to the hash threads costs about
-# 100 us in futures and thread switches (a million small tensors: 98 s to verify, 330 s to convert).
+# 100 us in futures and thread switches (docs/benchmarks.md, "Third pass").
 SMALL = 64 * 1024
 
 
@@ -76,22 +76,24 @@ class Digests:
     def append(self, key, future):
         self._keys.append(key)
         self._pending.append(future)
-        while self._pending and self._pending[0].done():
-            self._done += bytes.fromhex(self._pending.popleft().result())
+        while self._pending and (self._pending[0].__class__ is bytes or self._pending[0].done()):
+            self._done += self._take()
 
     def append_done(self, key, digest: bytes):
         """A digest already computed (32 bytes), in its place among the futures."""
         if self._pending:
-            f = Future()
-            f.set_result(digest.hex())
-            self.append(key, f)
+            self.append(key, digest)
         else:
             self._keys.append(key)
             self._done += digest
 
+    def _take(self) -> bytes:
+        first = self._pending.popleft()
+        return first if first.__class__ is bytes else bytes.fromhex(first.result())
+
     def _finish(self):
         while self._pending:
-            self._done += bytes.fromhex(self._pending.popleft().result())
+            self._done += self._take()
 
     def joined(self) -> str:
         """Every digest's hex, in order, as one string."""
@@ -156,7 +158,6 @@ class Pipeline:
     def retire_one(self):
         for f in self._inflight.popleft():
             f.result()
-        signals.check()
 
     def close(self):
         try:

@@ -287,8 +287,7 @@ def test_the_pickle_is_read_with_its_pages_let_go_behind(tmp_path, monkeypatch):
     monkeypatch.setattr(unpickler, "RELEASE_STEP", 512)
     stepped = load_zip(m, torch_globals(), entries=entries)
     steps = sorted(calls)
-    assert len(steps) > pkl.size // 512 // 2
-    assert steps[0][0] == pkl.offset and max(o + n for o, n in steps) >= pkl.offset + pkl.size - 512
+    assert len(steps) > pkl.size // 512 // 2   # (the passes' whole releases are three)
     assert all(pkl.offset <= o and o + n <= pkl.offset + pkl.span for o, n in steps)
     monkeypatch.setattr(unpickler, "RELEASE_STEP", 16 << 20)
     whole = load_zip(MappedFile(tmp_path / "m.pt"), torch_globals())
