@@ -11,6 +11,7 @@ proportion to its inflated size, not to the bytes in the file.
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import BadInput
 
@@ -40,25 +41,34 @@ def is_zip(mapped) -> bool:
 
 def read_entries(mapped, base=0, length=None) -> dict:
     """Parse the archive in [base, base+length) of `mapped`; returns {name: Entry} in file order."""
-    view, length, tail_start, count, cd_size, cd_offset, bad = _central(mapped, base, length)
+    d = _central(mapped, base, length)
     with mapped.reader() as fill_at:
-        entries = _directory(view, base, length, cd_offset, cd_size, count, fill_at, bad)
-    first = min(tail_start, cd_offset)
-    mapped.release(base + first, length - first)  # the directory and the end record: read, let go
+        entries = _directory(d, fill_at)
+    first = min(d.tail_start, d.cd_offset)
+    mapped.release(base + first, d.length - first)  # the directory and the end record: read, let go
 
     ordered = sorted(entries.values(), key=lambda e: e.offset)
     for a, b in zip(ordered, ordered[1:]):
         if a.offset + a.span > b.offset - 30:
-            raise bad(f"entries {a.name!r} and {b.name!r} overlap")
-    if ordered and ordered[-1].offset + ordered[-1].span > base + cd_offset:
-        raise bad(f"entry {ordered[-1].name!r} overlaps the central directory")
+            raise d.bad(f"entries {a.name!r} and {b.name!r} overlap")
+    if ordered and ordered[-1].offset + ordered[-1].span > base + d.cd_offset:
+        raise d.bad(f"entry {ordered[-1].name!r} overlaps the central directory")
     return entries
 
 
-def _central(mapped, base, length):
-    """Where the central directory of the archive in [base, base+length) of `mapped` lies, checked:
-    (view of the archive, its length, where its tail search began, entry count, directory size and
-    offset, the BadInput maker)."""
+class _Directory(NamedTuple):
+    view: memoryview   # of the archive
+    base: int          # its offset in the file
+    length: int
+    tail_start: int    # where the search for the end record began
+    count: int
+    cd_size: int
+    cd_offset: int     # in the archive
+    bad: object        # message -> the BadInput that names the file
+
+
+def _central(mapped, base, length) -> _Directory:
+    """Where the central directory of the archive in [base, base+length) of `mapped` lies, checked."""
     length = mapped.size - base if length is None else length
     path = mapped.path
     if base < 0 or length < 22 or base + length > mapped.size:
@@ -91,48 +101,52 @@ def _central(mapped, base, length):
         raise bad(f"central directory ({cd_size} bytes at {cd_offset}) lies beyond the end of the file")
     if count > cd_size // 46 + 1:
         raise bad(f"central directory claims {count} entries in {cd_size} bytes")
-    return view, length, tail_start, count, cd_size, cd_offset, bad
+    return _Directory(view, base, length, tail_start, count, cd_size, cd_offset, bad)
 
 
 def names(mapped):
     """The entry names of a zip archive in `mapped`, from its central directory alone, in order: for
     telling formats apart (a torch.save archive from a TorchScript one) without the per-entry checks
     and records of `read_entries` (a million-tensor archive: a second each). BadInput if malformed."""
-    view, _, _, count, cd_size, cd_offset, bad = _central(mapped, 0, None)
-    pos, end = cd_offset, cd_offset + cd_size
-    for _ in range(count):
-        if pos + 46 > end or struct.unpack_from("<I", view, pos)[0] != _CEN:
-            raise bad(f"central directory entry at offset {pos} is malformed")
-        nlen, xlen, clen = struct.unpack_from("<HHH", view, pos + 28)
-        if pos + 46 + nlen + xlen + clen > end:
-            raise bad(f"central directory entry at offset {pos} overruns the directory")
-        try:
-            yield str(view[pos + 46:pos + 46 + nlen], "utf-8")
-        except UnicodeDecodeError:
-            raise bad("an entry name is not UTF-8") from None
-        pos += 46 + nlen + xlen + clen
+    d = _central(mapped, 0, None)
+    for record in _records(d):
+        yield _name(record, d.bad)
 
 
-def _directory(view, base, length, cd_offset, cd_size, count, fill_at, bad) -> dict:
-    """The central directory's entries, each checked against its local header. Local headers lie one
-    before each entry's data, all over the file: they are read with pread, not through the mapping
-    (touching one page of a mapping can map a whole 2 MiB folio of the page cache: one per tensor)."""
-    entries, pos, end = {}, cd_offset, cd_offset + cd_size
-    for _ in range(count):
+def _records(d: "_Directory"):
+    """The central directory's records, each (its offset, flags, method, crc, compressed size, size,
+    name bytes, extra bytes, local header offset), bounds-checked against the directory."""
+    view, pos, end, bad = d.view, d.cd_offset, d.cd_offset + d.cd_size, d.bad
+    for _ in range(d.count):
         if pos + 46 > end or struct.unpack_from("<I", view, pos)[0] != _CEN:
-            raise bad(f"central directory entry at offset {base + pos} is malformed")
+            raise bad(f"central directory entry at offset {d.base + pos} is malformed")
         (flags, method, crc, csize, usize, nlen, xlen, clen, hdr) = (
             struct.unpack_from("<H", view, pos + 8)[0], struct.unpack_from("<H", view, pos + 10)[0],
             *struct.unpack_from("<IIIHHH", view, pos + 16), struct.unpack_from("<I", view, pos + 42)[0])
         if pos + 46 + nlen + xlen + clen > end:
-            raise bad(f"central directory entry at offset {base + pos} overruns the directory")
-        raw_name = bytes(view[pos + 46:pos + 46 + nlen])
-        extra = bytes(view[pos + 46 + nlen:pos + 46 + nlen + xlen])
+            raise bad(f"central directory entry at offset {d.base + pos} overruns the directory")
+        yield (pos, flags, method, crc, csize, usize, bytes(view[pos + 46:pos + 46 + nlen]),
+               bytes(view[pos + 46 + nlen:pos + 46 + nlen + xlen]), hdr)
         pos += 46 + nlen + xlen + clen
-        try:
-            name = raw_name.decode("utf-8")
-        except UnicodeDecodeError:
-            raise bad(f"entry name {raw_name!r} is not UTF-8") from None
+
+
+def _name(record, bad) -> str:
+    raw_name = record[6]
+    try:
+        return raw_name.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad(f"entry name {raw_name!r} is not UTF-8") from None
+
+
+def _directory(d: "_Directory", fill_at) -> dict:
+    """The central directory's entries, each checked against its local header. Local headers lie one
+    before each entry's data, all over the file: they are read with pread, not through the mapping
+    (touching one page of a mapping can map a whole 2 MiB folio of the page cache: one per tensor)."""
+    entries, base, length, bad = {}, d.base, d.length, d.bad
+    for record in _records(d):
+        _, flags, method, crc, csize, usize, raw_name, extra, hdr = record
+        nlen = len(raw_name)
+        name = _name(record, bad)
         usize, csize, hdr = _zip64(extra, usize, csize, hdr, bad, name)
         if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/") or ":" in name:
             raise bad(f"entry name {name!r} is absolute or escapes the archive")

@@ -292,3 +292,21 @@ def test_the_pickle_is_read_with_its_pages_let_go_behind(tmp_path, monkeypatch):
     monkeypatch.setattr(unpickler, "RELEASE_STEP", 16 << 20)
     whole = load_zip(MappedFile(tmp_path / "m.pt"), torch_globals())
     assert [(k, v.shape, v.start) for k, v in stepped.items()] == [(k, v.shape, v.start) for k, v in whole.items()]
+
+
+def test_detection_names_are_the_archive_names(tmp_path):
+    """Detection reads the names alone (ziparchive.names): the same names, in order, as the full
+    parse; a directory that is cut short is BadInput there too."""
+    from ckptconv.errors import BadInput
+    from ckptconv.io.mapped import MappedFile
+    from ckptconv.readers import ziparchive
+    torch.save({f"w{i}": torch.ones(2) for i in range(5)}, tmp_path / "m.pt")
+    m = MappedFile(tmp_path / "m.pt")
+    assert list(ziparchive.names(m)) == list(ziparchive.read_entries(m))
+    data = (tmp_path / "m.pt").read_bytes()
+    eocd = data.rfind(b"PK\x05\x06")
+    cd_offset = int.from_bytes(data[eocd + 16:eocd + 20], "little")
+    cut = data[:cd_offset + 50] + data[eocd:]   # the directory ends inside its first record
+    (tmp_path / "cut.pt").write_bytes(cut)
+    with pytest.raises(BadInput, match="not a valid torch zip archive"):
+        list(ziparchive.names(MappedFile(tmp_path / "cut.pt")))
