@@ -4,7 +4,9 @@ import signal
 import sys
 import threading
 
+import click
 import pytest
+import torch
 
 from ckptconv import cli as cli_module, signals
 from ckptconv.io import output
@@ -22,6 +24,21 @@ def restored():
     for sig, h in saved.items():
         signal.signal(sig, h)
     sys.unraisablehook = hook
+
+
+@pytest.fixture
+def signal_on_first_echo(monkeypatch):
+    """Call it, and the next line click prints first raises SIGTERM, in click's code (not ours)."""
+    def arm():
+        echo, sent = click.echo, []
+
+        def echo_signalled(*a, **k):
+            if not sent:
+                sent.append(signal.raise_signal(signal.SIGTERM))
+            return echo(*a, **k)
+
+        monkeypatch.setattr(click, "echo", echo_signalled)
+    return arm
 
 
 def _frame_in_threading():
@@ -128,20 +145,11 @@ def test_generated_code_called_from_ours_counts_as_ours(restored):
             signals._handler(signal.SIGTERM, generated)
 
 
-def test_a_signal_while_the_summary_is_printed_is_not_lost(restored, tmp_path, monkeypatch):
+def test_a_signal_while_the_summary_is_printed_is_not_lost(restored, tmp_path, signal_on_first_echo):
     """After publishing, the summary is printed by click (not our code): a signal there is pending, and
     was dropped (exit 0, nothing said). It ends the run, and says OUT is complete."""
-    import click
-    import torch
     torch.save({"w": torch.ones(4)}, tmp_path / "m.pt")
-    echo, sent = click.echo, []
-
-    def echo_signalled(*a, **k):
-        if not sent:
-            sent.append(signal.raise_signal(signal.SIGTERM))
-        return echo(*a, **k)
-
-    monkeypatch.setattr(click, "echo", echo_signalled)
+    signal_on_first_echo()
     r = run("convert", tmp_path / "m.pt", tmp_path / "out")
     assert r.exit_code == 128 + signal.SIGTERM, r.stderr
     assert r.stderr == f"ckptconv: error: interrupted by SIGTERM; {tmp_path / 'out'} was published before it " \
@@ -184,22 +192,13 @@ def test_a_signal_that_comes_while_publishing_says_the_output_is_complete(restor
                                           "and is complete\n"
 
 
-def test_a_signal_while_verify_reports_problems_is_not_lost(restored, tmp_path, monkeypatch):
+def test_a_signal_while_verify_reports_problems_is_not_lost(restored, tmp_path, signal_on_first_echo):
     """verify with problems ends in sys.exit(1) inside the command: a signal that came while its
     problems were printed must still end the run as a signal."""
-    import click
-    import torch
     torch.save({"w": torch.ones(4)}, tmp_path / "m.pt")
     assert run("convert", tmp_path / "m.pt", tmp_path / "out", "--quiet").exit_code == 0
     (tmp_path / "out" / "stray.txt").write_text("x")   # a problem: a file nothing lists
-    echo, sent = click.echo, []
-
-    def echo_signalled(*a, **k):
-        if not sent:
-            sent.append(signal.raise_signal(signal.SIGTERM))
-        return echo(*a, **k)
-
-    monkeypatch.setattr(click, "echo", echo_signalled)
+    signal_on_first_echo()
     r = run("verify", tmp_path / "out")
     assert r.exit_code == 128 + signal.SIGTERM, (r.exit_code, r.stdout, r.stderr)
     assert "interrupted by SIGTERM" in r.stderr
