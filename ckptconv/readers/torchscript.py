@@ -33,35 +33,40 @@ _CLASS = re.compile(r"^class (\w+)(?:\((\w*)\))?:$", re.M)
 CUSTOM_CLASSES = SCRIPT_MODULE + ".torch.classes"   # C++ classes (torch.classes.*): no TorchScript source
 
 
+def _zip(path: Path):
+    """`path` mapped, if it is a regular file that starts as a zip archive does; else None."""
+    try:
+        m = MappedFile(path) if path.is_file() else None
+    except (OSError, BadInput):
+        return None
+    return m if m is not None and ziparchive.is_zip(m) else None
+
+
+def _scripted(names, prefix: str) -> bool:
+    return any(n.startswith(prefix + "code/") for n in names)
+
+
 def _entries(path: Path):
     """The archive's entries and the folder of its data.pkl, if `path` is a TorchScript archive (a
     torch zip with `code/` beside data.pkl); else None. A damaged archive is BadInput, saying how."""
-    try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"PK\x03\x04":
-                return None
-    except OSError:
+    m = _zip(path)
+    if m is None:
         return None
-    m = MappedFile(path)
     entries = ziparchive.read_entries(m)
     prefix = archive_prefix(m, entries)
-    return (m, entries, prefix) if any(n.startswith(prefix + "code/") for n in entries) else None
+    return (m, entries, prefix) if _scripted(entries, prefix) else None
 
 
 def detect(path: Path) -> bool:
     """A torch zip archive with `code/` beside its data.pkl, told by the names alone (ziparchive.names)."""
-    if not path.is_file():
+    m = _zip(path)
+    if m is None:
         return False
     try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"PK\x03\x04":
-                return False
-        m = MappedFile(path)
         names = list(ziparchive.names(m))
-        prefix = archive_prefix(m, names)
-    except (OSError, BadInput):
+        return _scripted(names, archive_prefix(m, names))
+    except BadInput:
         return False
-    return any(n.startswith(prefix + "code/") for n in names)
 
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
