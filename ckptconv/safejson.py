@@ -32,7 +32,7 @@ def depth(data: bytes) -> int:
 
 
 @contextlib.contextmanager
-def _no_gc():
+def no_gc():
     """Parsed JSON holds no reference cycles, yet a million new containers make the cyclic collector
     scan them again and again (measured: half the time of parsing a 62 MB safetensors header)."""
     enabled = gc.isenabled()
@@ -66,9 +66,8 @@ def _objects():
     return hook
 
 
-def loads(data, where, what="JSON") -> object:
-    """Parse `data` (bytes or str); BadInput "`where`: `what` ..." when it is not valid UTF-8 JSON,
-    nests deeper than MAX_DEPTH, or repeats a key within an object."""
+def _text(data, where, what) -> str:
+    """`data` (bytes or str) as text, once it is known to be UTF-8 and no deeper than MAX_DEPTH."""
     if isinstance(data, str):
         try:
             data = data.encode("utf-8")
@@ -78,10 +77,63 @@ def loads(data, where, what="JSON") -> object:
     if levels > MAX_DEPTH:
         raise BadInput(f"{where}: {what} nests {levels} levels deep; at most {MAX_DEPTH} are accepted")
     try:
-        with _no_gc():
-            return json.loads(data.decode("utf-8"), object_pairs_hook=_objects())
+        return str(data, "utf-8")
     except UnicodeDecodeError:
         raise BadInput(f"{where}: {what} is not valid UTF-8") from None
+
+
+def loads(data, where, what="JSON") -> object:
+    """Parse `data` (bytes or str); BadInput "`where`: `what` ..." when it is not valid UTF-8 JSON,
+    nests deeper than MAX_DEPTH, or repeats a key within an object."""
+    text = _text(data, where, what)
+    try:
+        with no_gc():
+            return json.loads(text, object_pairs_hook=_objects())
+    except ValueError as e:
+        raise BadInput(f"{where}: {what} is not valid JSON: {e}") from None
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def members(data, where, what="JSON"):
+    """The members of the JSON object `data` (bytes or str) as (key, value), one at a time: the
+    checks and errors of `loads` without the whole object built first (a safetensors header of a
+    million tensors is a million small objects, each a dict, a list and its numbers, before any
+    is checked). Each value is parsed by the C decoder; the caller keeps what it needs of it. A
+    document that is not an object: BadInput "... is not a JSON object" (when it is valid JSON)."""
+    text = _text(data, where, what)
+    at = _SPACE.match(text).end()
+    if text[at:at + 1] != "{":
+        loads(text, where, what)   # the same error as loads for text that is not JSON
+        raise BadInput(f"{where}: {what} is not a JSON object")
+    scan, seen = json.JSONDecoder(object_pairs_hook=_objects()).scan_once, set()
+    try:
+        at = _SPACE.match(text, at + 1).end()
+        if text[at:at + 1] == "}":
+            at += 1
+        while text[at - 1:at] != "}":
+            if text[at:at + 1] != '"':
+                raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
+            key, at = json.decoder.scanstring(text, at + 1, True)
+            at = _SPACE.match(text, at).end()
+            if text[at:at + 1] != ":":
+                raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
+            at = _SPACE.match(text, at + 1).end()
+            try:
+                value, at = scan(text, at)
+            except StopIteration as stop:   # (where inside the value it failed, as json.loads says)
+                raise json.JSONDecodeError("Expecting value", text, stop.value) from None
+            if key in seen:
+                raise ValueError(f"names {key!r} twice")
+            seen.add(key)
+            yield key, value
+            at = _SPACE.match(text, at).end()
+            if text[at:at + 1] not in (",", "}"):
+                raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
+            at = _SPACE.match(text, at + 1).end() if text[at] == "," else at + 1
+        if _SPACE.match(text, at).end() != len(text):
+            raise json.JSONDecodeError("Extra data", text, _SPACE.match(text, at).end())
     except ValueError as e:
         raise BadInput(f"{where}: {what} is not valid JSON: {e}") from None
 

@@ -120,12 +120,12 @@ def index_document(shards, order) -> dict:
 
 def manifest_document(source: dict, files: dict, shards, order, digests: dict, extras: dict, extra=None) -> dict:
     """manifest.json for planned shards in `order` (name_order) whose tensor digests are `digests`
-    {shard: hex digests of its tensors in plan order, concatenated}."""
+    {shard: the 32-byte digests of its tensors in plan order, packed}."""
     def items():
         for i, k in _by_name(shards, order):
             s = shards[i]
             t = s.tensors[k]
-            yield t.name, {"dtype": t.dtype.code, "file": s.name, "sha256": digests[s.name][64 * k:64 * k + 64],
+            yield t.name, {"dtype": t.dtype.code, "file": s.name, "sha256": digests[s.name][32 * k:32 * k + 32].hex(),
                            "shape": list(t.shape)}
     manifest = {"format": FORMAT, "source": source, "files": dict(sorted(files.items())),
                 "tensors": Rows(sum(len(s.tensors) for s in shards), items), "extras": extras}
@@ -138,10 +138,18 @@ def manifest_document(source: dict, files: dict, shards, order, digests: dict, e
 
 def write_journal(out_dir, job: dict, files: dict, digests: dict):
     """Record the shards finished so far (atomically), bound to the job (source identity, plan):
-    their files and their tensors' digests (writers/files.py's Written)."""
+    their files and their tensors' digests (writers/files.py's Written: 32 bytes per tensor, packed),
+    as one hex string per shard, written in slices: a million tensors' 64 MB of hex is never made
+    whole (nor copied as JSON text, then as bytes)."""
     tmp = os.path.join(out_dir, JOURNAL + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({**job, "files": files, "digests": digests}, f)
+        f.write(json.dumps({**job, "files": files})[:-1] + ', "digests": {')
+        for i, (name, row) in enumerate(digests.items()):
+            f.write(("," if i else "") + json.dumps(name) + ': "')   # hex: nothing to escape
+            for at in range(0, len(row), 1 << 19):
+                f.write(row[at:at + (1 << 19)].hex())
+            f.write('"')
+        f.write("}}")
     os.replace(tmp, os.path.join(out_dir, JOURNAL))
 
 

@@ -44,21 +44,23 @@ def parse_header(view, size: int, path) -> Header:
     if 8 + n > size:
         raise BadInput(f"{path}: safetensors header claims {n} bytes but the file has {size} (truncated or corrupt)")
 
-    raw = safejson.loads(bytes(view[8:8 + n]), path, "safetensors header")
-    if not isinstance(raw, dict):
-        raise BadInput(f"{path}: safetensors header is not a JSON object")
     data_start, data_len = 8 + n, size - 8 - n
-    metadata = raw.pop("__metadata__", None) or {}
-    problems = []
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        problems.append("__metadata__ must map strings to strings")
+    entries, metadata, problems, shapes = [], {}, [], {}   # shapes: each distinct one kept once
+    # member by member (safejson.members): a million tensors' entries are checked as they come, not
+    # first built as a million dicts and lists (docs/benchmarks.md, "Fourth pass")
+    with safejson.no_gc():   # (tuples by the million: the cyclic collector need not scan them as they come)
+        for name, info in safejson.members(view[8:8 + n], path, "safetensors header"):
+            if name == "__metadata__":
+                metadata = info
+                continue
+            try:
+                entries.append(_entry(name, info, data_start, data_len, shapes))
+            except ValueError as e:
+                problems.append(f"tensor {name!r}: {e}")
+    if not metadata or not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        if metadata:
+            problems.insert(0, "__metadata__ must map strings to strings")
         metadata = {}
-    entries = []
-    for name, info in raw.items():
-        try:
-            entries.append(_entry(name, info, data_start, data_len))
-        except ValueError as e:
-            problems.append(f"tensor {name!r}: {e}")
     entries.sort(key=lambda e: (e.begin, e.end))
     at = data_start
     for e in entries:
@@ -76,7 +78,7 @@ def parse_header(view, size: int, path) -> Header:
 _FIELDS = {"dtype", "shape", "data_offsets"}
 
 
-def _entry(name, info, data_start, data_len) -> HeaderEntry:
+def _entry(name, info, data_start, data_len, shapes: dict) -> HeaderEntry:
     if type(info) is not dict or info.keys() != _FIELDS:
         raise ValueError("entry must have exactly dtype, shape and data_offsets")
     code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
@@ -93,7 +95,8 @@ def _entry(name, info, data_start, data_len) -> HeaderEntry:
     if offsets[1] - offsets[0] != need:
         raise ValueError(f"dtype {code} x shape {shape} needs {need} bytes, data_offsets give "
                          f"{offsets[1] - offsets[0]}")
-    return HeaderEntry(name, dt, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+    shape = tuple(shape)
+    return HeaderEntry(name, dt, shapes.setdefault(shape, shape), data_start + offsets[0], data_start + offsets[1])
 
 
 def build_header(entries, metadata=None) -> bytes:

@@ -95,10 +95,10 @@ class Digests:
         while self._pending:
             self._done += self._take()
 
-    def joined(self) -> str:
-        """Every digest's hex, in order, as one string."""
+    def packed(self) -> bytearray:
+        """Every digest's 32 bytes, in order, back to back (not copied: this Digests is done with)."""
         self._finish()
-        return self._done.hex()
+        return self._done
 
     def __len__(self):
         return len(self._keys)

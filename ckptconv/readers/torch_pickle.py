@@ -182,27 +182,27 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
     prefix = archive_prefix(m, entries)
     order = entries.get(prefix + "byteorder")
     big = order is not None and bytes(ziparchive.read_small(m, order, 16)).strip() == b"big"
-    storages = {}
 
     def persistent_load(pid, ctx):
+        # A Storage per reference, not one per key kept in a table: tensors sharing a storage need no
+        # shared record (each view is checked against the entry's bytes), and a million of them, each
+        # with its key, would stay in memory to the end of the load.
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise ctx.unsafe(f"persistent id {brief(pid)} is not a torch storage reference")
         _, stype, key, _location, numel = pid
         if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
             raise ctx.bad(f"malformed storage reference {brief(pid)}")
-        if key in storages:
-            return storages[key]
-        entry = entries.pop(f"{prefix}data/{key}", None)   # used once: its storage stands for it from here
+        entry = entries.get(f"{prefix}data/{key}")
         if entry is None:
             raise ctx.bad(f"storage {key!r} has no entry data/{key} in the archive")
         if entry.method:
             raise ctx.bad(f"storage {key!r}: its entry data/{key} is compressed (torch stores tensor data "
                           "uncompressed - was this archive repacked?)")
-        nbytes = numel * _itemsize(storage_dtype(stype, ctx))
+        dtype = storage_dtype(stype, ctx)
+        nbytes = numel * _itemsize(dtype)
         if nbytes > entry.size:
             raise ctx.bad(f"storage {key!r} needs {nbytes} bytes but its entry holds {entry.size}")
-        storages[key] = Storage(key, storage_dtype(stype, ctx), m, entry.offset, nbytes, big)
-        return storages[key]
+        return Storage(key, dtype, m, entry.offset, nbytes, big)
 
     entry = entries[prefix + "data.pkl"]
     if entry.method:

@@ -8,10 +8,15 @@ refused only if it is read, and then inflated no further than its declared size 
 Pickles are read only stored (as torch writes them): an inflated pickle would build objects in
 proportion to its inflated size, not to the bytes in the file.
 """
+import re
 import struct
 import zlib
+from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import numpy as np
 
 from ..errors import BadInput
 
@@ -39,21 +44,97 @@ def is_zip(mapped) -> bool:
     return mapped.size >= 4 and bytes(mapped.view[:4]) == b"PK\x03\x04"
 
 
-def read_entries(mapped, base=0, length=None) -> dict:
-    """Parse the archive in [base, base+length) of `mapped`; returns {name: Entry} in file order."""
+def read_entries(mapped, base=0, length=None) -> "Entries":
+    """Parse the archive in [base, base+length) of `mapped`; returns its Entries (name -> Entry, in
+    file order)."""
     d = _central(mapped, base, length)
     with mapped.reader() as fill_at:
         entries = _directory(d, fill_at)
     first = min(d.tail_start, d.cd_offset)
     mapped.release(base + first, d.length - first)  # the directory and the end record: read, let go
 
-    ordered = sorted(entries.values(), key=lambda e: e.offset)
-    for a, b in zip(ordered, ordered[1:]):
-        if a.offset + a.span > b.offset - 30:
-            raise d.bad(f"entries {a.name!r} and {b.name!r} overlap")
-    if ordered and ordered[-1].offset + ordered[-1].span > base + d.cd_offset:
-        raise d.bad(f"entry {ordered[-1].name!r} overlaps the central directory")
+    offsets = np.frombuffer(entries.offset, np.int64)
+    ends = offsets + np.where(np.frombuffer(entries.stored, np.int64) < 0, np.frombuffer(entries.size, np.int64),
+                              np.frombuffer(entries.stored, np.int64))
+    order = np.argsort(offsets, kind="stable")
+    clash = np.flatnonzero(ends[order[:-1]] > offsets[order[1:]] - 30)
+    if len(clash):
+        a, b = (int(order[clash[0]]), int(order[clash[0] + 1]))
+        raise d.bad(f"entries {entries.name_of(a)!r} and {entries.name_of(b)!r} overlap")
+    if len(order) and ends[order[-1]] > base + d.cd_offset:
+        raise d.bad(f"entry {entries.name_of(int(order[-1]))!r} overlaps the central directory")
     return entries
+
+
+_NUMBERED = re.compile(r"(.*/)?data/(0|[1-9][0-9]{0,17})")   # torch's storages: PREFIX/data/0, /1, ...
+
+
+class Entries(Mapping):
+    """An archive's {name: Entry}, in file order, kept as columns (array.array): a torch archive of a
+    million storages names them `PREFIX/data/0`, `/1`, ... and those rows are found by their number
+    in a dense table, with no string or record per entry (about 50 bytes each, against about 270 as
+    a dict of records: docs/benchmarks.md, "Fourth pass"). Other names are kept in a dict. An Entry
+    is made when it is asked for."""
+
+    def __init__(self):
+        self.offset, self.size, self.stored = array("q"), array("q"), array("q")
+        self.crc, self.method, self.number = array("L"), array("B"), array("q")   # number: -1 for a named row
+        self._named, self._prefix, self._dense = {}, None, array("q")   # name -> row; PREFIX; number -> row or -1
+        self._unnumbered = {}   # row -> name, for every row not found by number
+
+    def add(self, name: str, offset: int, size: int, crc: int, method: int = 0, stored: int = -1):
+        """Append the next entry; ValueError if its name is taken."""
+        if self._row(name) is not None:
+            raise ValueError(name)
+        row = len(self.offset)
+        numbered = _NUMBERED.fullmatch(name)
+        number = -1
+        if numbered is not None and numbered[1] is not None and (self._prefix is None or numbered[1] == self._prefix):
+            self._prefix, number = numbered[1], int(numbered[2])
+            if number > 4 * (row + 1) + 1024:   # sparse numbers would make a table larger than the archive
+                number = -1
+        if number >= 0:
+            if number >= len(self._dense):
+                self._dense.extend(array("q", [-1]) * (max(number + 1, 2 * len(self._dense)) - len(self._dense)))
+            self._dense[number] = row
+        else:
+            self._named[name] = row
+            self._unnumbered[row] = name
+        self.offset.append(offset)
+        self.size.append(size)
+        self.stored.append(stored)
+        self.crc.append(crc)
+        self.method.append(method)
+        self.number.append(number)
+
+    def name_of(self, row: int) -> str:
+        number = self.number[row]
+        return self._unnumbered[row] if number < 0 else f"{self._prefix}data/{number}"
+
+    def _row(self, name) -> int | None:
+        row = self._named.get(name)
+        if row is None and self._prefix is not None and isinstance(name, str) and name.startswith(self._prefix) \
+                and (numbered := _NUMBERED.fullmatch(name)) is not None and numbered[1] == self._prefix:
+            number = int(numbered[2])
+            if number < len(self._dense) and self._dense[number] >= 0:
+                row = self._dense[number]
+        return row
+
+    def __getitem__(self, name) -> Entry:
+        row = self._row(name)
+        if row is None:
+            raise KeyError(name)
+        return Entry(name, self.offset[row], self.size[row], self.crc[row], self.method[row], self.stored[row])
+
+    def __contains__(self, name) -> bool:
+        return self._row(name) is not None
+
+    def __iter__(self):
+        for row in range(len(self.offset)):
+            yield self.name_of(row)
+
+    def __len__(self) -> int:
+        return len(self.offset)
 
 
 class _Directory(NamedTuple):
@@ -142,7 +223,7 @@ def _directory(d: "_Directory", fill_at) -> dict:
     """The central directory's entries, each checked against its local header. Local headers lie one
     before each entry's data, all over the file: they are read with pread, not through the mapping
     (touching one page of a mapping can map a whole 2 MiB folio of the page cache: one per tensor)."""
-    entries, base, length, bad = {}, d.base, d.length, d.bad
+    entries, base, length, bad = Entries(), d.base, d.length, d.bad
     for record in _records(d):
         _, flags, method, crc, csize, usize, raw_name, extra, hdr = record
         nlen = len(raw_name)
@@ -150,8 +231,6 @@ def _directory(d: "_Directory", fill_at) -> dict:
         usize, csize, hdr = _zip64(extra, usize, csize, hdr, bad, name)
         if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/") or ":" in name:
             raise bad(f"entry name {name!r} is absolute or escapes the archive")
-        if name in entries:
-            raise bad(f"entry {name!r} appears twice")
         if flags & 0x1:
             raise bad(f"entry {name!r} is encrypted")
         if method == 0 and csize != usize:
@@ -170,8 +249,10 @@ def _directory(d: "_Directory", fill_at) -> dict:
         if data + csize > length:
             raise bad(f"entry {name!r} claims {csize} bytes at offset {base + data}, beyond the end of the file "
                       "(truncated?)")
-        entries[name] = Entry(name, base + data, usize, crc) if method == 0 else \
-            Entry(name, base + data, usize, crc, method, csize)
+        try:
+            entries.add(name, base + data, usize, crc, method, -1 if method == 0 else csize)
+        except ValueError:
+            raise bad(f"entry {name!r} appears twice") from None
     return entries
 
 

@@ -54,12 +54,13 @@ def plan_shards(tensors, max_shard_size: int, stem: str = fmt.STEM) -> list:
 
 @dataclass
 class Written:
-    """What writing produced (JSON-able: it crosses processes). A tensor's manifest entry is its
-    plan's dtype, shape and file with its digest: only the digests are kept, 64 hex characters per
-    tensor, never an object per tensor (a million-tensor optimizer state)."""
+    """What writing produced. A tensor's manifest entry is its plan's dtype, shape and file with its
+    digest: only the digests are kept, 32 bytes per tensor, never an object or a hex string per
+    tensor (a million-tensor optimizer state). `portable()` is the JSON-able form that crosses
+    processes."""
 
     files: dict = field(default_factory=dict)     # name -> {"sha256", "size"}
-    digests: dict = field(default_factory=dict)   # shard name -> its tensors' hex digests in plan order, joined
+    digests: dict = field(default_factory=dict)   # shard name -> its tensors' digests in plan order, packed
 
     def add(self, other: "Written"):
         self.files.update(other.files)
@@ -70,7 +71,20 @@ class Written:
         for s in shards:
             row = self.digests[s.name]
             for k, t in enumerate(s.tensors):
-                yield t.name, row[64 * k:64 * k + 64]
+                yield t.name, row[32 * k:32 * k + 32].hex()
+
+    def result(self, processes: int) -> dict:
+        """{"files", "digests"} for a writer's result (writers/base.py): the digests as hex (JSON)
+        when it goes to another process, else as they are (a million tensors' digests are not made
+        hex and back for nothing)."""
+        if processes == 1:
+            return {"files": self.files, "digests": self.digests}
+        return {"files": self.files, "digests": {name: row.hex() for name, row in self.digests.items()}}
+
+    @classmethod
+    def from_result(cls, data: dict) -> "Written":
+        return cls(data["files"], {name: bytes.fromhex(row) if isinstance(row, str) else row
+                                   for name, row in data["digests"].items()})
 
 
 class OutputStream:
@@ -140,7 +154,7 @@ class OutputStream:
         if len(self._digests) != len(shard.tensors) or any(
                 a is not b for a, b in zip(self._digests.order(), shard.tensors)):
             raise AssertionError(f"{shard.name}: its tensors were not written as planned, one by one in order")
-        self.written.digests[shard.name] = self._digests.joined()
+        self.written.digests[shard.name] = self._digests.packed()
         self.written.files[shard.name] = {"sha256": self._file_h.hexdigest(), "size": shard.size}
         self._digests = Digests()
         if self.on_close is not None:

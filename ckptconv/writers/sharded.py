@@ -52,7 +52,7 @@ def reusable(out_dir, shards, identity: str, progress=None):
         if not isinstance(info, dict) or st is None or not stat.S_ISREG(st.st_mode) or st.st_size != info.get("size"):
             continue
         file_digest, row = _rehash(path, shard, progress)
-        if file_digest != info.get("sha256") or row != digests.get(shard.name):
+        if file_digest != info.get("sha256") or row is None or row.hex() != digests.get(shard.name):
             redone += 1
             continue
         done.files[shard.name] = info
@@ -61,7 +61,7 @@ def reusable(out_dir, shards, identity: str, progress=None):
 
 
 def _rehash(path, shard, progress=None) -> tuple:
-    """(file digest, its tensors' digests joined in plan order) of a shard written before, in one
+    """(file digest, its tensors' digests packed in plan order) of a shard written before, in one
     read: a journal's digests are believed only where the bytes give them again."""
     file_h, done, pos = hashlib.sha256(), bytearray(), 0
     tensors, k, h = iter(shard.tensors), len(shard.header), None   # k: where the current tensor ends
@@ -83,7 +83,7 @@ def _rehash(path, shard, progress=None) -> tuple:
             pos = end
             if progress is not None:
                 progress(len(chunk))
-    return file_h.hexdigest(), done.hex() if h is None and next(tensors, None) is None else None
+    return file_h.hexdigest(), bytes(done) if h is None and next(tensors, None) is None else None
 
 
 @register("sharded")
@@ -111,17 +111,16 @@ class ShardedWriter(Writer):
                                    self.options.direct)
         finally:
             pipeline.close()
-        return {"files": written.files, "digests": written.digests,
-                "reused": sum(v["size"] for v in reuse.files.values()), "note": note}
+        return {**written.result(share[1]), "reused": sum(v["size"] for v in reuse.files.values()), "note": note}
 
     def finish(self, tmp, results) -> dict:
         written, by_name = Written(), {}
-        for r in results:
-            by_name.update({name: r for name in r["files"]})
+        for r in map(Written.from_result, results):
+            by_name.update({name: r for name in r.files})
         for shard in self.shards:  # merged in plan order: the manifest is what one process writes
             r = by_name[shard.name]
-            written.files[shard.name] = r["files"][shard.name]
-            written.digests[shard.name] = r["digests"][shard.name]
+            written.files[shard.name] = r.files[shard.name]
+            written.digests[shard.name] = r.digests[shard.name]
         copy_files(tmp, self.content.model_files, written, self.content.edited)
         manifest = finish_dir(tmp, self.shards, written, {**self.content.source, **self.content.skipped()},
                               self.content.extras, self.content.manifest, self.options.stem)

@@ -13,7 +13,7 @@ from ..formats import manifest as fmt
 from ..formats.safetensors import build_header
 from ..io.hashing import Pipeline
 from .base import Content, WriteOptions, Writer, register
-from .files import ShardFile, check_space, write_shards
+from .files import ShardFile, Written, check_space, write_shards
 
 
 def metadata(content: Content, digests: dict) -> dict:
@@ -41,7 +41,7 @@ class SingleWriter(Writer):
 
     def write(self, units, tmp, progress=None, share=(0, 1)):
         if not units:
-            return {"digests": {}}
+            return Written().result(share[1])
         unit = units[0]
         check_space(tmp, unit.size)
         pipeline = Pipeline()
@@ -61,7 +61,7 @@ class SingleWriter(Writer):
                 os.fsync(fd)
         finally:
             os.close(fd)
-        return {"digests": written.digests}
+        return written.result(share[1])
 
     def finish(self, tmp, results) -> dict:
         return {"files": [self.file_name]}

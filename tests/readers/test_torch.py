@@ -310,3 +310,48 @@ def test_detection_names_are_the_archive_names(tmp_path):
     (tmp_path / "cut.pt").write_bytes(cut)
     with pytest.raises(BadInput, match="not a valid torch zip archive"):
         list(ziparchive.names(MappedFile(tmp_path / "cut.pt")))
+
+
+def test_archive_entries_are_a_mapping_of_names_in_file_order():
+    """ziparchive.Entries keeps torch's numbered storages (PREFIX/data/N) by number and every other
+    name in a dict: both read back as the plain {name: Entry} they stand for, in file order, and a
+    name given twice is refused whichever way each copy was kept."""
+    from ckptconv.readers.ziparchive import Entries, Entry
+    names = ["archive/data.pkl", "archive/data/0", "archive/data/7", "archive/data/01", "b/data/3", "data/2",
+             "archive/data/99999999999", "archive/version", "archive/data/1", "archive/.data/serialization_id"]
+    entries, plain = Entries(), {}
+    for i, name in enumerate(names):
+        stored = -1 if i % 3 else 10 * i
+        entries.add(name, 100 * i, i, 7 * i, 8 if stored >= 0 else 0, stored)
+        plain[name] = Entry(name, 100 * i, i, 7 * i, 8 if stored >= 0 else 0, stored)
+    assert list(entries) == names and len(entries) == len(names)
+    assert dict(entries) == plain
+    for absent in ("archive/data/2", "archive/data/00", "archive/data/", "archive/data/x", "b/data/4", 3):
+        assert absent not in entries and entries.get(absent) is None
+    for name in names:
+        with pytest.raises(ValueError):
+            entries.add(name, 0, 0, 0)
+    late = Entries()   # a number too far ahead to be kept by number at first, then in reach
+    late.add("a/data/5000", 0, 1, 0)
+    for k in range(2000):
+        late.add(f"a/data/{k}", k + 1, 1, 0)
+    with pytest.raises(ValueError):
+        late.add("a/data/5000", 0, 1, 0)
+    assert late["a/data/5000"].offset == 0 and late["a/data/1999"].offset == 2000
+
+
+def test_archive_entries_hold_no_object_per_storage():
+    """A million-storage archive's entries cost a few columns, not a record, a name and a dict slot
+    each (docs/benchmarks.md, "Fourth pass")."""
+    import tracemalloc
+    from ckptconv.readers.ziparchive import Entries
+    tracemalloc.start()
+    try:
+        entries = Entries()
+        for k in range(100_000):
+            entries.add(f"archive/data/{k}", 64 * k, 64, k)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 100 * 100_000, held
+    assert entries["archive/data/99999"].offset == 64 * 99999

@@ -97,3 +97,31 @@ def test_claimed_sizes_are_not_allocated():
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert peak < 1 << 20, peak
+
+
+JSON_SEED = b'{"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, "__metadata__": {"k": "v\\"}"}, ' \
+            b'"b\\u00e9": [1, 2.5e3, true, null, "x"], "c": {}}'
+
+
+@SETTINGS
+@given(data=st.data())
+def test_json_member_stream_agrees_with_the_whole_parse(data):
+    """safejson.members (a safetensors header read member by member) accepts exactly what loads
+    accepts, gives the same members, and fails with the same message."""
+    from ckptconv import safejson
+    from ckptconv.errors import BadInput
+    text = data.draw(mutated(JSON_SEED))
+    try:
+        whole = safejson.loads(text, "f", "doc")
+    except BadInput as e:
+        whole = e
+    try:
+        streamed = dict(safejson.members(text, "f", "doc"))
+    except BadInput as e:
+        streamed = e
+    if isinstance(whole, BadInput):
+        assert isinstance(streamed, BadInput) and str(streamed) == str(whole)
+    elif isinstance(whole, dict):
+        assert streamed == whole
+    else:
+        assert str(streamed) == "f: doc is not a JSON object"

@@ -315,6 +315,7 @@ def _entries(data: bytes, tmp_path):
     (["archive/../evil.pkl"], "escapes the archive"),
     (["/abs/data.pkl"], "absolute"),
     (["archive/data.pkl", "archive/data.pkl"], "appears twice"),
+    (["archive/data.pkl", "archive/data/0", "archive/data/0"], "appears twice"),   # a numbered storage
 ])
 def test_zip_bad_names(tmp_path, names, needle):
     import warnings

@@ -91,7 +91,7 @@ def test_digests_swap_finished_futures_and_keep_order():
     assert len(d._done) == 32 * 4500 and len(d._pending) == 500   # up to the late one: bytes, no futures
     futures[4500].set_result("ab" * 32)
     want = [(i, "ab" * 32 if i == 4500 else hashlib.sha256(str(i).encode()).hexdigest()) for i in range(5000)]
-    assert list(d) == want and d.joined() == "".join(h for _, h in want) and d.order() == list(range(5000))
+    assert list(d) == want and d.packed().hex() == "".join(h for _, h in want) and d.order() == list(range(5000))
 
 
 def test_resume_rehash_gives_each_tensors_digest_from_the_bytes(tmp_path, monkeypatch):
@@ -103,7 +103,7 @@ def test_resume_rehash_gives_each_tensors_digest_from_the_bytes(tmp_path, monkey
     shard = SimpleNamespace(header=b"H" * 11, tensors=[SimpleNamespace(nbytes=n) for n in sizes])
     path = tmp_path / "s.safetensors"
     path.write_bytes(shard.header + b"".join(blobs))
-    want = "".join(hashlib.sha256(b).hexdigest() for b in blobs)
+    want = b"".join(hashlib.sha256(b).digest() for b in blobs)
     for chunk in (1, 4, 7, 64, 1 << 20):
         monkeypatch.setattr(sharded, "CHUNK", chunk)
         assert sharded._rehash(path, shard) == (hashlib.sha256(path.read_bytes()).hexdigest(), want)
@@ -127,3 +127,17 @@ def test_output_files_are_never_opened_through_a_link(tmp_path):
     finally:
         pool.close()
     assert outside.read_bytes() == b"keep me"
+
+
+def test_the_journal_reads_back_as_written(tmp_path):
+    """The resume journal is written piece by piece (its packed digests as hex, in slices): it must
+    read back as the one JSON document json.dump would have made of their hex, for digests longer
+    than a slice, no shard, and a shard name JSON must escape."""
+    from ckptconv.formats import manifest as fmt
+    job = {"plan": "p" * 64, "source": "s" * 64}
+    files = {"a-00001.safetensors": {"sha256": "0" * 64, "size": 7}, 'we"ird\u00e9.safetensors': {"size": 1}}
+    for digests in ({}, {"a-00001.safetensors": bytes(range(256)) * 8192, 'we"ird\u00e9.safetensors': b"",
+                         "c": bytearray(b"\x0f" * 32)}):
+        fmt.write_journal(tmp_path, job, files, digests)
+        assert fmt.read_journal(tmp_path) == {**job, "files": files, "digests": {k: v.hex() for k, v in digests.items()}}
+        assert not (tmp_path / (fmt.JOURNAL + ".tmp")).exists()
