@@ -19,11 +19,23 @@ _ESCAPE = re.compile(rb"\\.", re.S)
 _KEEP = bytes(range(256)).translate(None, b'"[]{}')  # every byte but these: deleted
 
 
-def depth(data: bytes) -> int:
-    """How deep arrays and objects nest in JSON text, without parsing it (a 60 MB header in about a
-    second): escape sequences dropped, then only quotes and brackets kept; brackets between a pair
-    of quotes are inside a string and do not count."""
-    marks = np.frombuffer(_ESCAPE.sub(b"", data).translate(None, _KEEP), np.uint8)
+def depth(data, piece: int = 16 << 20) -> int:
+    """How deep arrays and objects nest in JSON text (bytes, or str that must encode as UTF-8),
+    without parsing it (a 60 MB header in about a second): escape sequences dropped, then only quotes
+    and brackets kept; brackets between a pair of quotes are inside a string and do not count. Read
+    `piece` bytes or characters at a time (a 230 MB manifest is not copied whole), each piece ending
+    after one that is not a backslash, so that no escape sequence is cut in two."""
+    text = isinstance(data, str)
+    view, kept, at = data if text else memoryview(data).cast("B"), [], 0
+    backslash = "\\" if text else 0x5C
+    while at < len(view):
+        end = min(at + piece, len(view))
+        while end < len(view) and view[end - 1] == backslash:   # the piece takes what it escapes
+            end += 1
+        chunk = view[at:end].encode("utf-8") if text else view[at:end]
+        kept.append(_ESCAPE.sub(b"", chunk).translate(None, _KEEP))
+        at = end
+    marks = np.frombuffer(b"".join(kept), np.uint8)
     if not len(marks):
         return 0
     outside = np.cumsum(marks == 0x22) % 2 == 0
@@ -66,20 +78,24 @@ def _objects():
     return hook
 
 
-def _text(data, where, what) -> str:
-    """`data` (bytes or str) as text, once it is known to be UTF-8 and no deeper than MAX_DEPTH."""
-    if isinstance(data, str):
-        try:
-            data = data.encode("utf-8")
-        except UnicodeEncodeError:
-            raise BadInput(f"{where}: {what} is not valid UTF-8") from None
-    levels = depth(data)
-    if levels > MAX_DEPTH:
-        raise BadInput(f"{where}: {what} nests {levels} levels deep; at most {MAX_DEPTH} are accepted")
+def decode(data, where, what="JSON") -> str:
+    """UTF-8 bytes as text; BadInput "`where`: `what` is not valid UTF-8" when they are not. (A
+    caller that lets the bytes go once they are text holds one copy of a large document, not two.)"""
     try:
         return str(data, "utf-8")
     except UnicodeDecodeError:
         raise BadInput(f"{where}: {what} is not valid UTF-8") from None
+
+
+def _text(data, where, what) -> str:
+    """`data` (bytes or str) as text, once it is known to be UTF-8 and no deeper than MAX_DEPTH."""
+    try:
+        levels = depth(data)
+    except UnicodeEncodeError:
+        raise BadInput(f"{where}: {what} is not valid UTF-8") from None
+    if levels > MAX_DEPTH:
+        raise BadInput(f"{where}: {what} nests {levels} levels deep; at most {MAX_DEPTH} are accepted")
+    return data if isinstance(data, str) else decode(data, where, what)
 
 
 def loads(data, where, what="JSON") -> object:
@@ -94,48 +110,85 @@ def loads(data, where, what="JSON") -> object:
 
 
 _SPACE = re.compile(r"[ \t\n\r]*")
+_COLON = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
+_NEXT = re.compile(r"[ \t\n\r]*([,}])[ \t\n\r]*")   # after a member: the next one, or the object's end
 
 
-def members(data, where, what="JSON"):
+def members(data, where, what="JSON", nested: str | None = None):
     """The members of the JSON object `data` (bytes or str) as (key, value), one at a time: the
     checks and errors of `loads` without the whole object built first (a safetensors header of a
     million tensors is a million small objects, each a dict, a list and its numbers, before any
-    is checked). Each value is parsed by the C decoder; the caller keeps what it needs of it. A
-    document that is not an object: BadInput "... is not a JSON object" (when it is valid JSON)."""
+    is checked). Each value is parsed by the C decoder; the caller keeps what it needs of it. The
+    value of the top-level member `nested`, when it is an object, comes as Members: an iterator of
+    its own members, read as the caller goes (a manifest's "tensors"). A document that is not an
+    object: BadInput "... is not a JSON object" (when it is valid JSON)."""
     text = _text(data, where, what)
     at = _SPACE.match(text).end()
     if text[at:at + 1] != "{":
         loads(text, where, what)   # the same error as loads for text that is not JSON
-        raise BadInput(f"{where}: {what} is not a JSON object")
-    scan, seen = json.JSONDecoder(object_pairs_hook=_objects()).scan_once, set()
-    try:
-        at = _SPACE.match(text, at + 1).end()
-        if text[at:at + 1] == "}":
-            at += 1
-        while text[at - 1:at] != "}":
-            if text[at:at + 1] != '"':
-                raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
-            key, at = json.decoder.scanstring(text, at + 1, True)
-            at = _SPACE.match(text, at).end()
-            if text[at:at + 1] != ":":
-                raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
-            at = _SPACE.match(text, at + 1).end()
-            try:
-                value, at = scan(text, at)
-            except StopIteration as stop:   # (where inside the value it failed, as json.loads says)
-                raise json.JSONDecodeError("Expecting value", text, stop.value) from None
-            if key in seen:
-                raise ValueError(f"names {key!r} twice")
-            seen.add(key)
-            yield key, value
-            at = _SPACE.match(text, at).end()
-            if text[at:at + 1] not in (",", "}"):
-                raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
-            at = _SPACE.match(text, at + 1).end() if text[at] == "," else at + 1
-        if _SPACE.match(text, at).end() != len(text):
-            raise json.JSONDecodeError("Extra data", text, _SPACE.match(text, at).end())
-    except ValueError as e:
-        raise BadInput(f"{where}: {what} is not valid JSON: {e}") from None
+        raise NotAnObject(f"{where}: {what} is not a JSON object")
+    scan, state = json.JSONDecoder(object_pairs_hook=_objects()).scan_once, [at + 1]   # state: where the walk is
+
+    def walk(top: bool):
+        """The members of the object whose '{' is just before state[0]; leaves state[0] after its '}'."""
+        seen = set()
+        try:
+            at = _SPACE.match(text, state[0]).end()
+            closed = text[at:at + 1] == "}"
+            at += closed
+            while not closed:
+                if text[at:at + 1] != '"':
+                    raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
+                key, at = json.decoder.scanstring(text, at + 1, True)
+                colon = _COLON.match(text, at)
+                if colon is None:
+                    raise json.JSONDecodeError("Expecting ':' delimiter", text, _SPACE.match(text, at).end())
+                at = colon.end()
+                if key in seen:
+                    raise ValueError(f"names {key!r} twice")
+                seen.add(key)
+                if top and key == nested and text[at:at + 1] == "{":
+                    state[0] = at + 1
+                    inner = Members(walk(False))
+                    yield key, inner
+                    inner.finish()
+                    at = state[0]
+                else:
+                    try:
+                        value, at = scan(text, at)
+                    except StopIteration as stop:   # (where inside the value it failed, as json.loads says)
+                        raise json.JSONDecodeError("Expecting value", text, stop.value) from None
+                    yield key, value
+                after = _NEXT.match(text, at)
+                if after is None:
+                    raise json.JSONDecodeError("Expecting ',' delimiter", text, _SPACE.match(text, at).end())
+                at, closed = after.end(), after[1] == "}"
+            state[0] = at
+            if top and _SPACE.match(text, at).end() != len(text):
+                raise json.JSONDecodeError("Extra data", text, _SPACE.match(text, at).end())
+        except ValueError as e:
+            raise BadInput(f"{where}: {what} is not valid JSON: {e}") from None
+
+    yield from walk(True)
+
+
+class NotAnObject(BadInput):
+    """Valid JSON, but not the object `members` reads."""
+
+
+class Members:
+    """The members of a nested object (see `members`), as (key, value); what the caller does not
+    read is read (and checked) before the next top-level member."""
+
+    def __init__(self, walk):
+        self._walk = walk
+
+    def __iter__(self):
+        return self._walk
+
+    def finish(self):
+        for _ in self._walk:
+            pass
 
 
 @contextlib.contextmanager

@@ -126,12 +126,17 @@ def _read(d: Path, name: str, entries: dict, report: Report, what: str):
         return None
 
 
-def _json(d: Path, name: str, entries: dict, report: Report, what: str):
+def _document(d: Path, name: str, entries: dict, report: Report, what: str, read_back):
+    """`read_back(text, path)` of a JSON metadata file of `d` (formats/manifest.py's read_index or
+    read_manifest, each reading it member by member): its result, or None when the file is missing,
+    unreadable or not JSON (reported). The bytes go once they are text: a million-tensor manifest
+    is 230 MB, held once."""
     data = _read(d, name, entries, report, what)
     if data is None:
         return None
     try:
-        return safejson.loads(data, d / name, what)
+        text, data = safejson.decode(data, d / name, what), None
+        return read_back(text, d / name)
     except BadInput as e:
         report.add(d / name, str(e).split(": ", 1)[-1], "metadata")
     return None
@@ -170,12 +175,12 @@ def _index_name(entries: dict) -> str:
 def _read_meta(d: Path, entries: dict, report: Report):
     """Index, manifest and SHA256SUMS of an output directory, type-checked."""
     index = _index_name(entries)
-    raw = _json(d, index, entries, report, "the index")
-    weight_map, index_names, problems = manifest_format.check_index(raw) if raw is not None else (None, None, [])
+    weight_map, index_names, problems = (_document(d, index, entries, report, "the index", manifest_format.read_index)
+                                         or (None, None, []))
     for p in problems:
         report.add(d / index, p, "metadata")
-    raw = _json(d, MANIFEST, entries, report, MANIFEST)
-    m_files, m_tensors, problems = manifest_format.check_manifest(raw) if raw is not None else (None, None, [])
+    m_files, m_tensors, problems = (_document(d, MANIFEST, entries, report, MANIFEST, manifest_format.read_manifest)
+                                    or (None, None, []))
     for p in problems:
         report.add(d / MANIFEST, p, "metadata")
     sums = _sums(d, entries, report)
@@ -185,6 +190,16 @@ def _read_meta(d: Path, entries: dict, report: Report):
 def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structural=True):
     """Check one output directory. `hash_only` limits the (expensive) hashing to some shards;
     `structural=False` skips everything else (another process of a multi-process run does it)."""
+    consumer = _check_dir(d, report, progress, hash_only, structural)
+    # last, once the directory's tables are let go: the library's own table of a million-tensor
+    # header is about 1 KB per tensor, and is never held beside ours
+    for path, ours in consumer:
+        signals.check()
+        _library_view(path, ours, report)
+
+
+def _check_dir(d: Path, report: Report, progress, hash_only, structural) -> list:
+    """verify_dir but the safetensors library's view: returns what it is to check, [(shard, _our_view)]."""
     found = report if structural else Report()  # what every process would find alike: reported once
     entries = _scan(d, found)
     index, weight_map, index_names, m_files, m_tensors, sums = _read_meta(d, entries, found)
@@ -193,7 +208,7 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
     sums = sums or {}
     shard_names = sorted(set((weight_map or {}).values()) | {f for f in (*m_files, *sums) if f.endswith(".safetensors")})
 
-    located = {}   # tensor -> (file, HeaderEntry)
+    located, consumer = {}, []   # tensor -> (file, HeaderEntry); (shard, our view's digest)
     for shard in shard_names:
         signals.check()
         path = d / shard
@@ -207,17 +222,18 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
             continue
         m, header = parsed
         if structural and not header.problems:
-            _library_view(path, header, report)
+            consumer.append((path, _our_view(header)))   # checked at the end (_library_view)
         for e in header.entries:
             if e.name in located:
                 found.add(path, f"tensor {e.name!r} also appears in {located[e.name][0]}", "misplaced", tensor=e.name)
             else:
                 located[e.name] = (shard, e)
         if hash_only is None or shard in hash_only:
-            _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress)
+            _hash_shard(m, header, shard, m_files, lambda name: getattr(m_tensors.get(name), "sha256", None), sums,
+                        report, progress)
             report.files += 1
     if not structural:
-        return
+        return []
 
     for name, file in (weight_map or {}).items():
         if name not in located:
@@ -239,11 +255,11 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
         if entry is None:
             continue  # malformed: reported
         file, e = located[name]
-        if entry["dtype"] != e.dtype.code or entry["shape"] != list(e.shape):
+        if entry.dtype != e.dtype.code or entry.shape != e.shape:
             report.add(d / file, f"tensor {name!r} is {e.dtype.code}{list(e.shape)}, the manifest says "
-                                 f"{entry['dtype']}{entry['shape']}", "metadata", tensor=name)
-        if entry["file"] != file:
-            report.add(d / file, f"tensor {name!r} is here, the manifest says {entry['file']}",
+                                 f"{entry.dtype}{list(entry.shape)}", "metadata", tensor=name)
+        if entry.file != file:
+            report.add(d / file, f"tensor {name!r} is here, the manifest says {entry.file}",
                        "misplaced", tensor=name)
     report.tensors += len(located)
 
@@ -274,6 +290,7 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
                        "not-regular")
         elif name != SUMS and name not in listed:
             report.add(d / name, "file is not listed in SHA256SUMS or the manifest", "unlisted")
+    return consumer
 
 
 def _parsed(path: Path, report: Report):
@@ -290,34 +307,86 @@ def _parsed(path: Path, report: Report):
     return m, header
 
 
-def _library_view(path: Path, header, report: Report):
-    """The safetensors library, as a consumer, must see what we parsed: the same names, dtypes,
-    shapes and metadata (headers only; the data is read once, by the hashes)."""
+def _view_digest(rows, metadata: dict) -> bytes:
+    """One digest of what a consumer sees of a header: (name, dtype code, shape list) rows in name
+    order, then the metadata; each piece length-prefixed (names may hold any character)."""
+    h, batch = hashlib.sha256(), []
+    for name, code, shape in rows:
+        batch.append(f"{len(name)}:{name}{code}{shape}\n")
+        if len(batch) == 4096:
+            h.update("".join(batch).encode("utf-8", "surrogatepass"))
+            batch = []
+    h.update("".join(batch).encode("utf-8", "surrogatepass"))
+    for key, value in sorted(metadata.items()):
+        h.update(f"{len(key)}:{key}{len(value)}:{value}".encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+def _our_view(header) -> bytes:
+    return _view_digest(((e.name, e.dtype.code, list(e.shape)) for e in sorted(header.entries, key=lambda e: e.name)),
+                        header.metadata)
+
+
+def _library(path: Path, view):
+    """`view(f)` of the file opened by the safetensors library; the reason as a str when the library
+    cannot open it."""
     try:
         from safetensors import safe_open
     except ImportError:
         raise UsageError("verify needs the safetensors library: pip install safetensors") from None
-    ours = sorted(header.entries, key=lambda e: e.name)   # compared name by name in sorted order: no
-    try:                                                  # second table of a million tensors is built
+    try:
         with safe_open(str(path), framework="numpy") as f:
-            names = sorted(f.keys())
-            at, differ = 0, []
-            for name in names:
-                while at < len(ours) and ours[at].name < name:   # ours only
-                    differ.append((ours[at].name, None, (ours[at].dtype.code, list(ours[at].shape))))
-                    at += 1
-                piece = f.get_slice(name)
-                theirs = (piece.get_dtype(), list(piece.get_shape()))
-                mine = (ours[at].dtype.code, list(ours[at].shape)) if at < len(ours) and ours[at].name == name else None
-                at += mine is not None
-                if mine != theirs:
-                    differ.append((name, theirs, mine))
-            differ += [(e.name, None, (e.dtype.code, list(e.shape))) for e in ours[at:]]
-            metadata = f.metadata() or {}
+            return view(f)
     except Exception as e:  # its own error types, whatever they are: the file is what is wrong
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        report.add(path, f"the safetensors library cannot open it: {why}", "consumer")
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _library_digest(f) -> bytes:
+    names = sorted(f.keys())
+    return _view_digest(((n, (piece := f.get_slice(n)).get_dtype(), list(piece.get_shape())) for n in names),
+                        f.metadata() or {})
+
+
+def _library_view(path: Path, ours: bytes, report: Report, header=None):
+    """The safetensors library, as a consumer, must see what we parsed: the same names, dtypes,
+    shapes and metadata (headers only; the data is read once, by the hashes). Compared first as one
+    digest each (`ours` is _our_view of the header), so that the library's table of a million
+    tensors is never held beside ours; only when they differ is the header (`header`, or parsed
+    again) compared name by name to say what differs."""
+    theirs = _library(path, _library_digest)
+    if isinstance(theirs, str):
+        report.add(path, f"the safetensors library cannot open it: {theirs}", "consumer")
         return
+    if theirs == ours:
+        return
+    if header is None:
+        parsed = _parsed(path, Report())
+        if parsed is None:   # changed since: the digests say so
+            report.add(path, "the safetensors library sees another header than ckptconv read", "consumer")
+            return
+        header = parsed[1]
+    ours = sorted(header.entries, key=lambda e: e.name)   # compared name by name in sorted order
+
+    def compare(f):
+        at, differ = 0, []
+        for name in sorted(f.keys()):
+            while at < len(ours) and ours[at].name < name:   # ours only
+                differ.append((ours[at].name, None, (ours[at].dtype.code, list(ours[at].shape))))
+                at += 1
+            piece = f.get_slice(name)
+            theirs = (piece.get_dtype(), list(piece.get_shape()))
+            mine = (ours[at].dtype.code, list(ours[at].shape)) if at < len(ours) and ours[at].name == name else None
+            at += mine is not None
+            if mine != theirs:
+                differ.append((name, theirs, mine))
+        differ += [(e.name, None, (e.dtype.code, list(e.shape))) for e in ours[at:]]
+        return differ, f.metadata() or {}
+
+    seen = _library(path, compare)
+    if isinstance(seen, str):
+        report.add(path, f"the safetensors library cannot open it: {seen}", "consumer")
+        return
+    differ, metadata = seen
     for name, theirs, mine in sorted(differ, key=lambda d: d[0]):
         report.add(path, f"tensor {name!r}: the safetensors library sees {theirs}, ckptconv {mine}", "consumer",
                    tensor=name)
@@ -325,7 +394,7 @@ def _library_view(path: Path, header, report: Report):
         report.add(path, "the safetensors library sees different __metadata__", "consumer")
 
 
-def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
+def _hash_shard(m, header, shard, m_files, recorded, sums, report, progress):
     """Digest the file and each tensor in one streaming pass (hashing.HashLanes), while this thread
     maps the next chunk's pages in; pages are dropped once the hashes are done with them. A tensor
     of at most SMALL bytes is digested here, in this thread, and its bytes go to the file's digest with
@@ -390,7 +459,7 @@ def _hash_shard(m, header, shard, m_files, m_tensors, sums, report, progress):
     if shard in sums and sums[shard] != file_digest:
         report.add(path, "sha256 differs from SHA256SUMS", "digest")
     for entry, digest in digests:
-        want = (m_tensors.get(entry.name) or {}).get("sha256")
+        want = recorded(entry.name)
         if want is not None and want != digest:
             report.add(path, f"tensor {entry.name!r}: sha256 differs from the manifest (its bytes "
                              f"{entry.begin}..{entry.end} are corrupted)", "digest", tensor=entry.name)
@@ -414,7 +483,7 @@ def verify_file(path: Path, report: Report, progress=None):
         report.add(path, p, "metadata")
     if header.problems:
         return
-    _library_view(path, header, report)
+    _library_view(path, _our_view(header), report, header)
     if header.metadata.get("format") != "pt":
         report.add(path, f"__metadata__ format is {brief(header.metadata.get('format'))}, not 'pt'", "metadata")
     tensors, problems = manifest_format.check_single(raw)
@@ -426,7 +495,7 @@ def verify_file(path: Path, report: Report, progress=None):
             report.add(path, f"tensor {name!r} is in the manifest but not in the file", "missing", tensor=name)
     for name in sorted(present - set(tensors)):
         report.add(path, f"tensor {name!r} is in the file but missing from the manifest", "unlisted", tensor=name)
-    _hash_shard(m, header, path.name, None, {n: {"sha256": d} for n, d in tensors.items() if d}, {}, report,
+    _hash_shard(m, header, path.name, None, tensors.get, {}, report,
                 progress)
     report.files += 1
     report.tensors += len(present)
@@ -448,7 +517,7 @@ def _verify_foreign_files(where: Path, files: list, weight_map: dict, report: Re
         if parsed is None or parsed[1].problems:
             continue
         m, header = parsed
-        _library_view(path, header, report)
+        _library_view(path, _our_view(header), report, header)
         for e in header.entries:
             if e.name in located:
                 report.add(path, f"tensor {e.name!r} also appears in {located[e.name]}", "misplaced", tensor=e.name)
@@ -481,8 +550,8 @@ def _verify_foreign_dir(path: Path, report: Report, progress=None):
                    "not-regular")
         return
     if indexes:
-        raw = _json(path, indexes[0], entries, report, "the index")
-        weight_map, _, problems = manifest_format.check_index(raw) if raw is not None else ({}, None, [])
+        weight_map, _, problems = (_document(path, indexes[0], entries, report, "the index",
+                                             manifest_format.read_index) or ({}, None, []))
         for p in problems:
             report.add(path / indexes[0], p, "metadata")
         names = sorted(set((weight_map or {}).values()))
@@ -890,7 +959,7 @@ def _share(path: Path, is_mesh: bool, cluster):
         _, _, _, _, m_tensors, _ = _read_meta(path, _scan(path, Report()), Report())
         tensors = {n: e for n, e in (m_tensors or {}).items() if e is not None}
         names = list(tensors)
-        tsizes = [math.prod(tensors[n]["shape"]) for n in names]
+        tsizes = [math.prod(tensors[n].shape) for n in names]
     owners.update({("tensor", n): o for n, o in zip(names, assign(tsizes, cluster.num_processes))})
     return lambda kind, key: owners.get((kind, key), 0) == cluster.process_id
 

@@ -4,6 +4,7 @@ import bisect
 import itertools
 import json
 import os
+from typing import NamedTuple
 
 from .. import safejson
 from ..errors import brief
@@ -168,12 +169,23 @@ def read_journal(out_dir) -> dict | None:
 # --- reading back (verify): what the files say, checked for types; problems as sentences
 
 
-def check_index(raw) -> tuple:
-    """(valid {tensor: shard}, every tensor name listed (a set-like view), problems); (None, None,
-    problems) when it is not an index. A shard that is not a plain file name in the directory is never returned."""
-    if not isinstance(raw, dict) or not isinstance(raw.get("weight_map"), dict):
+def read_index(text, where) -> tuple:
+    """(valid {tensor: shard}, every tensor name listed (a set-like view), problems) of an index's
+    text, its weight_map read member by member (safejson.members); (None, None, problems) when it is
+    not an index. A shard that is not a plain file name in the directory is never returned.
+    BadInput when it is not JSON."""
+    listed, files = None, {}   # files: a few shard names, each kept once however often it is named
+    try:
+        with safejson.no_gc():
+            for key, value in safejson.members(text, where, "the index", nested="weight_map"):
+                if key == "weight_map" and isinstance(value, safejson.Members):
+                    listed = {name: files.setdefault(file, file) if file.__class__ is str else file
+                              for name, file in value}
+    except safejson.NotAnObject:
+        pass
+    if listed is None:
         return None, None, ["the index has no 'weight_map' object"]
-    listed, problems, safe = raw["weight_map"], [], set()   # (a few shard files, named a million times)
+    problems, safe = [], set()
     for name, file in listed.items():
         if file.__class__ is str and file in safe:
             continue
@@ -187,55 +199,70 @@ def check_index(raw) -> tuple:
     return weight_map, listed.keys(), problems
 
 
-def check_manifest(raw) -> tuple:
-    """(files {name: {"sha256", "size"} or None if malformed}, tensors {name: entry or None},
-    problems); (None, None, problems) when it is not a JSON object."""
-    if not isinstance(raw, dict):
-        return None, None, [f"{MANIFEST} is not a JSON object"]
-    problems = []
-    if raw.get("format") != FORMAT:
-        problems.append(f"format is {brief(raw.get('format'))}, not {FORMAT}")
-    files, malformed, safe = {}, [], set()
-    raw_files, raw_tensors = raw.get("files", {}), raw.get("tensors", {})
-    if not isinstance(raw_files, dict):
-        problems.append("'files' is not an object")
-        raw_files = {}
-    if not isinstance(raw_tensors, dict):
-        problems.append("'tensors' is not an object")
-        raw_tensors = {}
-    for name, info in raw_files.items():
-        why = unsafe_name(name)
-        if why is not None:
-            problems.append(f"files lists {name!r}, which is not a plain file name in this directory ({why}); "
-                            "not opened")
-            continue
-        ok = (isinstance(info, dict) and is_digest(info.get("sha256")) and type(info.get("size")) is int
-              and info["size"] >= 0)
-        if not ok:
-            problems.append(f"files entry {name!r} is {brief(info)}, not {{\"sha256\": digest, \"size\": bytes}}")
-        files[name] = info if ok else None
-    for name, entry in raw_tensors.items():
-        ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
-              and all(type(n) is int and n >= 0 for n in entry["shape"]) and isinstance(entry.get("file"), str)
-              and is_digest(entry.get("sha256")))
-        if not ok:
-            problems.append(f"tensor {name!r}: entry {brief(entry)} is not {{dtype, shape, file, sha256}}")
-            malformed.append(name)
-            continue
-        if entry["file"] in safe:
-            continue
+class ManifestTensor(NamedTuple):
+    """A tensor as manifest.json lists it (a tuple: a manifest of a million tensors is read back)."""
+
+    dtype: str
+    shape: tuple
+    file: str
+    sha256: str
+
+
+_ABSENT = object()
+
+
+def read_manifest(data, where) -> tuple:
+    """(files {name: {"sha256", "size"} or None if malformed}, tensors {name: ManifestTensor or None
+    if malformed}, problems) of manifest.json's bytes, read member by member (safejson.members): its
+    "tensors" are checked as they come, never first built as a million dicts. BadInput when it is
+    not a JSON object."""
+    fmt, files, tensors = _ABSENT, {}, {}
+    odd, file_problems, tensor_problems, safe, shapes = [], [], [], set(), {}
+    with safejson.no_gc():   # (tuples by the million, see safejson)
+        for key, value in safejson.members(data, where, MANIFEST, nested="tensors"):
+            if key == "format":
+                fmt = value
+            elif key == "files" and not isinstance(value, dict):
+                odd.append("'files' is not an object")
+            elif key == "files":
+                for name, info in value.items():
+                    why = unsafe_name(name)
+                    if why is not None:
+                        file_problems.append(f"files lists {name!r}, which is not a plain file name in this "
+                                             f"directory ({why}); not opened")
+                        continue
+                    ok = (isinstance(info, dict) and is_digest(info.get("sha256")) and type(info.get("size")) is int
+                          and info["size"] >= 0)
+                    if not ok:
+                        file_problems.append(f"files entry {name!r} is {brief(info)}, not "
+                                             "{\"sha256\": digest, \"size\": bytes}")
+                    files[name] = info if ok else None
+            elif key == "tensors" and not isinstance(value, safejson.Members):
+                odd.append("'tensors' is not an object")
+            elif key == "tensors":
+                for name, entry in value:
+                    tensors[name] = _tensor(name, entry, safe, shapes, tensor_problems)
+    problems = [] if fmt == FORMAT else [f"format is {brief(None if fmt is _ABSENT else fmt)}, not {FORMAT}"]
+    return files, tensors, problems + sorted(odd) + file_problems + tensor_problems
+
+
+def _tensor(name, entry, safe: set, shapes: dict, problems: list) -> ManifestTensor | None:
+    """A "tensors" member checked: its ManifestTensor (shapes shared), or None (and a problem)."""
+    ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+          and all(type(n) is int and n >= 0 for n in entry["shape"]) and isinstance(entry.get("file"), str)
+          and is_digest(entry.get("sha256")))
+    if not ok:
+        problems.append(f"tensor {name!r}: entry {brief(entry)} is not {{dtype, shape, file, sha256}}")
+        return None
+    if entry["file"] not in safe:
         why = unsafe_name(entry["file"])
         if why is None:
             safe.add(entry["file"])
         else:
             problems.append(f"tensor {name!r}: file {entry['file']!r} is not a plain file name in this directory "
                             f"({why})")
-    if malformed:
-        tensors = dict(raw_tensors)
-        tensors.update(dict.fromkeys(malformed))
-    else:
-        tensors = raw_tensors   # (not a copy: a million entries)
-    return files, tensors, problems
+    shape = tuple(entry["shape"])
+    return ManifestTensor(entry["dtype"], shapes.setdefault(shape, shape), entry["file"], entry["sha256"])
 
 
 def single_document(metadata: dict, where):

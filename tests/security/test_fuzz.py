@@ -115,13 +115,15 @@ def test_json_member_stream_agrees_with_the_whole_parse(data):
         whole = safejson.loads(text, "f", "doc")
     except BadInput as e:
         whole = e
-    try:
-        streamed = dict(safejson.members(text, "f", "doc"))
-    except BadInput as e:
-        streamed = e
-    if isinstance(whole, BadInput):
-        assert isinstance(streamed, BadInput) and str(streamed) == str(whole)
-    elif isinstance(whole, dict):
-        assert streamed == whole
-    else:
-        assert str(streamed) == "f: doc is not a JSON object"
+    for nested in (None, "a", "c"):   # and with a member's object streamed too (a manifest's "tensors")
+        try:
+            streamed = {k: dict(v) if isinstance(v, safejson.Members) else v
+                        for k, v in safejson.members(text, "f", "doc", nested)}
+        except BadInput as e:
+            streamed = e
+        if isinstance(whole, BadInput):
+            assert isinstance(streamed, BadInput) and str(streamed) == str(whole)
+        elif isinstance(whole, dict):
+            assert streamed == whole
+        else:
+            assert str(streamed) == "f: doc is not a JSON object"

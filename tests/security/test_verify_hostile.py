@@ -559,6 +559,47 @@ def test_library_view_matches_on_good_outputs(outputs):
     assert code == 0, lines
 
 
+def test_what_the_library_sees_differently_is_named(copy, monkeypatch):
+    """The library's view is compared as one digest, after the rest; where it differs from ours,
+    the header is read again and every difference named: a tensor only we see, one only it sees
+    (in another dtype), and other metadata (the library stood in for, as no real file makes the two
+    disagree)."""
+    import safetensors
+    out = copy("conv")
+    shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    real = safetensors.safe_open
+
+    class Skewed:   # what the library sees of `shard`: lm_head.weight as "theirs", in F16
+        def __init__(self, path, framework):
+            self.f, self.skew = real(path, framework=framework), path == str(shard)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return [{"lm_head.weight": "theirs"}.get(k, k) if self.skew else k for k in self.f.keys()]
+
+        def get_slice(self, name):
+            if name != "theirs":
+                return self.f.get_slice(name)
+            shape = self.f.get_slice("lm_head.weight").get_shape()
+            return type("Piece", (), {"get_dtype": lambda _: "F16", "get_shape": lambda _: shape})()
+
+        def metadata(self):
+            return {**self.f.metadata(), **({"x": "y"} if self.skew else {})}
+
+    monkeypatch.setattr(safetensors, "safe_open", Skewed)
+    code, lines, _ = verify(out)
+    assert code == 1 and lines[:-1] == [
+        f"{shard}: tensor 'lm_head.weight': the safetensors library sees None, ckptconv ('F32', [32, 16])",
+        f"{shard}: tensor 'theirs': the safetensors library sees ('F16', [32, 16]), ckptconv None",
+        f"{shard}: the safetensors library sees different __metadata__"], lines
+
+
 # ------------------------------------------------------------------------------------------------
 # (g) no walk follows a symlink
 
