@@ -16,7 +16,9 @@ from .writers.base import Content, WriteOptions
 # The estimates' constants, measured on the bench machine (docs/benchmarks.md, "plan against the run"):
 BASE_RSS = 45 * 2**20          # interpreter, numpy, the reader and writer modules
 IN_FLIGHT = 45 * 2**20         # staging buffers and chunks being hashed that a large write touches
-PER_TENSOR_RSS = 900           # bytes per tensor written: its source record, plan entry, digest (in bulk)
+# bytes per tensor written: a convert's source record, header entry and packed digest; a reshard's
+# rank pieces (lazy slices) and layout entries on top, per rank piece
+PER_TENSOR_RSS = {"convert": 460, "reshard": 900}
 CPU_GBPS = {"convert": 1.0,    # read, hash (file and tensor digests) and write, one process, warm cache
             "reshard": 0.6}    # the same and a third digest (the global tensor's), gathered row splits
 # reading a tensor's record, planning, hashing and listing it; a convert's small tensors are digested
@@ -41,7 +43,8 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
     owner = assign([b for _, b in work], hosts)
     processes = []
     job = "reshard" if mesh else "convert"
-    total, cpu_gbps, per_tensor = sum(b for _, b in work) or 1, CPU_GBPS[job], PER_TENSOR_SECONDS[job]
+    total, cpu_gbps, per_tensor, per_tensor_rss = (sum(b for _, b in work) or 1, CPU_GBPS[job],
+                                                   PER_TENSOR_SECONDS[job], PER_TENSOR_RSS[job])
     for p in range(hosts):
         mine = [(n, b) for (n, b), o in zip(work, owner) if o == p]
         written = sum(b for _, b in mine)
@@ -49,7 +52,7 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
         pieces = len(ckpt.tensors) * len(mine) if mesh else round(len(ckpt.tensors) * written / total)
         processes.append({"process": p, "units": [n for n, _ in mine], "bytes_read": written,
                           "bytes_written": written, "tensors_written": pieces,
-                          "peak_rss_bytes": BASE_RSS + min(IN_FLIGHT, written) + PER_TENSOR_RSS * pieces,
+                          "peak_rss_bytes": BASE_RSS + min(IN_FLIGHT, written) + per_tensor_rss * pieces,
                           "seconds": max(2 * written / (disk_gbps * 1e9), written / (cpu_gbps * 1e9))
                           + per_tensor * pieces})
     return {"source": ckpt.source.get("path"), "format": ckpt.format,

@@ -45,7 +45,10 @@ def rank_pieces(sources: dict, plans, rank) -> list:
         if p.outer is not None:   # this rank's expert group first, then its intervals of each expert
             src = src.sliced(p.outer[0], *p.outer[1][rank])
         parts = [src.sliced(p.axis, a, b) for a, b in p.ranges[rank]]
-        out.append(parts[0].renamed(p.name) if len(parts) == 1 else Concat(p.name, parts, p.axis))
+        if len(parts) > 1:
+            out.append(Concat(p.name, parts, p.axis))
+        else:   # (a slice keeps its source's name: no wrapper per tensor per rank when that is the name)
+            out.append(parts[0] if parts[0].name == p.name else parts[0].renamed(p.name))
     return out
 
 

@@ -42,7 +42,7 @@ def test_estimates_grow_with_the_tensor_count_not_the_bytes(tmp_path):
         return json.loads(run("plan", path, "--json").stdout)["processes"][0]
     few, many = plan(10, 10000), plan(10000, 10)
     assert few["bytes_written"] == pytest.approx(many["bytes_written"], rel=0.01)   # (headers differ)
-    assert many["peak_rss_bytes"] - few["peak_rss_bytes"] == pytest.approx(PER_TENSOR_RSS * 9990, rel=0.01)
+    assert many["peak_rss_bytes"] - few["peak_rss_bytes"] == pytest.approx(PER_TENSOR_RSS["convert"] * 9990, rel=0.01)
     assert many["seconds"] - few["seconds"] == pytest.approx(PER_TENSOR_SECONDS["convert"] * 9990, rel=0.01)
 
 
