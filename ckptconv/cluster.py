@@ -32,7 +32,7 @@ class Cluster:
         return self.process_id == 0
 
     def put(self, key: str, value) -> None:
-        self.client.key_value_set(f"ckptconv/{key}", json.dumps(value))
+        self.client.key_value_set(f"ckptconv/{key}", json.dumps(value, default=_hex))
 
     def get(self, key: str, who: str):
         try:
@@ -40,6 +40,13 @@ class Cluster:
         except Exception as e:  # the runtime's own error types
             raise OutputError(f"{who} did not answer within {self.timeout_s} s ({str(e).splitlines()[0]}); "
                               "nothing was published") from None
+
+
+def _hex(value) -> str:
+    """Bytes in a message (a writer's packed digests) go as hex; the receiver knows to read them back."""
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    raise TypeError(f"{type(value).__name__} cannot cross processes")
 
 
 class Solo(Cluster):

@@ -131,7 +131,7 @@ def members(data, where, what="JSON", nested: str | None = None):
 
     def walk(top: bool):
         """The members of the object whose '{' is just before state[0]; leaves state[0] after its '}'."""
-        seen = set()
+        seen, repeated = set(), None   # a repeated key is refused when its object closes, as loads does
         try:
             at = _SPACE.match(text, state[0]).end()
             closed = text[at:at + 1] == "}"
@@ -144,10 +144,10 @@ def members(data, where, what="JSON", nested: str | None = None):
                 if colon is None:
                     raise json.JSONDecodeError("Expecting ':' delimiter", text, _SPACE.match(text, at).end())
                 at = colon.end()
-                if key in seen:
-                    raise ValueError(f"names {key!r} twice")
+                if key in seen and repeated is None:
+                    repeated = key
                 seen.add(key)
-                if top and key == nested and text[at:at + 1] == "{":
+                if top and key == nested and text[at:at + 1] == "{" and repeated is None:
                     state[0] = at + 1
                     inner = Members(walk(False))
                     yield key, inner
@@ -158,11 +158,14 @@ def members(data, where, what="JSON", nested: str | None = None):
                         value, at = scan(text, at)
                     except StopIteration as stop:   # (where inside the value it failed, as json.loads says)
                         raise json.JSONDecodeError("Expecting value", text, stop.value) from None
-                    yield key, value
+                    if repeated is None:
+                        yield key, value
                 after = _NEXT.match(text, at)
                 if after is None:
                     raise json.JSONDecodeError("Expecting ',' delimiter", text, _SPACE.match(text, at).end())
                 at, closed = after.end(), after[1] == "}"
+            if repeated is not None:
+                raise ValueError(f"names {repeated!r} twice")
             state[0] = at
             if top and _SPACE.match(text, at).end() != len(text):
                 raise json.JSONDecodeError("Extra data", text, _SPACE.match(text, at).end())

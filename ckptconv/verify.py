@@ -111,6 +111,13 @@ def _regular(entries: dict, name: str) -> bool:
     return st is not None and stat.S_ISREG(st.st_mode)
 
 
+def _detail(error: BadInput, path) -> str:
+    """A BadInput's sentence without the "PATH: " it starts with (the problem line names the file
+    already), also when the path itself holds ": "."""
+    text, head = str(error), f"{path}: "
+    return text[len(head):] if text.startswith(head) else text.split(": ", 1)[-1]
+
+
 def _read(d: Path, name: str, entries: dict, report: Report, what: str):
     """The bytes of a metadata file of `d`; None (and a problem) if it is missing or unreadable. A
     non-regular entry is not opened: the directory check reports it."""
@@ -122,7 +129,7 @@ def _read(d: Path, name: str, entries: dict, report: Report, what: str):
     try:
         return read_regular(d / name)
     except BadInput as e:
-        report.add(d / name, f"{what} cannot be read: {str(e).split(': ', 1)[-1]}", "unreadable")
+        report.add(d / name, f"{what} cannot be read: {_detail(e, d / name)}", "unreadable")
         return None
 
 
@@ -138,7 +145,7 @@ def _document(d: Path, name: str, entries: dict, report: Report, what: str, read
         text, data = safejson.decode(data, d / name, what), None
         return read_back(text, d / name)
     except BadInput as e:
-        report.add(d / name, str(e).split(": ", 1)[-1], "metadata")
+        report.add(d / name, _detail(e, d / name), "metadata")
     return None
 
 
@@ -300,7 +307,7 @@ def _parsed(path: Path, report: Report):
         m = MappedFile(path)
         header = parse_header(m.view, m.size, path)
     except BadInput as e:
-        report.add(path, str(e).split(": ", 1)[-1], "metadata")
+        report.add(path, _detail(e, path), "metadata")
         return None
     for p in header.problems:
         report.add(path, p, "metadata")
@@ -361,8 +368,9 @@ def _library_view(path: Path, ours: bytes, report: Report, header=None):
         return
     if header is None:
         parsed = _parsed(path, Report())
-        if parsed is None:   # changed since: the digests say so
-            report.add(path, "the safetensors library sees another header than ckptconv read", "consumer")
+        if parsed is None or _our_view(parsed[1]) != ours:
+            report.add(path, "changed while verify read it: its header is not the one checked (verify again)",
+                       "digest")
             return
         header = parsed[1]
     ours = sorted(header.entries, key=lambda e: e.name)   # compared name by name in sorted order
@@ -392,6 +400,9 @@ def _library_view(path: Path, ours: bytes, report: Report, header=None):
                    tensor=name)
     if metadata != header.metadata:
         report.add(path, "the safetensors library sees different __metadata__", "consumer")
+    elif not differ:   # the digests differed, yet nothing does now: the file changed between its reads
+        report.add(path, "changed while verify read it: the safetensors library saw another header (verify "
+                         "again)", "digest")
 
 
 def _hash_shard(m, header, shard, m_files, recorded, sums, report, progress):
@@ -474,7 +485,7 @@ def verify_file(path: Path, report: Report, progress=None):
         header = parse_header(m.view, m.size, path)
         raw = manifest_format.single_document(header.metadata, path)
     except BadInput as e:
-        report.add(path, str(e).split(": ", 1)[-1], "metadata")
+        report.add(path, _detail(e, path), "metadata")
         return
     if raw is None:
         _verify_foreign_files(path, [path], {}, report)
@@ -591,7 +602,7 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
         try:  # its rank count must be the number of rank directories before anything loops over it
             mesh = check_recorded(parse_mesh(data, path / MESH, len(dirs)), path / MESH)
         except BadInput as e:
-            found.add(path / MESH, str(e).split(": ", 1)[-1], "metadata")
+            found.add(path / MESH, _detail(e, path / MESH), "metadata")
     target = mesh.get("source", {}).get("target") if mesh is not None else None
     vllm_parts = _vllm_parts(path, mesh["ranks"]) if isinstance(target, dict) and \
         target.get("engine") == vllm.TARGET and len(dirs) == mesh["ranks"] else None

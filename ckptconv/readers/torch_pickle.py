@@ -5,6 +5,7 @@ Hugging Face directories of `.bin` shards with `pytorch_model.bin.index.json`.
 its zip entry (or its place after the legacy pickles), so every tensor is a view of the mapped file.
 """
 import struct
+from array import array
 from pathlib import Path
 
 from .pickle import unpickler
@@ -182,19 +183,23 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
     prefix = archive_prefix(m, entries)
     order = entries.get(prefix + "byteorder")
     big = order is not None and bytes(ziparchive.read_small(m, order, 16)).strip() == b"big"
+    # The first reference to a storage says what it is (its dtype and size), as for torch.load; later
+    # ones get the same. Kept per entry row as a number and a byte, not as a table of Storage records:
+    # a million of them, each with its key, would stay in memory to the end of the load.
+    claimed, kind, kinds = array("q", [-1]) * len(entries), bytearray(len(entries)), []   # kinds: dtypes seen
 
     def persistent_load(pid, ctx):
-        # A Storage per reference, not one per key kept in a table: tensors sharing a storage need no
-        # shared record (each view is checked against the entry's bytes), and a million of them, each
-        # with its key, would stay in memory to the end of the load.
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise ctx.unsafe(f"persistent id {brief(pid)} is not a torch storage reference")
         _, stype, key, _location, numel = pid
         if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
             raise ctx.bad(f"malformed storage reference {brief(pid)}")
-        entry = entries.get(f"{prefix}data/{key}")
-        if entry is None:
+        row = entries.row(f"{prefix}data/{key}")
+        if row is None:
             raise ctx.bad(f"storage {key!r} has no entry data/{key} in the archive")
+        entry = entries.entry(row)
+        if claimed[row] >= 0:
+            return Storage(key, kinds[kind[row]], m, entry.offset, claimed[row], big)
         if entry.method:
             raise ctx.bad(f"storage {key!r}: its entry data/{key} is compressed (torch stores tensor data "
                           "uncompressed - was this archive repacked?)")
@@ -202,6 +207,9 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
         nbytes = numel * _itemsize(dtype)
         if nbytes > entry.size:
             raise ctx.bad(f"storage {key!r} needs {nbytes} bytes but its entry holds {entry.size}")
+        if dtype not in kinds:   # (a few storage classes: a byte holds their number)
+            kinds.append(dtype)
+        claimed[row], kind[row] = nbytes, kinds.index(dtype)
         return Storage(key, dtype, m, entry.offset, nbytes, big)
 
     entry = entries[prefix + "data.pkl"]

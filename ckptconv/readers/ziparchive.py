@@ -84,7 +84,7 @@ class Entries(Mapping):
 
     def add(self, name: str, offset: int, size: int, crc: int, method: int = 0, stored: int = -1):
         """Append the next entry; ValueError if its name is taken."""
-        if self._row(name) is not None:
+        if self.row(name) is not None:
             raise ValueError(name)
         row = len(self.offset)
         numbered = _NUMBERED.fullmatch(name)
@@ -111,7 +111,8 @@ class Entries(Mapping):
         number = self.number[row]
         return self._unnumbered[row] if number < 0 else f"{self._prefix}data/{number}"
 
-    def _row(self, name) -> int | None:
+    def row(self, name) -> int | None:
+        """The row of entry `name` (0, 1, ... in file order), or None."""
         row = self._named.get(name)
         if row is None and self._prefix is not None and isinstance(name, str) and name.startswith(self._prefix) \
                 and (numbered := _NUMBERED.fullmatch(name)) is not None and numbered[1] == self._prefix:
@@ -120,14 +121,18 @@ class Entries(Mapping):
                 row = self._dense[number]
         return row
 
+    def entry(self, row: int) -> Entry:
+        return Entry(self.name_of(row), self.offset[row], self.size[row], self.crc[row], self.method[row],
+                     self.stored[row])
+
     def __getitem__(self, name) -> Entry:
-        row = self._row(name)
+        row = self.row(name)
         if row is None:
             raise KeyError(name)
-        return Entry(name, self.offset[row], self.size[row], self.crc[row], self.method[row], self.stored[row])
+        return self.entry(row)
 
     def __contains__(self, name) -> bool:
-        return self._row(name) is not None
+        return self.row(name) is not None
 
     def __iter__(self):
         for row in range(len(self.offset)):

@@ -7,8 +7,8 @@ several:
 - `plan(tensors) -> units`: which tensor bytes go to which file or directory, with their sizes.
   Pure data: `ckptconv plan` prints exactly what a run will do.
 - `write(units, tmp, progress, share) -> result`: write the units this process was given into the
-  temporary output directory. The result crosses processes: JSON-able (digests as hex) when
-  there are several (`share[1] > 1`).
+  temporary output directory. The result crosses processes: JSON, where bytes (packed digests)
+  go as hex (cluster.py).
 - `finish(tmp, results) -> facts`: on process 0, once every process's result is in (in process
   order): the index, manifest, SHA256SUMS, mesh.json ...; returns facts for the summary.
 

@@ -56,8 +56,7 @@ def plan_shards(tensors, max_shard_size: int, stem: str = fmt.STEM) -> list:
 class Written:
     """What writing produced. A tensor's manifest entry is its plan's dtype, shape and file with its
     digest: only the digests are kept, 32 bytes per tensor, never an object or a hex string per
-    tensor (a million-tensor optimizer state). `portable()` is the JSON-able form that crosses
-    processes."""
+    tensor (a million-tensor optimizer state)."""
 
     files: dict = field(default_factory=dict)     # name -> {"sha256", "size"}
     digests: dict = field(default_factory=dict)   # shard name -> its tensors' digests in plan order, packed
@@ -73,13 +72,10 @@ class Written:
             for k, t in enumerate(s.tensors):
                 yield t.name, row[32 * k:32 * k + 32].hex()
 
-    def result(self, processes: int) -> dict:
-        """{"files", "digests"} for a writer's result (writers/base.py): the digests as hex (JSON)
-        when it goes to another process, else as they are (a million tensors' digests are not made
-        hex and back for nothing)."""
-        if processes == 1:
-            return {"files": self.files, "digests": self.digests}
-        return {"files": self.files, "digests": {name: row.hex() for name, row in self.digests.items()}}
+    def result(self) -> dict:
+        """{"files", "digests"}: a writer's result (writers/base.py). Packed digests cross to another
+        process as hex (cluster.py); a run of one process hands them over as they are."""
+        return {"files": self.files, "digests": self.digests}
 
     @classmethod
     def from_result(cls, data: dict) -> "Written":

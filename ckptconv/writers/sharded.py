@@ -111,7 +111,7 @@ class ShardedWriter(Writer):
                                    self.options.direct)
         finally:
             pipeline.close()
-        return {**written.result(share[1]), "reused": sum(v["size"] for v in reuse.files.values()), "note": note}
+        return {**written.result(), "reused": sum(v["size"] for v in reuse.files.values()), "note": note}
 
     def finish(self, tmp, results) -> dict:
         written, by_name = Written(), {}

@@ -41,7 +41,7 @@ class SingleWriter(Writer):
 
     def write(self, units, tmp, progress=None, share=(0, 1)):
         if not units:
-            return Written().result(share[1])
+            return Written().result()
         unit = units[0]
         check_space(tmp, unit.size)
         pipeline = Pipeline()
@@ -61,7 +61,7 @@ class SingleWriter(Writer):
                 os.fsync(fd)
         finally:
             os.close(fd)
-        return written.result(share[1])
+        return written.result()
 
     def finish(self, tmp, results) -> dict:
         return {"files": [self.file_name]}

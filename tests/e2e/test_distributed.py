@@ -49,6 +49,11 @@ def test_convert_on_two_processes_is_byte_identical(hf_llama, tmp_path):
     assert "process 1 of 2" in results[1][1]
     assert run("convert", hf_llama["dir"], tmp_path / "one", "--max-shard-size", "60KB", "--quiet").exit_code == 0
     same_tree(tmp_path / "two", tmp_path / "one")
+    # a cluster of one process still sends its results through the coordination service (as JSON)
+    results = wait_all(launch(["convert", hf_llama["dir"], tmp_path / "solo", "--max-shard-size", "60KB", "--quiet"],
+                              n=1))
+    assert results[0][0] == 0, results
+    same_tree(tmp_path / "solo", tmp_path / "one")
 
 
 def test_reshard_and_device_verify_across_two_processes(hf_llama, tmp_path):

@@ -355,3 +355,48 @@ def test_archive_entries_hold_no_object_per_storage():
         tracemalloc.stop()
     assert held < 100 * 100_000, held
     assert entries["archive/data/99999"].offset == 64 * 99999
+
+
+def test_a_storage_is_what_its_first_reference_says(tmp_path):
+    """Two references to one storage that disagree (a forged pickle): the first says its dtype and
+    size, as for torch.load; a view beyond that size is refused, a second dtype ignored."""
+    import collections
+    import io
+    import pickle
+    import zipfile
+    from ckptconv.errors import BadInput
+    from ckptconv.readers import Source, open_source
+
+    class Ref:
+        def __init__(self, stype, numel):
+            self.pid = ("storage", stype, "0", "cpu", numel)
+
+    class View:
+        def __init__(self, ref, size):
+            self.args = (ref, 0, (size,), (1,), False, collections.OrderedDict())
+
+        def __reduce__(self):
+            return torch._utils._rebuild_tensor_v2, self.args
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return obj.pid if isinstance(obj, Ref) else None
+
+    def write(name, first, second):
+        buf = io.BytesIO()
+        Pickler(buf, protocol=2).dump({"a": View(Ref(*first), first[1]), "b": View(Ref(*second), second[1])})
+        with zipfile.ZipFile(tmp_path / name, "w", zipfile.ZIP_STORED) as z:
+            z.writestr("archive/data.pkl", buf.getvalue())
+            z.writestr("archive/byteorder", "little")
+            z.writestr("archive/version", "3\n")
+            z.writestr("archive/data/0", torch.arange(100, dtype=torch.float32).numpy().tobytes())
+        return tmp_path / name
+
+    with pytest.raises(BadInput, match="beyond its storage '0' of 4 bytes"):
+        open_source(Source(str(write("numel.pt", (torch.FloatStorage, 1), (torch.FloatStorage, 100)))))
+    with pytest.raises(BadInput, match="beyond its storage '0' of 400 bytes"):
+        open_source(Source(str(write("half.pt", (torch.FloatStorage, 100), (torch.HalfStorage, 200)))))
+    path = write("int.pt", (torch.FloatStorage, 100), (torch.IntStorage, 100))
+    got = {t.name: t.dtype.code for t in open_source(Source(str(path))).tensors}
+    want = {k: str(v.dtype) for k, v in torch.load(path, weights_only=True).items()}
+    assert got == {"a": "F32", "b": "F32"} and want == {"a": "torch.float32", "b": "torch.float32"}

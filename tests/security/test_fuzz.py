@@ -99,18 +99,20 @@ def test_claimed_sizes_are_not_allocated():
         assert peak < 1 << 20, peak
 
 
-JSON_SEED = b'{"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, "__metadata__": {"k": "v\\"}"}, ' \
-            b'"b\\u00e9": [1, 2.5e3, true, null, "x"], "c": {}}'
+JSON_SEEDS = [b'{"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, "__metadata__": {"k": "v\\"}"}, '
+              b'"b\\u00e9": [1, 2.5e3, true, null, "x"], "c": {}}',
+              b'{"a": {"x": 1, "x": 2}, "c": {"y": [1], "z": 2}, "a": 3, "d": "e"}']   # (repeated keys)
 
 
+@pytest.mark.parametrize("seed", JSON_SEEDS)
 @SETTINGS
 @given(data=st.data())
-def test_json_member_stream_agrees_with_the_whole_parse(data):
+def test_json_member_stream_agrees_with_the_whole_parse(seed, data):
     """safejson.members (a safetensors header read member by member) accepts exactly what loads
     accepts, gives the same members, and fails with the same message."""
     from ckptconv import safejson
     from ckptconv.errors import BadInput
-    text = data.draw(mutated(JSON_SEED))
+    text = data.draw(mutated(seed))
     try:
         whole = safejson.loads(text, "f", "doc")
     except BadInput as e:

@@ -554,6 +554,33 @@ def test_output_the_safetensors_library_cannot_load(copy):
     assert lines[0].startswith(f"{shard}: the safetensors library cannot open it: ") and "JSON" in lines[0]
 
 
+def test_a_shard_replaced_before_the_library_reads_it_is_named(copy, monkeypatch):
+    """The library's check comes after verify's own pass: a shard swapped in between (another valid
+    header) is reported as changed, not passed because the library agrees with the new file."""
+    import importlib
+    verify_module = importlib.import_module("ckptconv.verify")
+    out = copy("conv")
+    shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    real = verify_module._library
+
+    def swapped(path, view):
+        if path == shard:
+            rewrite_header(shard, lambda h: h.__setitem__("renamed", h.pop("lm_head.weight")))
+        return real(path, view)
+    monkeypatch.setattr(verify_module, "_library", swapped)
+    code, lines, _ = verify(out)
+    assert code == 1 and lines[:-1] == [f"{shard}: changed while verify read it: its header is not the one checked "
+                                        "(verify again)"], lines
+
+
+def test_a_problem_line_names_a_path_holding_a_colon(copy, tmp_path):
+    """A problem's text drops exactly the "PATH: " its error starts with, whatever the path holds."""
+    out = copy("conv").rename(tmp_path / "co: lon")
+    (out / "manifest.json").write_text("[]")
+    code, lines, _ = verify(out)
+    assert code == 1 and f"{out}/manifest.json: manifest.json is not a JSON object" in lines, lines
+
+
 def test_library_view_matches_on_good_outputs(outputs):
     code, lines, _ = verify(outputs / "conv")
     assert code == 0, lines
