@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import safejson
-from ..errors import BadInput, UsageError
+from ..errors import BadInput, UsageError, brief
 
 try:
     import tomllib
@@ -78,7 +78,19 @@ def _rule(raw: dict, where: str) -> Rule:
     if unknown or "pattern" not in raw:
         raise UsageError(f"{where}: a rule needs 'pattern' and may have kind/axis/heads/kv_heads/head_dim/experts "
                          f"(unknown: {sorted(unknown)})")
+    if not isinstance(raw["pattern"], str):
+        raise UsageError(f"{where}: a rule's pattern must be a string, not {brief(raw['pattern'])}")
     kind, axis = raw.get("kind"), raw.get("axis")
+    if axis is not None and type(axis) is not int:
+        raise UsageError(f"{where}: rule {raw['pattern']!r}: axis must be an integer (negative counts from the end), "
+                         f"not {brief(axis)}")
+    for key in ("heads", "kv_heads", "head_dim"):
+        if raw.get(key) is not None and not (type(raw[key]) is int and raw[key] > 0):
+            raise UsageError(f"{where}: rule {raw['pattern']!r}: {key} must be a positive integer, not "
+                             f"{brief(raw[key])}")
+    if type(raw.get("experts", False)) is not bool:
+        raise UsageError(f"{where}: rule {raw['pattern']!r}: experts must be true or false, not "
+                         f"{brief(raw['experts'])}")
     if (kind is None) == (axis is None):
         raise UsageError(f"{where}: rule {raw['pattern']!r} needs exactly one of 'kind' or 'axis'")
     if kind is not None and kind not in KINDS:

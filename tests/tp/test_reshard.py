@@ -252,6 +252,23 @@ def test_rules_file(torch_fixtures, tmp_path):
     assert "model\\\\.0" in mesh["rules"]["params"]["file"]
 
 
+@pytest.mark.parametrize("rule, why", [
+    ('pattern = ".*"\naxis = "replicate"', "axis must be an integer (negative counts from the end), not 'replicate'"),
+    ('pattern = ".*"\naxis = 1.5', "axis must be an integer"),
+    ('pattern = ".*"\naxis = true', "axis must be an integer"),
+    ("pattern = 3\naxis = 0", "a rule's pattern must be a string, not 3"),
+    ('pattern = ".*"\nkind = "qkv"\nheads = "4"\nkv_heads = 2\nhead_dim = 8', "heads must be a positive integer"),
+    ('pattern = ".*"\naxis = 0\nexperts = "yes"', "experts must be true or false"),
+])
+def test_a_rules_file_of_the_wrong_types_is_a_usage_error(torch_fixtures, tmp_path, rule, why):
+    """A value of the wrong type in a rules file is one clear line (it was an unexpected TypeError)."""
+    rules = tmp_path / "rules.toml"
+    rules.write_text(f'layout = "torch"\n[[rule]]\n{rule}\n')
+    r = run("reshard", torch_fixtures["train"], tmp_path / "out", "--tp", 2, "--rules", rules)
+    assert r.exit_code == 2 and why in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_dry_run_explains_plan(hf_llama, tmp_path):
     r = run("reshard", hf_llama["dir"], "--tp", 4, "--dry-run")
     assert r.exit_code == 0
