@@ -354,25 +354,23 @@ def _library_digest(f) -> bytes:
                         f.metadata() or {})
 
 
-def _library_view(path: Path, ours: bytes, report: Report, header=None):
+def _library_view(path: Path, ours: bytes, report: Report):
     """The safetensors library, as a consumer, must see what we parsed: the same names, dtypes,
     shapes and metadata (headers only; the data is read once, by the hashes). Compared first as one
     digest each (`ours` is _our_view of the header), so that the library's table of a million
-    tensors is never held beside ours; only when they differ is the header (`header`, or parsed
-    again) compared name by name to say what differs."""
+    tensors is never held beside ours; only when they differ is the header parsed again and
+    compared name by name to say what differs (or that the file is not the one checked)."""
     theirs = _library(path, _library_digest)
     if isinstance(theirs, str):
         report.add(path, f"the safetensors library cannot open it: {theirs}", "consumer")
         return
     if theirs == ours:
         return
-    if header is None:
-        parsed = _parsed(path, Report())
-        if parsed is None or _our_view(parsed[1]) != ours:
-            report.add(path, "changed while verify read it: its header is not the one checked (verify again)",
-                       "digest")
-            return
-        header = parsed[1]
+    parsed = _parsed(path, Report())
+    if parsed is None or _our_view(parsed[1]) != ours:
+        report.add(path, "changed while verify read it: its header is not the one checked (verify again)", "digest")
+        return
+    header = parsed[1]
     ours = sorted(header.entries, key=lambda e: e.name)   # compared name by name in sorted order
 
     def compare(f):
@@ -494,7 +492,7 @@ def verify_file(path: Path, report: Report, progress=None):
         report.add(path, p, "metadata")
     if header.problems:
         return
-    _library_view(path, _our_view(header), report, header)
+    _library_view(path, _our_view(header), report)
     if header.metadata.get("format") != "pt":
         report.add(path, f"__metadata__ format is {brief(header.metadata.get('format'))}, not 'pt'", "metadata")
     tensors, problems = manifest_format.check_single(raw)
@@ -528,7 +526,7 @@ def _verify_foreign_files(where: Path, files: list, weight_map: dict, report: Re
         if parsed is None or parsed[1].problems:
             continue
         m, header = parsed
-        _library_view(path, _our_view(header), report, header)
+        _library_view(path, _our_view(header), report)
         for e in header.entries:
             if e.name in located:
                 report.add(path, f"tensor {e.name!r} also appears in {located[e.name]}", "misplaced", tensor=e.name)

@@ -194,6 +194,7 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
         _, stype, key, _location, numel = pid
         if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
             raise ctx.bad(f"malformed storage reference {brief(pid)}")
+        dtype = storage_dtype(stype, ctx)   # (every reference's type is checked, as torch.load reads each)
         row = entries.row(f"{prefix}data/{key}")
         if row is None:
             raise ctx.bad(f"storage {key!r} has no entry data/{key} in the archive")
@@ -203,7 +204,6 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
         if entry.method:
             raise ctx.bad(f"storage {key!r}: its entry data/{key} is compressed (torch stores tensor data "
                           "uncompressed - was this archive repacked?)")
-        dtype = storage_dtype(stype, ctx)
         nbytes = numel * _itemsize(dtype)
         if nbytes > entry.size:
             raise ctx.bad(f"storage {key!r} needs {nbytes} bytes but its entry holds {entry.size}")

@@ -112,7 +112,10 @@ def load_rules_file(path) -> RuleSet:
     layout = raw.get("layout", "torch")
     if layout not in ("torch", "jax"):
         raise UsageError(f"--rules {path}: layout must be 'torch' or 'jax', not {layout!r}")
-    rules = [_rule(r, f"--rules {path}") for r in raw.get("rule", [])]
+    listed = raw.get("rule", [])
+    if not isinstance(listed, list) or not all(isinstance(r, dict) for r in listed):
+        raise UsageError(f"--rules {path}: 'rule' must be [[rule]] tables, not {brief(listed)}")
+    rules = [_rule(r, f"--rules {path}") for r in listed]
     if not rules:
         raise UsageError(f"--rules {path}: no [[rule]] entries")
     return RuleSet(f"rules file {Path(path).name}", layout, rules, {"file": Path(path).read_text()})

@@ -396,6 +396,8 @@ def test_a_storage_is_what_its_first_reference_says(tmp_path):
         open_source(Source(str(write("numel.pt", (torch.FloatStorage, 1), (torch.FloatStorage, 100)))))
     with pytest.raises(BadInput, match="beyond its storage '0' of 400 bytes"):
         open_source(Source(str(write("half.pt", (torch.FloatStorage, 100), (torch.HalfStorage, 200)))))
+    with pytest.raises(BadInput, match="storage type outside the allowlist"):   # every reference is checked
+        open_source(Source(str(write("evil.pt", (torch.FloatStorage, 100), ("evil", 100)))))
     path = write("int.pt", (torch.FloatStorage, 100), (torch.IntStorage, 100))
     got = {t.name: t.dtype.code for t in open_source(Source(str(path))).tensors}
     want = {k: str(v.dtype) for k, v in torch.load(path, weights_only=True).items()}

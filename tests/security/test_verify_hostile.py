@@ -573,6 +573,48 @@ def test_a_shard_replaced_before_the_library_reads_it_is_named(copy, monkeypatch
                                         "(verify again)"], lines
 
 
+def test_a_library_view_that_changes_between_its_reads_is_named(copy, monkeypatch):
+    """The library's digest differs from ours, yet its second read (to name the differences) finds
+    none: the file changed between the two, and that is what is reported."""
+    import importlib
+    verify_module = importlib.import_module("ckptconv.verify")
+    out = copy("conv")
+    shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    real, calls = verify_module._library, []
+
+    def flaky(path, view):
+        seen = real(path, view)
+        if path == shard and not calls:   # its first read: as if another header had been there
+            calls.append(path)
+            return b"x" * 32
+        return seen
+    monkeypatch.setattr(verify_module, "_library", flaky)
+    code, lines, _ = verify(out)
+    assert code == 1 and lines[:-1] == [f"{shard}: changed while verify read it: the safetensors library saw another "
+                                        "header (verify again)"], lines
+
+
+def test_a_single_file_replaced_before_the_library_reads_it_is_named(tmp_path, monkeypatch, outputs):
+    """A single-file output is re-read too when the library's view differs: the change is named,
+    not blamed on the library."""
+    import importlib
+    verify_module = importlib.import_module("ckptconv.verify")
+    one = tmp_path / "one.safetensors"
+    assert run("convert", outputs / "conv", one).exit_code == 0
+    real = verify_module._library
+
+    def swapped(path, view):
+        if path == one and not swapped.done:
+            swapped.done = True
+            rewrite_header(one, lambda h: h.__setitem__("renamed", h.pop("lm_head.weight")))
+        return real(path, view)
+    swapped.done = False
+    monkeypatch.setattr(verify_module, "_library", swapped)
+    code, lines, _ = verify(one)
+    assert code == 1 and f"{one}: changed while verify read it: its header is not the one checked (verify again)" \
+        in lines, lines
+
+
 def test_a_problem_line_names_a_path_holding_a_colon(copy, tmp_path):
     """A problem's text drops exactly the "PATH: " its error starts with, whatever the path holds."""
     out = copy("conv").rename(tmp_path / "co: lon")

@@ -269,6 +269,14 @@ def test_a_rules_file_of_the_wrong_types_is_a_usage_error(torch_fixtures, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("body", ["rule = [1]", "rule = 5", 'rule = "x"'])
+def test_rules_that_are_not_tables_are_a_usage_error(torch_fixtures, tmp_path, body):
+    rules = tmp_path / "rules.toml"
+    rules.write_text(f'layout = "torch"\n{body}\n')
+    r = run("reshard", torch_fixtures["train"], tmp_path / "out", "--tp", 2, "--rules", rules)
+    assert r.exit_code == 2 and "'rule' must be [[rule]] tables" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
 def test_dry_run_explains_plan(hf_llama, tmp_path):
     r = run("reshard", hf_llama["dir"], "--tp", 4, "--dry-run")
     assert r.exit_code == 0
