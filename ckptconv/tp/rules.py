@@ -73,24 +73,24 @@ def check_recorded(mesh: dict, where):
     return mesh
 
 
+# A rule's fields as a rules file or mesh.json gives them, and the one type each must have
+# (formats/mesh.py checks recorded rules against the same table).
+FIELDS = {"pattern": str, "kind": str, "axis": int, "heads": int, "kv_heads": int, "head_dim": int, "experts": bool}
+_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
+
+
 def _rule(raw: dict, where: str) -> Rule:
-    unknown = set(raw) - {"pattern", "kind", "axis", "heads", "kv_heads", "head_dim", "experts"}
+    unknown = set(raw) - set(FIELDS)
     if unknown or "pattern" not in raw:
         raise UsageError(f"{where}: a rule needs 'pattern' and may have kind/axis/heads/kv_heads/head_dim/experts "
                          f"(unknown: {sorted(unknown)})")
-    if not isinstance(raw["pattern"], str):
-        raise UsageError(f"{where}: a rule's pattern must be a string, not {brief(raw['pattern'])}")
-    kind, axis = raw.get("kind"), raw.get("axis")
-    if axis is not None and type(axis) is not int:
-        raise UsageError(f"{where}: rule {raw['pattern']!r}: axis must be an integer (negative counts from the end), "
-                         f"not {brief(axis)}")
+    for key, want in FIELDS.items():
+        if key in raw and type(raw[key]) is not want:
+            raise UsageError(f"{where}: a rule's {key} must be {_TYPE_NAMES[want]}, not {brief(raw[key])}")
     for key in ("heads", "kv_heads", "head_dim"):
-        if raw.get(key) is not None and not (type(raw[key]) is int and raw[key] > 0):
-            raise UsageError(f"{where}: rule {raw['pattern']!r}: {key} must be a positive integer, not "
-                             f"{brief(raw[key])}")
-    if type(raw.get("experts", False)) is not bool:
-        raise UsageError(f"{where}: rule {raw['pattern']!r}: experts must be true or false, not "
-                         f"{brief(raw['experts'])}")
+        if raw.get(key) is not None and raw[key] <= 0:
+            raise UsageError(f"{where}: rule {raw['pattern']!r}: {key} must be positive, not {raw[key]}")
+    kind, axis = raw.get("kind"), raw.get("axis")
     if (kind is None) == (axis is None):
         raise UsageError(f"{where}: rule {raw['pattern']!r} needs exactly one of 'kind' or 'axis'")
     if kind is not None and kind not in KINDS:

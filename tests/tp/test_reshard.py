@@ -253,12 +253,13 @@ def test_rules_file(torch_fixtures, tmp_path):
 
 
 @pytest.mark.parametrize("rule, why", [
-    ('pattern = ".*"\naxis = "replicate"', "axis must be an integer (negative counts from the end), not 'replicate'"),
-    ('pattern = ".*"\naxis = 1.5', "axis must be an integer"),
-    ('pattern = ".*"\naxis = true', "axis must be an integer"),
+    ('pattern = ".*"\naxis = "replicate"', "a rule's axis must be an integer, not 'replicate'"),
+    ('pattern = ".*"\naxis = 1.5', "a rule's axis must be an integer, not 1.5"),
+    ('pattern = ".*"\naxis = true', "a rule's axis must be an integer, not True"),
     ("pattern = 3\naxis = 0", "a rule's pattern must be a string, not 3"),
-    ('pattern = ".*"\nkind = "qkv"\nheads = "4"\nkv_heads = 2\nhead_dim = 8', "heads must be a positive integer"),
-    ('pattern = ".*"\naxis = 0\nexperts = "yes"', "experts must be true or false"),
+    ('pattern = ".*"\nkind = "qkv"\nheads = "4"\nkv_heads = 2\nhead_dim = 8', "a rule's heads must be an integer"),
+    ('pattern = ".*"\nkind = "qkv"\nheads = 0\nkv_heads = 2\nhead_dim = 8', "heads must be positive, not 0"),
+    ('pattern = ".*"\naxis = 0\nexperts = "yes"', "a rule's experts must be true or false, not 'yes'"),
 ])
 def test_a_rules_file_of_the_wrong_types_is_a_usage_error(torch_fixtures, tmp_path, rule, why):
     """A value of the wrong type in a rules file is one clear line (it was an unexpected TypeError)."""
