@@ -329,9 +329,36 @@ def _view_digest(rows, metadata: dict) -> bytes:
     return h.digest()
 
 
+def _header_rows(header):
+    """(name, dtype code, shape list) of every tensor of our header, in name order."""
+    return ((e.name, e.dtype.code, list(e.shape)) for e in sorted(header.entries, key=lambda e: e.name))
+
+
+def _library_rows(f):
+    """The same rows as the safetensors library sees them (`f` a safe_open handle)."""
+    return ((n, (piece := f.get_slice(n)).get_dtype(), list(piece.get_shape())) for n in sorted(f.keys()))
+
+
 def _our_view(header) -> bytes:
-    return _view_digest(((e.name, e.dtype.code, list(e.shape)) for e in sorted(header.entries, key=lambda e: e.name)),
-                        header.metadata)
+    return _view_digest(_header_rows(header), header.metadata)
+
+
+def _differences(ours, theirs):
+    """(name, what the library sees, what we see) of each name whose rows differ, None for a side
+    without it; both row streams in name order, merged as they come."""
+    ours, theirs = iter(ours), iter(theirs)
+    a, b = next(ours, None), next(theirs, None)
+    while a is not None or b is not None:
+        if b is None or (a is not None and a[0] < b[0]):
+            yield a[0], None, a[1:]
+            a = next(ours, None)
+        elif a is None or b[0] < a[0]:
+            yield b[0], b[1:], None
+            b = next(theirs, None)
+        else:
+            if a[1:] != b[1:]:
+                yield a[0], b[1:], a[1:]
+            a, b = next(ours, None), next(theirs, None)
 
 
 def _library(path: Path, view):
@@ -348,19 +375,13 @@ def _library(path: Path, view):
         return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def _library_digest(f) -> bytes:
-    names = sorted(f.keys())
-    return _view_digest(((n, (piece := f.get_slice(n)).get_dtype(), list(piece.get_shape())) for n in names),
-                        f.metadata() or {})
-
-
 def _library_view(path: Path, ours: bytes, report: Report):
     """The safetensors library, as a consumer, must see what we parsed: the same names, dtypes,
     shapes and metadata (headers only; the data is read once, by the hashes). Compared first as one
     digest each (`ours` is _our_view of the header), so that the library's table of a million
     tensors is never held beside ours; only when they differ is the header parsed again and
     compared name by name to say what differs (or that the file is not the one checked)."""
-    theirs = _library(path, _library_digest)
+    theirs = _library(path, lambda f: _view_digest(_library_rows(f), f.metadata() or {}))
     if isinstance(theirs, str):
         report.add(path, f"the safetensors library cannot open it: {theirs}", "consumer")
         return
@@ -371,29 +392,12 @@ def _library_view(path: Path, ours: bytes, report: Report):
         report.add(path, "changed while verify read it: its header is not the one checked (verify again)", "digest")
         return
     header = parsed[1]
-    ours = sorted(header.entries, key=lambda e: e.name)   # compared name by name in sorted order
-
-    def compare(f):
-        at, differ = 0, []
-        for name in sorted(f.keys()):
-            while at < len(ours) and ours[at].name < name:   # ours only
-                differ.append((ours[at].name, None, (ours[at].dtype.code, list(ours[at].shape))))
-                at += 1
-            piece = f.get_slice(name)
-            theirs = (piece.get_dtype(), list(piece.get_shape()))
-            mine = (ours[at].dtype.code, list(ours[at].shape)) if at < len(ours) and ours[at].name == name else None
-            at += mine is not None
-            if mine != theirs:
-                differ.append((name, theirs, mine))
-        differ += [(e.name, None, (e.dtype.code, list(e.shape))) for e in ours[at:]]
-        return differ, f.metadata() or {}
-
-    seen = _library(path, compare)
+    seen = _library(path, lambda f: (list(_differences(_header_rows(header), _library_rows(f))), f.metadata() or {}))
     if isinstance(seen, str):
         report.add(path, f"the safetensors library cannot open it: {seen}", "consumer")
         return
     differ, metadata = seen
-    for name, theirs, mine in sorted(differ, key=lambda d: d[0]):
+    for name, theirs, mine in differ:
         report.add(path, f"tensor {name!r}: the safetensors library sees {theirs}, ckptconv {mine}", "consumer",
                    tensor=name)
     if metadata != header.metadata:

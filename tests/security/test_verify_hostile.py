@@ -623,6 +623,19 @@ def test_a_problem_line_names_a_path_holding_a_colon(copy, tmp_path):
     assert code == 1 and f"{out}/manifest.json: manifest.json is not a JSON object" in lines, lines
 
 
+def test_differences_of_two_row_streams_in_name_order():
+    """The name-by-name comparison on plain rows: names on one side only, at either end or between,
+    and a row that differs; equal rows say nothing."""
+    import importlib
+    differences = importlib.import_module("ckptconv.verify")._differences
+    ours = [("a", "F32", [2]), ("c", "F32", [1]), ("d", "I8", [3])]
+    theirs = [("b", "F32", [2]), ("c", "F32", [2]), ("d", "I8", [3]), ("e", "BOOL", [])]
+    assert list(differences(ours, theirs)) == [("a", None, ("F32", [2])), ("b", ("F32", [2]), None),
+                                               ("c", ("F32", [2]), ("F32", [1])), ("e", ("BOOL", []), None)]
+    assert list(differences(ours, ours)) == [] and list(differences([], [])) == []
+    assert list(differences([], theirs[:1])) == [("b", ("F32", [2]), None)]
+
+
 def test_library_view_matches_on_good_outputs(outputs):
     code, lines, _ = verify(outputs / "conv")
     assert code == 0, lines
