@@ -198,19 +198,19 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
         row = entries.row(f"{prefix}data/{key}")
         if row is None:
             raise ctx.bad(f"storage {key!r} has no entry data/{key} in the archive")
-        entry = entries.entry(row)
+        offset = entries.offset[row]   # (read from the columns: no Entry, nor its name, per reference)
         if claimed[row] >= 0:
-            return Storage(key, kinds[kind[row]], m, entry.offset, claimed[row], big)
-        if entry.method:
+            return Storage(key, kinds[kind[row]], m, offset, claimed[row], big)
+        if entries.method[row]:
             raise ctx.bad(f"storage {key!r}: its entry data/{key} is compressed (torch stores tensor data "
                           "uncompressed - was this archive repacked?)")
         nbytes = numel * _itemsize(dtype)
-        if nbytes > entry.size:
-            raise ctx.bad(f"storage {key!r} needs {nbytes} bytes but its entry holds {entry.size}")
+        if nbytes > entries.size[row]:
+            raise ctx.bad(f"storage {key!r} needs {nbytes} bytes but its entry holds {entries.size[row]}")
         if dtype not in kinds:   # (a few storage classes: a byte holds their number)
             kinds.append(dtype)
         claimed[row], kind[row] = nbytes, kinds.index(dtype)
-        return Storage(key, dtype, m, entry.offset, nbytes, big)
+        return Storage(key, dtype, m, offset, nbytes, big)
 
     entry = entries[prefix + "data.pkl"]
     if entry.method:
