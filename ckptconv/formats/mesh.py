@@ -8,7 +8,6 @@ from .. import dtypes, safejson
 from ..errors import BadInput
 from ..io.hashing import sha256_file
 from ..limits import MAX_NDIM
-from ..tp.rules import FIELDS
 from .manifest import Rows
 from .sums import NAME as SUMS, is_digest, write_sums
 
@@ -17,6 +16,10 @@ FORMAT = "ckptconv.mesh/1"
 FORMAT_BOXES = "ckptconv.mesh/2"   # /1 plus `boxes` (pieces cut on two axes): written only when used
 MAX_METADATA = 256 * 2**20  # mesh.json, manifests, indexes, SHA256SUMS: read whole, so bounded
 _RANK_DIR = re.compile(r"rank-([0-9]{5,})")
+# A partition rule's fields, as a rules file or mesh.json gives them, and the one type each must have
+# (tp/rules.py builds rules from them).
+RULE_FIELDS = {"pattern": str, "kind": str, "axis": int, "heads": int, "kv_heads": int, "head_dim": int,
+               "experts": bool}
 
 
 def rank_dir(rank: int) -> str:
@@ -75,7 +78,7 @@ def _check_rules(rules, bad):
         if not isinstance(rule, dict) or not isinstance(rule.get("pattern"), str):
             raise bad(f"rule {i} must be an object with a 'pattern' string")
         for key, value in rule.items():
-            want = FIELDS.get(key)
+            want = RULE_FIELDS.get(key)
             if want is None or type(value) is not want:
                 raise bad(f"rule {i}: {key!r} = {value!r} is not a valid rule field")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .. import safejson
 from ..errors import BadInput, UsageError, brief
+from ..formats.mesh import RULE_FIELDS
 
 try:
     import tomllib
@@ -73,18 +74,15 @@ def check_recorded(mesh: dict, where):
     return mesh
 
 
-# A rule's fields as a rules file or mesh.json gives them, and the one type each must have
-# (formats/mesh.py checks recorded rules against the same table).
-FIELDS = {"pattern": str, "kind": str, "axis": int, "heads": int, "kv_heads": int, "head_dim": int, "experts": bool}
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
 
 
 def _rule(raw: dict, where: str) -> Rule:
-    unknown = set(raw) - set(FIELDS)
+    unknown = set(raw) - set(RULE_FIELDS)
     if unknown or "pattern" not in raw:
         raise UsageError(f"{where}: a rule needs 'pattern' and may have kind/axis/heads/kv_heads/head_dim/experts "
                          f"(unknown: {sorted(unknown)})")
-    for key, want in FIELDS.items():
+    for key, want in RULE_FIELDS.items():
         if key in raw and type(raw[key]) is not want:
             raise UsageError(f"{where}: a rule's {key} must be {_TYPE_NAMES[want]}, not {brief(raw[key])}")
     for key in ("heads", "kv_heads", "head_dim"):
