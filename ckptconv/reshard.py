@@ -88,7 +88,7 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
     content = Content(described, ckpt.extras, {}, ckpt.model_files, ckpt.skipped_files)
     if cast_to is not None:
         content.edited = transforms.config_with_dtype(read_config(ckpt.model_files) or {}, cast_to, described)
-    writer = WRITERS[target](write, content, out, plans, rules, mesh.tp, mesh.ep, {t.name: t for t in tensors})
+    writer = WRITERS[target](write, content, out, plans, rules, mesh.tp, mesh.ep, list(tensors))   # (plans' order)
     total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
     runner.run(writer, tensors, out, write, ckpt.inputs(source.path), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started

@@ -224,11 +224,12 @@ def recorded_cut(p) -> dict:
 
 
 def document(plans, rules, tp, ep, source, digests) -> dict:
-    """mesh.json for a reshard's TensorPlans (reshard.py), its RuleSet and the global digests; its
-    tensors are written entry by entry (manifest.Rows)."""
-    def entry(p) -> dict:
+    """mesh.json for a reshard's TensorPlans (reshard.py), its RuleSet and the global digests (32
+    bytes per plan, in plan order, back to back); its tensors are written entry by entry (manifest.Rows)."""
+    def entry(i) -> dict:
+        p = plans[i]
         e = {"shape": list(p.shape), "dtype": p.dtype.code, "axis": p.axis, "rule": p.rule,
-             "sha256": digests[p.name], **recorded_cut(p)}
+             "sha256": digests[32 * i:32 * i + 32].hex(), **recorded_cut(p)}
         if p.padded is not None:
             e["padded_shape"] = list(p.shape[:p.axis] + (p.padded,) + p.shape[p.axis + 1:])
         return e
@@ -237,7 +238,7 @@ def document(plans, rules, tp, ep, source, digests) -> dict:
     return {"format": FORMAT_BOXES if any(map(_boxed, plans)) else FORMAT, "tp": tp, "ep": ep, "ranks": tp * ep,
             "rank_order": "rank = expert_group * tp + tp_rank", "rules": rules.to_json(),
             "source": {k: v for k, v in source.items() if k != "rules"},
-            "tensors": Rows(len(plans), lambda: ((plans[i].name, entry(plans[i])) for i in order))}
+            "tensors": Rows(len(plans), lambda: ((plans[i].name, entry(i)) for i in order))}
 
 
 def write_top_sums(out_dir, known=None):

@@ -99,26 +99,75 @@ def _entry(name, info, data_start, data_len, shapes: dict) -> HeaderEntry:
     return HeaderEntry(name, dt, shapes.setdefault(shape, shape), data_start + offsets[0], data_start + offsets[1])
 
 
-def build_header(entries, metadata=None) -> bytes:
-    """Header bytes (length prefix + JSON padded to 8) for [(name, DType, shape, nbytes)] in data order."""
-    # written entry by entry, the same bytes json.dumps gives for the whole object: a million
-    # tensors must not become a million dicts first
-    text = bytearray(8) + b'{"__metadata__":'   # the length prefix is filled in at the end (no copy to prepend it)
-    text += json.dumps(dict(metadata or {"format": "pt"}), separators=(",", ":"), ensure_ascii=False).encode()
-    at = 0
+def header_start(metadata=None) -> bytes:
+    """The header's JSON up to its first tensor entry."""
+    return b'{"__metadata__":' + json.dumps(dict(metadata or {"format": "pt"}), separators=(",", ":"),
+                                            ensure_ascii=False).encode()
+
+
+def header_entry(name: str, dt, shape, at: int, nbytes: int) -> bytes:
+    """One tensor's member of the header's JSON (its leading comma included), its data at `at`."""
+    if name == "__metadata__":
+        raise BadInput("a tensor named '__metadata__' cannot be stored: safetensors reserves the name")
+    return (f',{json.dumps(name, ensure_ascii=False)}:{{"dtype":"{dt.code}","shape":[{",".join(map(str, shape))}],'
+            f'"data_offsets":[{at},{at + nbytes}]}}').encode()
+
+
+def header_length(json_bytes: int) -> int:
+    """N, the length a header's JSON of `json_bytes` bytes takes once closed and padded to 8."""
+    return json_bytes + 1 + (-(json_bytes + 1) % 8)
+
+
+def header_size(entries, metadata=None) -> int:
+    """Bytes of the header for [(name, DType, shape, nbytes)] in data order, length prefix included,
+    without building it; refused (BadInput) past MAX_HEADER, as build_header."""
+    n, at = len(header_start(metadata)), 0
     for name, dt, shape, nbytes in entries:
-        if name == "__metadata__":
-            raise BadInput("a tensor named '__metadata__' cannot be stored: safetensors reserves the name")
-        text += (f',{json.dumps(name, ensure_ascii=False)}:{{"dtype":"{dt.code}","shape":[{",".join(map(str, shape))}],'
-                 f'"data_offsets":[{at},{at + nbytes}]}}').encode()
+        n += len(header_entry(name, dt, shape, at, nbytes))
         at += nbytes
-    text += b"}"
-    text += b" " * (-len(text) % 8)
-    n = len(text) - 8
+    return 8 + checked_header_length(n, metadata)
+
+
+def checked_header_length(json_bytes: int, metadata=None) -> int:
+    """header_length, refused (BadInput) past MAX_HEADER."""
+    n = header_length(json_bytes)
     if n > MAX_HEADER:  # no safetensors reader would open the file
         raise BadInput(f"a safetensors header of {n} bytes would be needed, more than the {MAX_HEADER} bytes "
                        "safetensors readers accept (too many tensors or names too long for one file"
                        + (", or the non-tensor state is too large to keep in the file's metadata: write a "
                           "directory instead)" if metadata else ")"))
+    return n
+
+
+def header_pieces(entries, size: int, metadata=None, piece: int = 1 << 20):
+    """The header of `size` bytes (header_size of the same entries) in pieces of about `piece` bytes:
+    the header of a million tensors is written without being held whole (the same bytes as
+    build_header)."""
+    text, at, total = bytearray(struct.pack("<Q", size - 8)) + header_start(metadata), 0, 0
+    for name, dt, shape, nbytes in entries:
+        text += header_entry(name, dt, shape, at, nbytes)
+        at += nbytes
+        if len(text) >= piece:
+            total += len(text)
+            yield bytes(text)
+            text = bytearray()
+    text += b"}"
+    if not 0 <= size - total - len(text) < 8:
+        raise AssertionError("a header's entries changed between its size and its bytes")
+    yield bytes(text + b" " * (size - total - len(text)))
+
+
+def build_header(entries, metadata=None) -> bytes:
+    """Header bytes (length prefix + JSON padded to 8) for [(name, DType, shape, nbytes)] in data order."""
+    # entry by entry, the same bytes json.dumps gives for the whole object: a million tensors must
+    # not become a million dicts first
+    text = bytearray(8) + header_start(metadata)   # the length prefix is filled in at the end (no copy to prepend it)
+    at = 0
+    for name, dt, shape, nbytes in entries:
+        text += header_entry(name, dt, shape, at, nbytes)
+        at += nbytes
+    n = checked_header_length(len(text) - 8, metadata)
+    text += b"}"
+    text += b" " * (n - (len(text) - 8))
     struct.pack_into("<Q", text, 0, n)
     return bytes(text)

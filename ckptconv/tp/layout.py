@@ -7,7 +7,9 @@ previous reshard, DCP chunks) is planned the same way. The mesh format: docs/out
 import functools
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import BadInput, UsageError
 from ..rowview import RowView
@@ -28,19 +30,76 @@ class TensorPlan:
     outer: tuple | None = None  # (axis, per rank (start, stop)): cut there first (experts by --ep), then `ranges`
 
     def piece_shape(self, rank):
-        if self.axis is None:
+        axis = self.axis
+        if axis is None:
             return self.shape
+        ranges = self.ranges[rank]
+        n = ranges[0][1] - ranges[0][0] if len(ranges) == 1 else sum(b - a for a, b in ranges)
+        if self.outer is None:
+            return self.shape[:axis] + (n,) + self.shape[axis + 1:]
         shape = list(self.shape)
-        shape[self.axis] = sum(b - a for a, b in self.ranges[rank])
-        if self.outer is not None:
-            a, b = self.outer[1][rank]
-            shape[self.outer[0]] = b - a
+        shape[axis] = n
+        a, b = self.outer[1][rank]
+        shape[self.outer[0]] = b - a
         return tuple(shape)
 
     def piece_bytes(self, rank) -> int:
         if self.axis is not None and not self.ranges[rank]:
             return 0
         return math.prod(self.piece_shape(rank)) * self.dtype.itemsize
+
+
+def holds(p: TensorPlan, rank: int) -> bool:
+    """Whether rank `rank` has a piece of the tensor (a replicated one, or one of its intervals)."""
+    return p.axis is None or bool(p.ranges[rank])
+
+
+class Piece(NamedTuple):
+    """A rank's piece of a tensor, as its shard plan, header and manifest see it."""
+    name: str
+    dtype: object
+    shape: tuple
+    nbytes: int
+
+
+class RankPieces(Sequence):
+    """One rank's pieces in layout order, each made when asked for (a Piece, from its plan): a
+    reshard of a million tensors does not hold a row per rank per tensor for the whole run. A slice
+    is another view of the same plans (a shard's pieces), not a copy."""
+
+    __slots__ = ("plans", "rank", "start", "stop")
+
+    def __init__(self, plans: list, rank: int, start: int = 0, stop: int | None = None):
+        self.plans, self.rank, self.start = plans, rank, start
+        self.stop = len(plans) if stop is None else stop
+
+    @classmethod
+    def of(cls, layout: list, rank: int) -> "RankPieces":
+        """Rank `rank`'s pieces of `layout` (the layout itself where the rank holds every tensor)."""
+        return cls(layout if all(holds(p, rank) for p in layout) else [p for p in layout if holds(p, rank)], rank)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            start, stop, step = k.indices(len(self))
+            if step != 1:
+                raise ValueError("a rank's pieces are sliced in order")
+            return RankPieces(self.plans, self.rank, self.start + start, self.start + max(start, stop))
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
+        return _piece(self.plans[self.start + k % len(self)], self.rank)
+
+    def __iter__(self):
+        rank = self.rank
+        for k in range(self.start, self.stop):
+            yield _piece(self.plans[k], rank)
+
+
+def _piece(p: TensorPlan, rank: int) -> Piece:
+    shape = p.piece_shape(rank)
+    return Piece(p.name, p.dtype, shape, math.prod(shape) * p.dtype.itemsize)
 
 
 def rule_axis(rule, layout: str, ndim: int):

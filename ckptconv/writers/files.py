@@ -11,13 +11,15 @@ import hashlib
 import os
 import shutil
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .. import signals
 from ..io import sha256
 from ..errors import BadInput, OutputError
 from ..formats import manifest as fmt
-from ..formats.safetensors import build_header
+from ..formats.safetensors import (MAX_HEADER, checked_header_length, header_entry, header_length, header_pieces,
+                                 header_start)
 from ..formats.sums import write_sums
 from ..io.hashing import CHUNK, SMALL, Digests, Pipeline, write_all
 from ..io.outfile import OutFile
@@ -26,30 +28,43 @@ from ..tensor import as_bytes, iter_blocks
 
 @dataclass
 class ShardFile:
+    """A planned shard: its tensors (a sequence: any object with name, dtype, shape and nbytes), in
+    data order, and the sizes of its header and data. The header is made again as it is written
+    (`header()`), never held whole: a million tensors' header is about 90 MB."""
     name: str
-    tensors: list   # TensorSources, in data order
-    header: bytes
+    tensors: Sequence
+    header_size: int
+    data_size: int
+    metadata: dict | None = None   # the header's __metadata__ ({"format": "pt"} when None)
 
     @property
     def size(self) -> int:
-        return len(self.header) + sum(t.nbytes for t in self.tensors)
+        return self.header_size + self.data_size
+
+    def header(self):
+        """The header's bytes, in pieces of about a MiB."""
+        return header_pieces(((t.name, t.dtype, t.shape, t.nbytes) for t in self.tensors), self.header_size,
+                             self.metadata)
 
 
-def plan_shards(tensors, max_shard_size: int, stem: str = fmt.STEM) -> list:
+def plan_shards(tensors: Sequence, max_shard_size: int, stem: str = fmt.STEM) -> list:
     """Hugging Face's rule: fill shards in order up to `max_shard_size`; a tensor never spans files
-    (one larger than the limit gets a shard of its own). Always `STEM-0000k-of-0000n` names."""
-    groups, current, size = [], [], 0
-    for t in tensors:
-        if current and size + t.nbytes > max_shard_size:
-            groups.append(current)
-            current, size = [], 0
-        current.append(t)
+    (one larger than the limit gets a shard of its own). A shard is also closed before its header
+    would pass the MAX_HEADER bytes safetensors readers accept (many tensors, long names). Always
+    `STEM-0000k-of-0000n` names."""
+    groups, begin, size, head = [], 0, 0, len(header_start())   # head: the open shard's header JSON
+    for k, t in enumerate(tensors):
+        entry = len(header_entry(t.name, t.dtype, t.shape, size, t.nbytes))
+        if k > begin and (size + t.nbytes > max_shard_size or header_length(head + entry) > MAX_HEADER):
+            groups.append((begin, k, head, size))
+            begin, size, head = k, 0, len(header_start())
+            entry = len(header_entry(t.name, t.dtype, t.shape, 0, t.nbytes))
+        head += entry
         size += t.nbytes
-    if current or not groups:
-        groups.append(current)
+    groups.append((begin, len(tensors), head, size))
     n = len(groups)
-    return [ShardFile(fmt.shard_name(stem, i, n), g, build_header((t.name, t.dtype, t.shape, t.nbytes) for t in g))
-            for i, g in enumerate(groups)]
+    return [ShardFile(fmt.shard_name(stem, i, n), tensors[a:b], 8 + checked_header_length(head), size)
+            for i, (a, b, head, size) in enumerate(groups)]
 
 
 @dataclass
@@ -118,12 +133,13 @@ class OutputStream:
     def _file_for(self, t):
         """(file, file hash) of the shard that holds tensor `t`: tensors come in plan order, so it
         is the open shard's next one, or the first of a later shard (those before it were reused by
-        --resume), which is opened and the one before closed. No lookup table per tensor."""
+        --resume), which is opened and the one before closed. No lookup table per tensor; a shard's
+        tensors are compared by name (a reshard's are made when asked for, tp/layout.RankPieces)."""
         shard = self.shards[self._current] if self._current is not None else None
-        if shard is None or self._next >= len(shard.tensors) or shard.tensors[self._next] is not t:
+        if shard is None or self._next >= len(shard.tensors) or shard.tensors[self._next].name != t.name:
             start = 0 if self._current is None else self._current + 1
             index = next((i for i in range(start, len(self.shards))
-                          if self.shards[i].tensors and self.shards[i].tensors[0] is t), None)
+                          if self.shards[i].tensors and self.shards[i].tensors[0].name == t.name), None)
             if index is None:
                 raise AssertionError(f"tensor {t.name!r} was not written in plan order")
             self._close()
@@ -131,13 +147,14 @@ class OutputStream:
             path = os.path.join(self.out_dir, shard.name)
             self._file = OutFile(path, self.pipeline.staging, self.direct)
             self._current, self._file_h, self._next = index, sha256.new(), 0
-            self.pipeline.push(self._file, self._file_h, None, shard.header)
+            for piece in shard.header():
+                self.pipeline.push(self._file, self._file_h, None, piece)
         self._next += 1
         return self._file, self._file_h
 
     def _record(self, t, digest):
         """A tensor of the current shard is fully pushed; `digest` is its future SHA-256."""
-        self._digests.append(t, digest)
+        self._digests.append(t.name, digest)
 
     def _close(self):
         if self._file is None:
@@ -148,7 +165,7 @@ class OutputStream:
         self._file.close(self.fsync)  # on failure, the caller abandons the stream (and this file)
         self._file = None
         if len(self._digests) != len(shard.tensors) or any(
-                a is not b for a, b in zip(self._digests.order(), shard.tensors)):
+                a != b.name for a, b in zip(self._digests.order(), shard.tensors)):
             raise AssertionError(f"{shard.name}: its tensors were not written as planned, one by one in order")
         self.written.digests[shard.name] = self._digests.packed()
         self.written.files[shard.name] = {"sha256": self._file_h.hexdigest(), "size": shard.size}
@@ -225,7 +242,7 @@ class SmallTensorWriter:
         self.stream._small += data
 
     def close(self):
-        self.stream._digests.append_done(self.t, self.tensor_h.digest())
+        self.stream._digests.append_done(self.t.name, self.tensor_h.digest())
         if len(self.stream._small) >= CHUNK:
             self.stream._flush()
         signals.check()   # (a signal pending outside our code: no chunk may pass for a million of these)

@@ -20,6 +20,7 @@ from ..errors import BadInput
 from ..formats import mesh as fmt
 from ..io.hashing import CHUNK, SMALL, Digests, Pipeline
 from ..tensor import Concat, as_bytes, sha256_of, zero_padded
+from ..tp.layout import RankPieces, holds
 from .base import Content, WriteOptions, Writer, assign, register
 from .files import (InlineTap, OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json,
                     write_tensor)
@@ -32,24 +33,19 @@ class RankDir:
     size: int
 
 
-def rank_pieces(sources: dict, plans, rank) -> list:
-    """Rank `rank`'s pieces as lazy sources: slices of the global tensors, joined in range order."""
-    out = []
-    for p in plans:
-        src = sources[p.name] if p.padded is None else zero_padded(sources[p.name], p.axis, p.padded)
-        if p.axis is None:
-            out.append(src)
-            continue
-        if not p.ranges[rank]:
-            continue
-        if p.outer is not None:   # this rank's expert group first, then its intervals of each expert
-            src = src.sliced(p.outer[0], *p.outer[1][rank])
-        parts = [src.sliced(p.axis, a, b) for a, b in p.ranges[rank]]
-        if len(parts) > 1:
-            out.append(Concat(p.name, parts, p.axis))
-        else:   # (a slice keeps its source's name: no wrapper per tensor per rank when that is the name)
-            out.append(parts[0] if parts[0].name == p.name else parts[0].renamed(p.name))
-    return out
+def rank_piece(src, p, rank):
+    """Rank `rank`'s piece of plan `p` of the global tensor `src`, as a lazy source: a slice of it,
+    its intervals joined in range order (made as it is written: tp/layout.RankPieces)."""
+    src = src if p.padded is None else zero_padded(src, p.axis, p.padded)
+    if p.axis is None:
+        return src
+    if p.outer is not None:   # this rank's expert group first, then its intervals of each expert
+        src = src.sliced(p.outer[0], *p.outer[1][rank])
+    parts = [src.sliced(p.axis, a, b) for a, b in p.ranges[rank]]
+    if len(parts) > 1:
+        return Concat(p.name, parts, p.axis)
+    # (a slice keeps its source's name: no wrapper when that is the name)
+    return parts[0] if parts[0].name == p.name else parts[0].renamed(p.name)
 
 
 def _streams_in_order(p) -> bool:
@@ -84,9 +80,9 @@ def _scatters(p) -> bool:
 
 @register("mesh")
 class MeshWriter(Writer):
-    def __init__(self, options: WriteOptions, content: Content, out, layout, rules, tp: int, ep: int, sources: dict):
+    def __init__(self, options: WriteOptions, content: Content, out, layout, rules, tp: int, ep: int, sources: list):
         super().__init__(options, content, out)
-        self.layout, self.rules, self.tp, self.ep, self.sources = layout, rules, tp, ep, sources
+        self.layout, self.rules, self.tp, self.ep, self.sources = layout, rules, tp, ep, sources   # (in layout order)
         self.ranks = tp * ep
 
     def plan(self, tensors=None) -> list:
@@ -102,25 +98,41 @@ class MeshWriter(Writer):
             copy_files(stream.out_dir, self.content.model_files, stream.written, self.content.edited)
             finish_dir(stream.out_dir, stream.shards, stream.written, source, self.content.extras,
                        stem=self.options.stem)
-        # the global digests of split tensors: taps where this process streamed them whole, else its
-        # share (by bytes) of one bounded pass over the source each
-        split = [p for p in self.layout if p.axis is not None]
-        owner = assign([math.prod(p.shape) * p.dtype.itemsize for p in split], share[1])
-        digests = {p.name: taps[p.name] if p.name in taps else sha256_of(self.sources[p.name])
-                   for p, o in zip(split, owner) if p.name in taps or o == share[0]}
-        whole = {p.name for p in self.layout if p.axis is None}   # their global digest is rank 0's
-        rank0 = {n: d for n, d in streams[0].written.by_tensor(streams[0].shards) if n in whole} \
-            if 0 in streams else None
         shards = {rank: [[s.name, stream.written.files[s.name]["sha256"]] for s in stream.shards]
                   for rank, stream in streams.items()}
-        return {"rank0": rank0, "global": digests, "shards": shards}
+        return {"global": self._global_digests(streams, taps, share), "shards": shards}
+
+    def _global_digests(self, streams, taps: Digests, share) -> bytearray:
+        """The global digests this process has, 32 bytes at each tensor's place in the layout (zeros
+        elsewhere; no object per tensor): a split tensor's from its tap where this process streamed
+        it whole, else from its share (by bytes) of one bounded pass over the source each; a whole
+        one's is rank 0's."""
+        found, have = bytearray(32 * len(self.layout)), bytearray(len(self.layout))
+        packed = taps.packed()
+        for k, i in enumerate(taps.order()):
+            found[32 * i:32 * i + 32], have[i] = packed[32 * k:32 * k + 32], 1
+        split = [i for i, p in enumerate(self.layout) if p.axis is not None]
+        owner = assign([math.prod(self.layout[i].shape) * self.layout[i].dtype.itemsize for i in split], share[1])
+        for i, o in zip(split, owner):
+            if not have[i] and o == share[0]:
+                found[32 * i:32 * i + 32] = bytes.fromhex(sha256_of(self.sources[i]))
+        if 0 in streams:
+            whole = {p.name: i for i, p in enumerate(self.layout) if p.axis is None}
+            for name, digest in streams[0].written.by_tensor(streams[0].shards):
+                if name in whole:
+                    found[32 * whole[name]:32 * whole[name] + 32] = bytes.fromhex(digest)
+        return found
 
     def finish(self, tmp, results) -> dict:
-        rank0 = next(r["rank0"] for r in results if r["rank0"] is not None)
-        digests = {p.name: rank0[p.name] for p in self.layout if p.axis is None}
-        for r in results:
-            digests.update(r["global"])
-        write_json(tmp, fmt.MESH, fmt.document(self.layout, self.rules, self.tp, self.ep, self.content.source, digests))
+        digests = np.zeros((len(self.layout), 32), np.uint8)
+        for r in results:   # (from another process, as hex: cluster.py)
+            found = np.frombuffer(bytes.fromhex(r["global"]) if isinstance(r["global"], str) else r["global"],
+                                  np.uint8).reshape(-1, 32)
+            digests[found.any(axis=1)] = found[found.any(axis=1)]
+        if not digests.any(axis=1).all():
+            raise AssertionError("a tensor's global digest was computed by no process")
+        write_json(tmp, fmt.MESH, fmt.document(self.layout, self.rules, self.tp, self.ep, self.content.source,
+                                               memoryview(digests).cast("B")))
         fmt.write_top_sums(tmp, self.known_digests(results))
         return {}
 
@@ -130,39 +142,39 @@ class MeshWriter(Writer):
 
     def _write_ranks(self, tmp, ranks, progress, tapped: bool) -> tuple:
         """Every rank directory's shards written side by side, tensor by tensor. Returns ({rank: stream},
-        {tensor: global digest} of those whose global bytes went by in order, when `tapped` (this
-        process writes every rank)."""
-        pieces = {r: {t.name: t for t in rank_pieces(self.sources, self.layout, r)} for r in ranks}
+        the global digests, by layout index, of the tensors whose global bytes went by in order, when
+        `tapped` (this process writes every rank))."""
         pipeline = Pipeline()
         streams = {}
         try:
             for r in ranks:
                 rank_dir = Path(tmp) / fmt.rank_dir(r)
                 rank_dir.mkdir()
-                streams[r] = OutputStream(rank_dir, plan_shards(list(pieces[r].values()), self.options.max_shard_size,
-                                                                self.options.stem),
+                streams[r] = OutputStream(rank_dir, plan_shards(RankPieces.of(self.layout, r),
+                                                                self.options.max_shard_size, self.options.stem),
                                           pipeline, self.options.fsync, direct=self.options.direct)
             taps = Digests()
-            for p in self.layout:
-                holders = [r for r in ranks if p.name in pieces[r]]
+            for i, (p, src) in enumerate(zip(self.layout, self.sources)):
+                holders = [r for r in ranks if holds(p, r)]
+                pieces = {r: rank_piece(src, p, r) for r in holders}
                 scatters, ordered = _scatters(p), _in_global_order(p)
                 tap = sha256.new() if tapped and (scatters or ordered or _streams_in_order(p)) else None
                 if scatters:
-                    _scatter(p, self.sources[p.name], holders, pieces, streams, pipeline, progress, tap)
+                    _scatter(p, src, holders, pieces, streams, pipeline, progress, tap)
                 elif ordered:
-                    _ordered(p, self.sources[p.name], holders, pieces, streams, progress, tap)
+                    _ordered(p, src, holders, pieces, streams, progress, tap)
                 else:
                     if tap is not None and math.prod(p.shape) * p.dtype.itemsize <= SMALL:
                         tap = InlineTap()   # every piece is small: digested in this thread, as they are
                     for r in holders:
-                        streams[r].add(pieces[r][p.name], progress, tap)
+                        streams[r].add(pieces[r], progress, tap)
                 if isinstance(tap, InlineTap):
-                    taps.append_done(p.name, tap.digest())
+                    taps.append_done(i, tap.digest())
                 elif tap is not None:   # (a state per tensor only while it is written)
-                    taps.append(p.name, pipeline.hashes.digest("tap", tap))
+                    taps.append(i, pipeline.hashes.digest("tap", tap))
             for stream in streams.values():
                 stream.finish()
-            return streams, dict(taps)
+            return streams, taps
         except BaseException:
             for stream in streams.values():
                 stream.abandon()
@@ -174,7 +186,7 @@ class MeshWriter(Writer):
 def _ordered(p, src, holders, pieces, streams, progress, global_h):
     """Every holder's piece pushed interval by interval in global order (see _in_global_order); an
     interval several ranks hold goes to each, and into the global digest once."""
-    writers = {r: streams[r].tensor(pieces[r][p.name]) for r in holders}
+    writers = {r: streams[r].tensor(pieces[r]) for r in holders}
     held = {r: {tuple(iv) for iv in p.ranges[r]} for r in holders}
     for a, b in sorted(set().union(*held.values())):
         part, tap = src.sliced(p.axis, a, b), global_h
@@ -188,7 +200,7 @@ def _ordered(p, src, holders, pieces, streams, progress, global_h):
 
 def _scatter(p, src, holders, pieces, streams, pipeline, progress, global_h):
     rows = max(1, CHUNK // (math.prod(p.shape[1:]) * p.dtype.itemsize))
-    writers = {r: streams[r].tensor(pieces[r][p.name]) for r in holders}
+    writers = {r: streams[r].tensor(pieces[r]) for r in holders}
     lead = (slice(None),) * p.axis
     try:
         for a in range(0, p.shape[0], rows):

@@ -29,7 +29,9 @@ def _plan_id(shards) -> str:
     """Identifies a shard plan: names, headers (names, dtypes, shapes, offsets) in order."""
     h = hashlib.sha256()
     for s in shards:
-        h.update(s.name.encode() + b"\0" + s.header)
+        h.update(s.name.encode() + b"\0")
+        for piece in s.header():
+            h.update(piece)
     return h.hexdigest()
 
 
@@ -64,7 +66,7 @@ def _rehash(path, shard, progress=None) -> tuple:
     """(file digest, its tensors' digests packed in plan order) of a shard written before, in one
     read: a journal's digests are believed only where the bytes give them again."""
     file_h, done, pos = hashlib.sha256(), bytearray(), 0
-    tensors, k, h = iter(shard.tensors), len(shard.header), None   # k: where the current tensor ends
+    tensors, k, h = iter(shard.tensors), shard.header_size, None   # k: where the current tensor ends
     with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb", buffering=0) as f:
         while chunk := f.read(CHUNK):
             file_h.update(chunk)

@@ -10,7 +10,7 @@ import json
 import os
 
 from ..formats import manifest as fmt
-from ..formats.safetensors import build_header
+from ..formats.safetensors import build_header, header_size
 from ..io.hashing import Pipeline
 from .base import Content, WriteOptions, Writer, register
 from .files import ShardFile, Written, check_space, write_shards
@@ -35,8 +35,9 @@ class SingleWriter(Writer):
         return build_header(((t.name, t.dtype, t.shape, t.nbytes) for t in tensors), metadata(self.content, digests))
 
     def plan(self, tensors) -> list:
-        placeholder = {t.name: "0" * 64 for t in tensors}  # real digests have the same length
-        self.unit = ShardFile(self.file_name, list(tensors), self._header(tensors, placeholder))
+        placeholder = metadata(self.content, {t.name: "0" * 64 for t in tensors})  # real digests: the same length
+        size = header_size(((t.name, t.dtype, t.shape, t.nbytes) for t in tensors), placeholder)
+        self.unit = ShardFile(self.file_name, list(tensors), size, sum(t.nbytes for t in tensors), placeholder)
         return [self.unit]
 
     def write(self, units, tmp, progress=None, share=(0, 1)):
@@ -50,7 +51,7 @@ class SingleWriter(Writer):
         finally:
             pipeline.close()
         header = self._header(unit.tensors, dict(written.by_tensor([unit])))
-        if len(header) != len(unit.header):
+        if len(header) != unit.header_size:
             raise AssertionError("the header changed length when its digests were filled in")
         fd = os.open(os.path.join(tmp, unit.name), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:

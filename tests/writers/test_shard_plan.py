@@ -34,7 +34,37 @@ def test_a_tensor_over_the_limit_gets_a_shard_of_its_own():
 def test_one_shard_is_still_numbered_and_the_stem_names_it():
     (shard,) = plan_shards(tensors(1, 1), 100, "adapter_model")
     assert shard.name == "adapter_model-00001-of-00001.safetensors"
-    assert shard.size == len(shard.header) + 2
+    assert shard.size == shard.header_size + 2
+
+
+def test_a_shard_is_closed_before_its_header_passes_what_readers_accept(monkeypatch):
+    """A million small tensors with long names do not fit one safetensors header (the library's
+    100 MB): the plan starts another shard, where a too-long header used to stop the run."""
+    from ckptconv.formats.safetensors import build_header
+    import ckptconv.writers.files as files
+    many = tensors(*[1] * 10)
+    (one,) = plan_shards(many, 100)
+    per_entry = (one.header_size - len(build_header([]))) // 10 + 8
+    monkeypatch.setattr(files, "MAX_HEADER", len(build_header([])) + 4 * per_entry - 8)
+    split = plan_shards(many, 100)
+    assert [len(s.tensors) for s in split] in ([3, 3, 3, 1], [4, 4, 2])
+    for s in split:   # every shard's header within the bound, and the bytes build_header gives
+        header = b"".join(s.header())
+        assert len(header) == s.header_size <= files.MAX_HEADER + 8
+        assert header == build_header((t.name, t.dtype, t.shape, t.nbytes) for t in s.tensors)
+    assert [t.name for s in split for t in s.tensors] == [t.name for t in many]
+
+
+def test_a_header_written_in_pieces_is_build_headers_bytes():
+    from ckptconv.formats.safetensors import build_header, header_pieces, header_size
+    entries = [(f"w{i}\u00e9", dtypes.from_code("BF16"), (i, 3), 6 * i) for i in range(200)]
+    for metadata in (None, {"format": "pt", "k": "\u00fc" * 9}):
+        size = header_size(entries, metadata)
+        pieces = list(header_pieces(entries, size, metadata, piece=64))
+        assert len(pieces) > 10 and max(map(len, pieces)) < 200   # (a piece: at least 64 bytes, or the last)
+        assert b"".join(pieces) == build_header(entries, metadata) and len(b"".join(pieces)) == size
+    with pytest.raises(AssertionError):   # entries that changed between the size and the bytes
+        b"".join(header_pieces(entries[:-1], header_size(entries)))
 
 
 def test_nothing_to_write_is_one_empty_shard():
@@ -100,14 +130,15 @@ def test_resume_rehash_gives_each_tensors_digest_from_the_bytes(tmp_path, monkey
     from ckptconv.writers import sharded
     sizes = [0, 5, 13, 0, 1, 30, 0]
     blobs = [bytes((i * 7 + j) % 251 for j in range(n)) for i, n in enumerate(sizes)]
-    shard = SimpleNamespace(header=b"H" * 11, tensors=[SimpleNamespace(nbytes=n) for n in sizes])
+    header = b"H" * 11
+    shard = SimpleNamespace(header_size=len(header), tensors=[SimpleNamespace(nbytes=n) for n in sizes])
     path = tmp_path / "s.safetensors"
-    path.write_bytes(shard.header + b"".join(blobs))
+    path.write_bytes(header + b"".join(blobs))
     want = b"".join(hashlib.sha256(b).digest() for b in blobs)
     for chunk in (1, 4, 7, 64, 1 << 20):
         monkeypatch.setattr(sharded, "CHUNK", chunk)
         assert sharded._rehash(path, shard) == (hashlib.sha256(path.read_bytes()).hexdigest(), want)
-    path.write_bytes(shard.header + b"".join(blobs)[:-3])
+    path.write_bytes(header + b"".join(blobs)[:-3])
     assert sharded._rehash(path, shard)[1] is None
 
 
@@ -141,3 +172,43 @@ def test_the_journal_reads_back_as_written(tmp_path):
         fmt.write_journal(tmp_path, job, files, digests)
         assert fmt.read_journal(tmp_path) == {**job, "files": files, "digests": {k: v.hex() for k, v in digests.items()}}
         assert not (tmp_path / (fmt.JOURNAL + ".tmp")).exists()
+
+
+def test_more_tensors_than_one_header_holds_convert_and_reshard_into_shards_readers_open(tmp_path, monkeypatch):
+    """End to end, with the header bound lowered to hold a few tensors: convert and reshard split
+    shards on it where the run used to stop, and verify, sha256sum and the safetensors library
+    (with the real bound) accept every file."""
+    import subprocess
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+    from ckptconv import api
+    import ckptconv.writers.files as files
+    from tests.helpers import cli
+    state = {f"layer.{i:03d}.weight": torch.arange(8 * i, 8 * i + 8, dtype=torch.float32).reshape(2, 4)
+             for i in range(40)}
+    torch.save(state, tmp_path / "m.pt")
+    monkeypatch.setattr(files, "MAX_HEADER", 800)
+    api.convert(str(tmp_path / "m.pt"), str(tmp_path / "out"))
+    api.reshard(str(tmp_path / "m.pt"), str(tmp_path / "tp2"), 2, rules=str(_axis0_rules(tmp_path)))
+    for out in (tmp_path / "out", tmp_path / "tp2" / "rank-00001"):
+        shards = sorted(out.glob("*.safetensors"))
+        assert len(shards) > 3, shards
+        seen = {}
+        for path in shards:
+            assert int.from_bytes(path.read_bytes()[:8], "little") <= 800
+            with safe_open(str(path), "numpy") as f:
+                seen.update({k: f.get_tensor(k) for k in f.keys()})
+        assert sorted(seen) == sorted(state)
+        half = slice(None) if out.name == "out" else slice(1, 2)
+        assert all(np.array_equal(seen[k], v.numpy()[half]) for k, v in state.items())
+        assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=out).returncode == 0
+    for out in ("out", "tp2"):
+        run = cli("verify", str(tmp_path / out))
+        assert run.returncode == 0, run.stderr
+
+
+def _axis0_rules(d):
+    path = d / "rules.toml"
+    path.write_text('layout = "torch"\n[[rule]]\npattern = ".*"\naxis = 0\n')
+    return path
