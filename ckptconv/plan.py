@@ -16,9 +16,10 @@ from .writers.base import Content, WriteOptions
 # The estimates' constants, measured on the bench machine (docs/benchmarks.md, "plan against the run"):
 BASE_RSS = 45 * 2**20          # interpreter, numpy, the reader and writer modules
 IN_FLIGHT = 45 * 2**20         # staging buffers and chunks being hashed that a large write touches
-# bytes per tensor written: a convert's source record, header entry and packed digest; a reshard's
-# rank pieces (lazy slices) and layout entries on top, per rank piece
-PER_TENSOR_RSS = {"convert": 460, "reshard": 900}
+# bytes per tensor written: a convert's source record and packed digest; a reshard's, per rank
+# piece, that share of its source record and layout entry, and the piece's packed digest (pieces
+# are made as they are written)
+PER_TENSOR_RSS = {"convert": 400, "reshard": 420}
 CPU_GBPS = {"convert": 1.0,    # read, hash (file and tensor digests) and write, one process, warm cache
             "reshard": 0.6}    # the same and a third digest (the global tensor's), gathered row splits
 # reading a tensor's record, planning, hashing and listing it; a convert's small tensors are digested
@@ -34,7 +35,7 @@ def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
         return [(u.name, u.size) for u in WRITERS["sharded"](write, content).plan(ckpt.tensors)], None
     rules = choose_rules(ckpt, mesh)
     layout = reshard_plan(ckpt.tensors, rules, mesh.tp, mesh.ep, mesh.pad_vocab)
-    writer = WRITERS["mesh"](write, content, None, layout, rules, mesh.tp, mesh.ep, {})
+    writer = WRITERS["mesh"](write, content, None, layout, rules, mesh.tp, mesh.ep, [])
     return [(u.name, u.size) for u in writer.plan(ckpt.tensors)], rules
 
 

@@ -118,6 +118,11 @@ def header_length(json_bytes: int) -> int:
     return json_bytes + 1 + (-(json_bytes + 1) % 8)
 
 
+def fits(json_bytes: int) -> bool:
+    """Whether a header's JSON of `json_bytes` bytes, closed and padded, is one safetensors readers open."""
+    return header_length(json_bytes) <= MAX_HEADER
+
+
 def header_size(entries, metadata=None) -> int:
     """Bytes of the header for [(name, DType, shape, nbytes)] in data order, length prefix included,
     without building it; refused (BadInput) past MAX_HEADER, as build_header."""
@@ -125,18 +130,21 @@ def header_size(entries, metadata=None) -> int:
     for name, dt, shape, nbytes in entries:
         n += len(header_entry(name, dt, shape, at, nbytes))
         at += nbytes
-    return 8 + checked_header_length(n, metadata)
+    return 8 + _checked_length(n, metadata)
 
 
-def checked_header_length(json_bytes: int, metadata=None) -> int:
-    """header_length, refused (BadInput) past MAX_HEADER."""
-    n = header_length(json_bytes)
-    if n > MAX_HEADER:  # no safetensors reader would open the file
-        raise BadInput(f"a safetensors header of {n} bytes would be needed, more than the {MAX_HEADER} bytes "
-                       "safetensors readers accept (too many tensors or names too long for one file"
+def too_long(json_bytes: int) -> str:
+    """Why a header's JSON of `json_bytes` bytes cannot be written (it does not fit)."""
+    return (f"a safetensors header of {header_length(json_bytes)} bytes would be needed, more than the "
+            f"{MAX_HEADER} bytes safetensors readers accept")
+
+
+def _checked_length(json_bytes: int, metadata) -> int:
+    if not fits(json_bytes):  # no safetensors reader would open the file
+        raise BadInput(too_long(json_bytes) + " (too many tensors or names too long for one file"
                        + (", or the non-tensor state is too large to keep in the file's metadata: write a "
                           "directory instead)" if metadata else ")"))
-    return n
+    return header_length(json_bytes)
 
 
 def header_pieces(entries, size: int, metadata=None, piece: int = 1 << 20):
@@ -166,7 +174,7 @@ def build_header(entries, metadata=None) -> bytes:
     for name, dt, shape, nbytes in entries:
         text += header_entry(name, dt, shape, at, nbytes)
         at += nbytes
-    n = checked_header_length(len(text) - 8, metadata)
+    n = _checked_length(len(text) - 8, metadata)
     text += b"}"
     text += b" " * (n - (len(text) - 8))
     struct.pack_into("<Q", text, 0, n)

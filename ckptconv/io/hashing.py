@@ -64,8 +64,8 @@ class HashLanes:
 
 
 class Digests:
-    """(key, future hex digest) pairs in order, kept as the keys (references to objects that live
-    anyway) and the finished digests' 32 bytes each: a shard of a million small tensors must hold
+    """(key, future hex digest) pairs in order, kept as the keys (names or numbers that live anyway)
+    and the finished digests' 32 bytes each: a shard of a million small tensors must hold
     neither a million futures (each with its lock) nor a million hex strings until it closes.
     Futures are swapped for their bytes, in order, as they finish; iterating waits for the rest and
     gives (key, hex digest)."""

@@ -9,7 +9,6 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from ..errors import BadInput, UsageError
 from ..rowview import RowView
@@ -54,12 +53,30 @@ def holds(p: TensorPlan, rank: int) -> bool:
     return p.axis is None or bool(p.ranges[rank])
 
 
-class Piece(NamedTuple):
-    """A rank's piece of a tensor, as its shard plan, header and manifest see it."""
-    name: str
-    dtype: object
-    shape: tuple
-    nbytes: int
+class Piece:
+    """A rank's piece of a tensor, as its shard plan, header and manifest see it: its plan and rank,
+    the rest worked out when read (most readers want only the name)."""
+
+    __slots__ = ("plan", "rank")
+
+    def __init__(self, plan: TensorPlan, rank: int):
+        self.plan, self.rank = plan, rank
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def dtype(self):
+        return self.plan.dtype
+
+    @property
+    def shape(self) -> tuple:
+        return self.plan.piece_shape(self.rank)
+
+    @property
+    def nbytes(self) -> int:
+        return self.plan.piece_bytes(self.rank)
 
 
 class RankPieces(Sequence):
@@ -85,21 +102,16 @@ class RankPieces(Sequence):
         if isinstance(k, slice):
             start, stop, step = k.indices(len(self))
             if step != 1:
-                raise ValueError("a rank's pieces are sliced in order")
+                raise ValueError("a rank's pieces are sliced one by one, in order (no step)")
             return RankPieces(self.plans, self.rank, self.start + start, self.start + max(start, stop))
         if not -len(self) <= k < len(self):
             raise IndexError(k)
-        return _piece(self.plans[self.start + k % len(self)], self.rank)
+        return Piece(self.plans[self.start + k % len(self)], self.rank)
 
     def __iter__(self):
         rank = self.rank
         for k in range(self.start, self.stop):
-            yield _piece(self.plans[k], rank)
-
-
-def _piece(p: TensorPlan, rank: int) -> Piece:
-    shape = p.piece_shape(rank)
-    return Piece(p.name, p.dtype, shape, math.prod(shape) * p.dtype.itemsize)
+            yield Piece(self.plans[k], rank)
 
 
 def rule_axis(rule, layout: str, ndim: int):

@@ -18,8 +18,7 @@ from .. import signals
 from ..io import sha256
 from ..errors import BadInput, OutputError
 from ..formats import manifest as fmt
-from ..formats.safetensors import (MAX_HEADER, checked_header_length, header_entry, header_length, header_pieces,
-                                 header_start)
+from ..formats.safetensors import fits, header_entry, header_length, header_pieces, header_start, too_long
 from ..formats.sums import write_sums
 from ..io.hashing import CHUNK, SMALL, Digests, Pipeline, write_all
 from ..io.outfile import OutFile
@@ -30,7 +29,8 @@ from ..tensor import as_bytes, iter_blocks
 class ShardFile:
     """A planned shard: its tensors (a sequence: any object with name, dtype, shape and nbytes), in
     data order, and the sizes of its header and data. The header is made again as it is written
-    (`header()`), never held whole: a million tensors' header is about 90 MB."""
+    (`header()`), a MiB at a time: a million tensors' header is about 90 MB. (A single-file output
+    holds its header whole at the end, to rewrite it with the digests: writers/single.py.)"""
     name: str
     tensors: Sequence
     header_size: int
@@ -55,15 +55,17 @@ def plan_shards(tensors: Sequence, max_shard_size: int, stem: str = fmt.STEM) ->
     groups, begin, size, head = [], 0, 0, len(header_start())   # head: the open shard's header JSON
     for k, t in enumerate(tensors):
         entry = len(header_entry(t.name, t.dtype, t.shape, size, t.nbytes))
-        if k > begin and (size + t.nbytes > max_shard_size or header_length(head + entry) > MAX_HEADER):
+        if k > begin and (size + t.nbytes > max_shard_size or not fits(head + entry)):
             groups.append((begin, k, head, size))
             begin, size, head = k, 0, len(header_start())
             entry = len(header_entry(t.name, t.dtype, t.shape, 0, t.nbytes))
+        if k == begin and not fits(head + entry):
+            raise BadInput(f"tensor {t.name!r}: {too_long(head + entry)}, for this tensor alone")
         head += entry
         size += t.nbytes
     groups.append((begin, len(tensors), head, size))
     n = len(groups)
-    return [ShardFile(fmt.shard_name(stem, i, n), tensors[a:b], 8 + checked_header_length(head), size)
+    return [ShardFile(fmt.shard_name(stem, i, n), tensors[a:b], 8 + header_length(head), size)
             for i, (a, b, head, size) in enumerate(groups)]
 
 
@@ -136,7 +138,8 @@ class OutputStream:
         --resume), which is opened and the one before closed. No lookup table per tensor; a shard's
         tensors are compared by name (a reshard's are made when asked for, tp/layout.RankPieces)."""
         shard = self.shards[self._current] if self._current is not None else None
-        if shard is None or self._next >= len(shard.tensors) or shard.tensors[self._next].name != t.name:
+        planned = shard.tensors[self._next] if shard is not None and self._next < len(shard.tensors) else None
+        if planned is None or planned.name != t.name:
             start = 0 if self._current is None else self._current + 1
             index = next((i for i in range(start, len(self.shards))
                           if self.shards[i].tensors and self.shards[i].tensors[0].name == t.name), None)
@@ -149,6 +152,9 @@ class OutputStream:
             self._current, self._file_h, self._next = index, sha256.new(), 0
             for piece in shard.header():
                 self.pipeline.push(self._file, self._file_h, None, piece)
+            planned = shard.tensors[0]
+        if planned.nbytes != t.nbytes:   # (the header says the plan's size: the bytes must be that many)
+            raise AssertionError(f"tensor {t.name!r}: {t.nbytes} bytes to write where the plan has {planned.nbytes}")
         self._next += 1
         return self._file, self._file_h
 

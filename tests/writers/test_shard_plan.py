@@ -40,19 +40,26 @@ def test_one_shard_is_still_numbered_and_the_stem_names_it():
 def test_a_shard_is_closed_before_its_header_passes_what_readers_accept(monkeypatch):
     """A million small tensors with long names do not fit one safetensors header (the library's
     100 MB): the plan starts another shard, where a too-long header used to stop the run."""
-    from ckptconv.formats.safetensors import build_header
-    import ckptconv.writers.files as files
+    from ckptconv.errors import BadInput
+    from ckptconv.formats import safetensors
     many = tensors(*[1] * 10)
     (one,) = plan_shards(many, 100)
-    per_entry = (one.header_size - len(build_header([]))) // 10 + 8
-    monkeypatch.setattr(files, "MAX_HEADER", len(build_header([])) + 4 * per_entry - 8)
+    empty = len(safetensors.build_header([]))
+    per_entry = (one.header_size - empty) // 10 + 8
+    monkeypatch.setattr(safetensors, "MAX_HEADER", empty + 4 * per_entry - 8)
     split = plan_shards(many, 100)
     assert [len(s.tensors) for s in split] in ([3, 3, 3, 1], [4, 4, 2])
     for s in split:   # every shard's header within the bound, and the bytes build_header gives
         header = b"".join(s.header())
-        assert len(header) == s.header_size <= files.MAX_HEADER + 8
-        assert header == build_header((t.name, t.dtype, t.shape, t.nbytes) for t in s.tensors)
+        assert len(header) == s.header_size <= safetensors.MAX_HEADER + 8
+        assert header == safetensors.build_header((t.name, t.dtype, t.shape, t.nbytes) for t in s.tensors)
     assert [t.name for s in split for t in s.tensors] == [t.name for t in many]
+    # a tensor whose entry alone does not fit is refused, named, wherever it is
+    for at in (0, 5, 9):
+        odd = tensors(*[1] * 10)
+        odd[at].name = "x" * (4 * per_entry)
+        with pytest.raises(BadInput, match="tensor 'x+': a safetensors header of .* for this tensor alone"):
+            plan_shards(odd, 100)
 
 
 def test_a_header_written_in_pieces_is_build_headers_bytes():
@@ -183,12 +190,12 @@ def test_more_tensors_than_one_header_holds_convert_and_reshard_into_shards_read
     import torch
     from safetensors import safe_open
     from ckptconv import api
-    import ckptconv.writers.files as files
+    from ckptconv.formats import safetensors
     from tests.helpers import cli
     state = {f"layer.{i:03d}.weight": torch.arange(8 * i, 8 * i + 8, dtype=torch.float32).reshape(2, 4)
              for i in range(40)}
     torch.save(state, tmp_path / "m.pt")
-    monkeypatch.setattr(files, "MAX_HEADER", 800)
+    monkeypatch.setattr(safetensors, "MAX_HEADER", 800)
     api.convert(str(tmp_path / "m.pt"), str(tmp_path / "out"))
     api.reshard(str(tmp_path / "m.pt"), str(tmp_path / "tp2"), 2, rules=str(_axis0_rules(tmp_path)))
     for out in (tmp_path / "out", tmp_path / "tp2" / "rank-00001"):
@@ -212,3 +219,29 @@ def _axis0_rules(d):
     path = d / "rules.toml"
     path.write_text('layout = "torch"\n[[rule]]\npattern = ".*"\naxis = 0\n')
     return path
+
+
+def test_a_piece_is_written_only_as_the_plan_has_it(tmp_path):
+    """Shards are planned from rows (a reshard's pieces are made as they are written): a tensor out
+    of the plan's order, or of another size than its header entry says, stops the write."""
+    import numpy as np
+    from ckptconv.io.hashing import Pipeline
+    from ckptconv.tensor import Computed
+    from ckptconv.writers.files import OutputStream
+    F32 = dtypes.BY_CODE["F32"]
+
+    def source(name, n):
+        return Computed(name, F32, (n,), lambda index: np.zeros(n, np.float32)[index])
+
+    shards = plan_shards([SimpleNamespace(name=n, dtype=F32, shape=(4,), nbytes=16) for n in ("a", "b")], 10**9)
+    for wrong, message in ((source("b", 4), "'b' was not written in plan order"),
+                           (source("a", 5), "'a': 20 bytes to write where the plan has 16")):
+        pipeline = Pipeline()
+        stream = OutputStream(tmp_path, shards, pipeline)
+        try:
+            with pytest.raises(AssertionError, match=message):
+                stream.add(wrong)
+        finally:
+            stream.abandon()
+            pipeline.close()
+        (tmp_path / shards[0].name).unlink(missing_ok=True)
