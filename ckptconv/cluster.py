@@ -44,7 +44,7 @@ class Cluster:
 
 def _hex(value) -> str:
     """Bytes in a message (a writer's packed digests) go as hex; the receiver knows to read them back."""
-    if isinstance(value, (bytes, bytearray)):
+    if isinstance(value, (bytes, bytearray, memoryview)):
         return value.hex()
     raise TypeError(f"{type(value).__name__} cannot cross processes")
 

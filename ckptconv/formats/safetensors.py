@@ -15,6 +15,8 @@ from ..errors import BadInput, brief
 from ..limits import shape_problem
 
 MAX_HEADER = 100 * 1000 * 1000  # the safetensors library's own limit
+_json_string = json.encoder.encode_basestring   # json.dumps(s, ensure_ascii=False) for a str, without the
+#                                                 encoder's set-up (every header entry is made three times)
 
 
 class HeaderEntry(NamedTuple):  # a tuple: headers of a million tensors are built fast
@@ -109,7 +111,7 @@ def header_entry(name: str, dt, shape, at: int, nbytes: int) -> bytes:
     """One tensor's member of the header's JSON (its leading comma included), its data at `at`."""
     if name == "__metadata__":
         raise BadInput("a tensor named '__metadata__' cannot be stored: safetensors reserves the name")
-    return (f',{json.dumps(name, ensure_ascii=False)}:{{"dtype":"{dt.code}","shape":[{",".join(map(str, shape))}],'
+    return (f',{_json_string(name)}:{{"dtype":"{dt.code}","shape":[{",".join(map(str, shape))}],'
             f'"data_offsets":[{at},{at + nbytes}]}}').encode()
 
 

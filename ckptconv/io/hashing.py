@@ -15,6 +15,9 @@ CHUNK = 16 * 1024 * 1024
 # its bytes reach the file's digest with its neighbours': handing each to the hash threads costs about
 # 100 us in futures and thread switches (docs/benchmarks.md, "Third pass").
 SMALL = 64 * 1024
+# The writer gathers small tensors' bytes up to this much before one push: every shard open at once
+# holds that much (a reshard to 8 ranks has 8 open); a push of 4 MiB costs no more per byte than 16.
+GATHERED = 4 * 1024 * 1024
 
 
 class OrderedHasher:
@@ -64,7 +67,7 @@ class HashLanes:
 
 
 class Digests:
-    """(key, future hex digest) pairs in order, kept as the keys (names or numbers that live anyway)
+    """(key, future hex digest) pairs in order, kept as the keys (names that live anyway, or None)
     and the finished digests' 32 bytes each: a shard of a million small tensors must hold
     neither a million futures (each with its lock) nor a million hex strings until it closes.
     Futures are swapped for their bytes, in order, as they finish; iterating waits for the rest and

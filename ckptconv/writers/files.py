@@ -20,7 +20,7 @@ from ..errors import BadInput, OutputError
 from ..formats import manifest as fmt
 from ..formats.safetensors import fits, header_entry, header_length, header_pieces, header_start, too_long
 from ..formats.sums import write_sums
-from ..io.hashing import CHUNK, SMALL, Digests, Pipeline, write_all
+from ..io.hashing import CHUNK, GATHERED, SMALL, Digests, Pipeline, write_all
 from ..io.outfile import OutFile
 from ..tensor import as_bytes, iter_blocks
 
@@ -228,7 +228,7 @@ class InlineTap:
 
 class SmallTensorWriter:
     """A tensor of at most SMALL bytes: digested in this thread, and its bytes gathered with its
-    neighbours' into one push of up to CHUNK bytes (hashing.SMALL says why). Same calls as TensorWriter."""
+    neighbours' into one push of up to GATHERED bytes (hashing.SMALL says why). Same calls as TensorWriter."""
 
     def __init__(self, stream: OutputStream, t, tap: InlineTap = None):
         stream._file_for(t)   # (the shard before it, with what was gathered for it, is closed here)
@@ -249,7 +249,7 @@ class SmallTensorWriter:
 
     def close(self):
         self.stream._digests.append_done(self.t.name, self.tensor_h.digest())
-        if len(self.stream._small) >= CHUNK:
+        if len(self.stream._small) >= GATHERED:
             self.stream._flush()
         signals.check()   # (a signal pending outside our code: no chunk may pass for a million of these)
 

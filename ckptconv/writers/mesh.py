@@ -91,7 +91,7 @@ class MeshWriter(Writer):
     def write(self, units, tmp, progress=None, share=(0, 1)):
         mine = [u.rank for u in units]
         check_space(tmp, sum(u.size for u in units), self.content.model_files, len(units))
-        streams, taps = self._write_ranks(tmp, mine, progress, tapped=len(mine) == self.ranks)
+        streams, taps, tapped = self._write_ranks(tmp, mine, progress, tapped=len(mine) == self.ranks)
         for rank, stream in streams.items():
             source = {**self.content.source, "resharded": {"tp": self.tp, "ep": self.ep, "rank": rank},
                       **self.content.skipped()}
@@ -100,28 +100,29 @@ class MeshWriter(Writer):
                        stem=self.options.stem)
         shards = {rank: [[s.name, stream.written.files[s.name]["sha256"]] for s in stream.shards]
                   for rank, stream in streams.items()}
-        return {"global": self._global_digests(streams, taps, share), "shards": shards}
+        return {"global": self._global_digests(streams, taps, tapped, share), "shards": shards}
 
-    def _global_digests(self, streams, taps: Digests, share) -> bytearray:
+    def _global_digests(self, streams, taps: Digests, tapped: bytearray, share) -> bytearray:
         """The global digests this process has, 32 bytes at each tensor's place in the layout (zeros
         elsewhere; no object per tensor): a split tensor's from its tap where this process streamed
-        it whole, else from its share (by bytes) of one bounded pass over the source each; a whole
-        one's is rank 0's."""
-        found, have = bytearray(32 * len(self.layout)), bytearray(len(self.layout))
-        packed = taps.packed()
-        for k, i in enumerate(taps.order()):
-            found[32 * i:32 * i + 32], have[i] = packed[32 * k:32 * k + 32], 1
-        split = [i for i, p in enumerate(self.layout) if p.axis is not None]
-        owner = assign([math.prod(self.layout[i].shape) * self.layout[i].dtype.itemsize for i in split], share[1])
-        for i, o in zip(split, owner):
-            if not have[i] and o == share[0]:
-                found[32 * i:32 * i + 32] = bytes.fromhex(sha256_of(self.sources[i]))
+        it whole (`tapped[i]`, in layout order in `taps`), else from its share (by bytes) of one
+        bounded pass over the source each; a whole one's is rank 0's."""
+        found = np.zeros((len(self.layout), 32), np.uint8)
+        found[np.frombuffer(tapped, np.uint8).astype(bool)] = np.frombuffer(taps.packed(), np.uint8).reshape(-1, 32)
+        ours = None   # one process: every split tensor without a tap
+        if share[1] > 1:
+            split = [i for i, p in enumerate(self.layout) if p.axis is not None]
+            owner = assign([math.prod(self.layout[i].shape) * self.layout[i].dtype.itemsize for i in split], share[1])
+            ours = {i for i, o in zip(split, owner) if o == share[0]}
+        for i, p in enumerate(self.layout):
+            if p.axis is not None and not tapped[i] and (ours is None or i in ours):
+                found[i] = np.frombuffer(bytes.fromhex(sha256_of(self.sources[i])), np.uint8)
         if 0 in streams:
             whole = {p.name: i for i, p in enumerate(self.layout) if p.axis is None}
             for name, digest in streams[0].written.by_tensor(streams[0].shards):
                 if name in whole:
-                    found[32 * whole[name]:32 * whole[name] + 32] = bytes.fromhex(digest)
-        return found
+                    found[whole[name]] = np.frombuffer(bytes.fromhex(digest), np.uint8)
+        return memoryview(found).cast("B")
 
     def finish(self, tmp, results) -> dict:
         digests = np.zeros((len(self.layout), 32), np.uint8)
@@ -142,8 +143,8 @@ class MeshWriter(Writer):
 
     def _write_ranks(self, tmp, ranks, progress, tapped: bool) -> tuple:
         """Every rank directory's shards written side by side, tensor by tensor. Returns ({rank: stream},
-        the global digests, by layout index, of the tensors whose global bytes went by in order, when
-        `tapped` (this process writes every rank))."""
+        the global digests of the tensors whose global bytes went by in order, when `tapped` (this
+        process writes every rank), in layout order, and which those are: a byte per layout index)."""
         pipeline = Pipeline()
         streams = {}
         try:
@@ -153,7 +154,7 @@ class MeshWriter(Writer):
                 streams[r] = OutputStream(rank_dir, plan_shards(RankPieces.of(self.layout, r),
                                                                 self.options.max_shard_size, self.options.stem),
                                           pipeline, self.options.fsync, direct=self.options.direct)
-            taps = Digests()
+            taps, tapped_at = Digests(), bytearray(len(self.layout))
             for i, (p, src) in enumerate(zip(self.layout, self.sources)):
                 holders = [r for r in ranks if holds(p, r)]
                 pieces = {r: rank_piece(src, p, r) for r in holders}
@@ -168,13 +169,15 @@ class MeshWriter(Writer):
                         tap = InlineTap()   # every piece is small: digested in this thread, as they are
                     for r in holders:
                         streams[r].add(pieces[r], progress, tap)
+                if tap is not None:   # (in layout order: no key per tensor, tapped_at says which)
+                    tapped_at[i] = 1
                 if isinstance(tap, InlineTap):
-                    taps.append_done(i, tap.digest())
+                    taps.append_done(None, tap.digest())
                 elif tap is not None:   # (a state per tensor only while it is written)
-                    taps.append(i, pipeline.hashes.digest("tap", tap))
+                    taps.append(None, pipeline.hashes.digest("tap", tap))
             for stream in streams.values():
                 stream.finish()
-            return streams, taps
+            return streams, taps, tapped_at
         except BaseException:
             for stream in streams.values():
                 stream.abandon()
