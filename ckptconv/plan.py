@@ -16,10 +16,12 @@ from .writers.base import Content, WriteOptions
 # The estimates' constants, measured on the bench machine (docs/benchmarks.md, "plan against the run"):
 BASE_RSS = 45 * 2**20          # interpreter, numpy, the reader and writer modules
 IN_FLIGHT = 45 * 2**20         # staging buffers and chunks being hashed that a large write touches
-# bytes per tensor written: a convert's source record and packed digest; a reshard's, per rank
-# piece, that share of its source record and layout entry, and the piece's packed digest (pieces
-# are made as they are written)
-PER_TENSOR_RSS = {"convert": 400, "reshard": 420}
+# bytes per tensor: a convert's source record and packed digest, per tensor it writes; a reshard's
+# source record and layout entry, per tensor of the checkpoint (every process plans them all) ...
+PER_TENSOR_RSS = {"convert": 400, "reshard": 520}
+# ... and per rank piece it writes, the piece's packed digest and its place in its shard plan (pieces
+# themselves are made as they are written)
+PER_PIECE_RSS = 48
 CPU_GBPS = {"convert": 1.0,    # read, hash (file and tensor digests) and write, one process, warm cache
             "reshard": 0.6}    # the same and a third digest (the global tensor's), gathered row splits
 # reading a tensor's record, planning, hashing and listing it; a convert's small tensors are digested
@@ -53,7 +55,9 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
         pieces = len(ckpt.tensors) * len(mine) if mesh else round(len(ckpt.tensors) * written / total)
         processes.append({"process": p, "units": [n for n, _ in mine], "bytes_read": written,
                           "bytes_written": written, "tensors_written": pieces,
-                          "peak_rss_bytes": BASE_RSS + min(IN_FLIGHT, written) + per_tensor_rss * pieces,
+                          "peak_rss_bytes": BASE_RSS + min(IN_FLIGHT, written)
+                          + (per_tensor_rss * len(ckpt.tensors) + PER_PIECE_RSS * pieces if mesh
+                             else per_tensor_rss * pieces),
                           "seconds": max(2 * written / (disk_gbps * 1e9), written / (cpu_gbps * 1e9))
                           + per_tensor * pieces})
     return {"source": ckpt.source.get("path"), "format": ckpt.format,

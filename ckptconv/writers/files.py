@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from .. import signals
 from ..io import sha256
-from ..errors import BadInput, OutputError
+from ..errors import BadInput, OutputError, brief
 from ..formats import manifest as fmt
 from ..formats.safetensors import fits, header_entry, header_length, header_pieces, header_start, too_long
 from ..formats.sums import write_sums
@@ -60,7 +60,7 @@ def plan_shards(tensors: Sequence, max_shard_size: int, stem: str = fmt.STEM) ->
             begin, size, head = k, 0, len(header_start())
             entry = len(header_entry(t.name, t.dtype, t.shape, 0, t.nbytes))
         if k == begin and not fits(head + entry):
-            raise BadInput(f"tensor {t.name!r}: {too_long(head + entry)}, for this tensor alone")
+            raise BadInput(f"{too_long(head + entry)}, for tensor {brief(t.name, 80)} alone")
         head += entry
         size += t.nbytes
     groups.append((begin, len(tensors), head, size))

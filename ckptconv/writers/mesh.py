@@ -91,7 +91,7 @@ class MeshWriter(Writer):
     def write(self, units, tmp, progress=None, share=(0, 1)):
         mine = [u.rank for u in units]
         check_space(tmp, sum(u.size for u in units), self.content.model_files, len(units))
-        streams, taps, tapped = self._write_ranks(tmp, mine, progress, tapped=len(mine) == self.ranks)
+        streams, taps, tapped = self._write_ranks(tmp, mine, progress, every_rank=len(mine) == self.ranks)
         for rank, stream in streams.items():
             source = {**self.content.source, "resharded": {"tp": self.tp, "ep": self.ep, "rank": rank},
                       **self.content.skipped()}
@@ -100,15 +100,19 @@ class MeshWriter(Writer):
                        stem=self.options.stem)
         shards = {rank: [[s.name, stream.written.files[s.name]["sha256"]] for s in stream.shards]
                   for rank, stream in streams.items()}
-        return {"global": self._global_digests(streams, taps, tapped, share), "shards": shards}
+        have, found = self._global_digests(streams, taps, tapped, share)
+        # (only the rows this process has, and a bit per tensor saying which: what crosses to process 0)
+        return {"global": memoryview(found[have]).cast("B"), "global_at": np.packbits(have).tobytes(),
+                "shards": shards}
 
-    def _global_digests(self, streams, taps: Digests, tapped: bytearray, share) -> bytearray:
-        """The global digests this process has, 32 bytes at each tensor's place in the layout (zeros
-        elsewhere; no object per tensor): a split tensor's from its tap where this process streamed
-        it whole (`tapped[i]`, in layout order in `taps`), else from its share (by bytes) of one
-        bounded pass over the source each; a whole one's is rank 0's."""
+    def _global_digests(self, streams, taps: Digests, tapped: bytearray, share) -> tuple:
+        """(which tensors, their global digests): a bool per tensor of the layout and a 32-byte row
+        per tensor (no object per tensor). A split tensor's comes from its tap where this process
+        streamed it whole (`tapped[i]`; the taps in layout order), else from its share (by bytes) of
+        one bounded pass over the source each; a whole one's is rank 0's."""
+        have = np.frombuffer(tapped, np.uint8).astype(bool)
         found = np.zeros((len(self.layout), 32), np.uint8)
-        found[np.frombuffer(tapped, np.uint8).astype(bool)] = np.frombuffer(taps.packed(), np.uint8).reshape(-1, 32)
+        found[have] = np.frombuffer(taps.packed(), np.uint8).reshape(-1, 32)
         ours = None   # one process: every split tensor without a tap
         if share[1] > 1:
             split = [i for i, p in enumerate(self.layout) if p.axis is not None]
@@ -116,21 +120,22 @@ class MeshWriter(Writer):
             ours = {i for i, o in zip(split, owner) if o == share[0]}
         for i, p in enumerate(self.layout):
             if p.axis is not None and not tapped[i] and (ours is None or i in ours):
-                found[i] = np.frombuffer(bytes.fromhex(sha256_of(self.sources[i])), np.uint8)
+                found[i], have[i] = np.frombuffer(bytes.fromhex(sha256_of(self.sources[i])), np.uint8), True
         if 0 in streams:
             whole = {p.name: i for i, p in enumerate(self.layout) if p.axis is None}
             for name, digest in streams[0].written.by_tensor(streams[0].shards):
                 if name in whole:
-                    found[whole[name]] = np.frombuffer(bytes.fromhex(digest), np.uint8)
-        return memoryview(found).cast("B")
+                    found[whole[name]], have[whole[name]] = np.frombuffer(bytes.fromhex(digest), np.uint8), True
+        return have, found
 
     def finish(self, tmp, results) -> dict:
-        digests = np.zeros((len(self.layout), 32), np.uint8)
-        for r in results:   # (from another process, as hex: cluster.py)
-            found = np.frombuffer(bytes.fromhex(r["global"]) if isinstance(r["global"], str) else r["global"],
-                                  np.uint8).reshape(-1, 32)
-            digests[found.any(axis=1)] = found[found.any(axis=1)]
-        if not digests.any(axis=1).all():
+        n = len(self.layout)
+        digests, have = np.zeros((n, 32), np.uint8), np.zeros(n, bool)
+        for r in results:   # (from another process, bytes come as hex: cluster.py)
+            at = np.unpackbits(np.frombuffer(_bytes(r["global_at"]), np.uint8), count=n).astype(bool)
+            digests[at] = np.frombuffer(_bytes(r["global"]), np.uint8).reshape(-1, 32)
+            have |= at
+        if not have.all():
             raise AssertionError("a tensor's global digest was computed by no process")
         write_json(tmp, fmt.MESH, fmt.document(self.layout, self.rules, self.tp, self.ep, self.content.source,
                                                memoryview(digests).cast("B")))
@@ -141,10 +146,10 @@ class MeshWriter(Writer):
         """Top-level files whose digests the run already has (none here; the vLLM layout's links)."""
         return {}
 
-    def _write_ranks(self, tmp, ranks, progress, tapped: bool) -> tuple:
+    def _write_ranks(self, tmp, ranks, progress, every_rank: bool) -> tuple:
         """Every rank directory's shards written side by side, tensor by tensor. Returns ({rank: stream},
-        the global digests of the tensors whose global bytes went by in order, when `tapped` (this
-        process writes every rank), in layout order, and which those are: a byte per layout index)."""
+        the global digests of the tensors whose global bytes went by in order, when `every_rank` (this
+        process writes them all), in layout order, and which those are: a byte per layout index)."""
         pipeline = Pipeline()
         streams = {}
         try:
@@ -154,12 +159,12 @@ class MeshWriter(Writer):
                 streams[r] = OutputStream(rank_dir, plan_shards(RankPieces.of(self.layout, r),
                                                                 self.options.max_shard_size, self.options.stem),
                                           pipeline, self.options.fsync, direct=self.options.direct)
-            taps, tapped_at = Digests(), bytearray(len(self.layout))
+            taps, tapped = Digests(), bytearray(len(self.layout))
             for i, (p, src) in enumerate(zip(self.layout, self.sources)):
                 holders = [r for r in ranks if holds(p, r)]
                 pieces = {r: rank_piece(src, p, r) for r in holders}
                 scatters, ordered = _scatters(p), _in_global_order(p)
-                tap = sha256.new() if tapped and (scatters or ordered or _streams_in_order(p)) else None
+                tap = sha256.new() if every_rank and (scatters or ordered or _streams_in_order(p)) else None
                 if scatters:
                     _scatter(p, src, holders, pieces, streams, pipeline, progress, tap)
                 elif ordered:
@@ -169,21 +174,26 @@ class MeshWriter(Writer):
                         tap = InlineTap()   # every piece is small: digested in this thread, as they are
                     for r in holders:
                         streams[r].add(pieces[r], progress, tap)
-                if tap is not None:   # (in layout order: no key per tensor, tapped_at says which)
-                    tapped_at[i] = 1
+                if tap is not None:   # (in layout order: no key per tensor, tapped says which)
+                    tapped[i] = 1
                 if isinstance(tap, InlineTap):
                     taps.append_done(None, tap.digest())
                 elif tap is not None:   # (a state per tensor only while it is written)
                     taps.append(None, pipeline.hashes.digest("tap", tap))
             for stream in streams.values():
                 stream.finish()
-            return streams, taps, tapped_at
+            return streams, taps, tapped
         except BaseException:
             for stream in streams.values():
                 stream.abandon()
             raise
         finally:
             pipeline.close()
+
+
+def _bytes(data) -> bytes:
+    """Bytes in a writer's result, as they are or as hex (from another process: cluster.py)."""
+    return bytes.fromhex(data) if isinstance(data, str) else data
 
 
 def _ordered(p, src, holders, pieces, streams, progress, global_h):

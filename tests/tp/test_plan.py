@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from ckptconv.plan import CPU_GBPS, PER_TENSOR_RSS, PER_TENSOR_SECONDS
+from ckptconv.plan import CPU_GBPS, PER_PIECE_RSS, PER_TENSOR_RSS, PER_TENSOR_SECONDS
 from ckptconv.writers.base import assign
 from tests.helpers import DATA, run
 
@@ -44,6 +44,27 @@ def test_estimates_grow_with_the_tensor_count_not_the_bytes(tmp_path):
     assert few["bytes_written"] == pytest.approx(many["bytes_written"], rel=0.01)   # (headers differ)
     assert many["peak_rss_bytes"] - few["peak_rss_bytes"] == pytest.approx(PER_TENSOR_RSS["convert"] * 9990, rel=0.01)
     assert many["seconds"] - few["seconds"] == pytest.approx(PER_TENSOR_SECONDS["convert"] * 9990, rel=0.01)
+
+
+def test_a_reshards_memory_is_per_tensor_and_per_rank_piece(tmp_path):
+    """A reshard holds every tensor's record and plan in each process, and per rank piece it writes
+    only its digest (pieces are made as they are written): more ranks cost pieces, not tensors."""
+    path = tmp_path / "many.json"
+    path.write_text(json.dumps({"tensors": [{"name": f"t{i}", "shape": [8, 16], "dtype": "float32"}
+                                            for i in range(10000)]}))
+    rules = tmp_path / "rules.toml"
+    rules.write_text('layout = "torch"\n[[rule]]\npattern = ".*"\naxis = 0\n')
+
+    def peak(tp, hosts=1):
+        r = run("plan", path, "--tp", tp, "--rules", rules, "--hosts", hosts, "--json")
+        assert r.exit_code == 0, r.stderr
+        # (less the bytes written: a small write touches only that much of the staging buffers)
+        return [p["peak_rss_bytes"] - p["bytes_written"] for p in json.loads(r.stdout)["processes"]]
+    (two,), (eight,) = peak(2), peak(8)
+    assert eight - two == pytest.approx(PER_PIECE_RSS * 10000 * 6, rel=0.01)
+    four_hosts = peak(8, hosts=4)   # two rank directories each, every tensor planned in each
+    assert four_hosts == [two] * 4
+    assert two - PER_PIECE_RSS * 20000 > PER_TENSOR_RSS["reshard"] * 10000
 
 
 def test_plan_of_a_checkpoint_matches_what_convert_writes(hf_llama, tmp_path):
