@@ -102,8 +102,8 @@ class MeshWriter(Writer):
                   for rank, stream in streams.items()}
         have, found = self._global_digests(streams, taps, tapped, share)
         # (only the rows this process has, and a bit per tensor saying which: what crosses to process 0)
-        return {"global": memoryview(found[have]).cast("B"), "global_at": np.packbits(have).tobytes(),
-                "shards": shards}
+        rows = found if have.all() else found[have]
+        return {"global": memoryview(rows).cast("B"), "global_at": np.packbits(have).tobytes(), "shards": shards}
 
     def _global_digests(self, streams, taps: Digests, tapped: bytearray, share) -> tuple:
         """(which tensors, their global digests): a bool per tensor of the layout and a 32-byte row
@@ -133,7 +133,11 @@ class MeshWriter(Writer):
         digests, have = np.zeros((n, 32), np.uint8), np.zeros(n, bool)
         for r in results:   # (from another process, bytes come as hex: cluster.py)
             at = np.unpackbits(np.frombuffer(_bytes(r["global_at"]), np.uint8), count=n).astype(bool)
-            digests[at] = np.frombuffer(_bytes(r["global"]), np.uint8).reshape(-1, 32)
+            rows = np.frombuffer(_bytes(r["global"]), np.uint8).reshape(-1, 32)
+            if len(results) == 1 and at.all():   # (one process: its rows are the table, not copied)
+                digests = rows
+            else:
+                digests[at] = rows
             have |= at
         if not have.all():
             raise AssertionError("a tensor's global digest was computed by no process")

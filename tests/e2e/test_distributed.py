@@ -61,6 +61,12 @@ def test_reshard_and_device_verify_across_two_processes(hf_llama, tmp_path):
     assert all(rc == 0 for rc, _, _ in results), results
     assert run("reshard", hf_llama["dir"], tmp_path / "one", "--tp", "8", "--quiet").exit_code == 0
     same_tree(tmp_path / "two", tmp_path / "one")
+    # three processes, two ranks: one writes no rank directory and hashes only its share of the global
+    # tensors; process 0 puts mesh.json together from the rows each process had
+    results = wait_all(launch(["reshard", hf_llama["dir"], tmp_path / "three", "--tp", "2", "--quiet"], n=3))
+    assert all(rc == 0 for rc, _, _ in results), results
+    assert run("reshard", hf_llama["dir"], tmp_path / "solo", "--tp", "2", "--quiet").exit_code == 0
+    same_tree(tmp_path / "three", tmp_path / "solo")
     results = wait_all(launch(["verify", tmp_path / "two", "--device", "cpu", "--against", hf_llama["dir"],
                                "--quiet"]))
     assert all(rc == 0 for rc, _, _ in results), results
