@@ -125,14 +125,19 @@ def fits(json_bytes: int) -> bool:
     return header_length(json_bytes) <= MAX_HEADER
 
 
+def _json(entries, metadata):
+    """The header's JSON but its closing brace, in parts: its start, then entry by entry."""
+    yield header_start(metadata)
+    at = 0
+    for name, dt, shape, nbytes in entries:
+        yield header_entry(name, dt, shape, at, nbytes)
+        at += nbytes
+
+
 def header_size(entries, metadata=None) -> int:
     """Bytes of the header for [(name, DType, shape, nbytes)] in data order, length prefix included,
-    without building it; refused (BadInput) past MAX_HEADER, as build_header."""
-    n, at = len(header_start(metadata)), 0
-    for name, dt, shape, nbytes in entries:
-        n += len(header_entry(name, dt, shape, at, nbytes))
-        at += nbytes
-    return 8 + _checked_length(n, metadata)
+    without building it; refused (BadInput) past MAX_HEADER."""
+    return 8 + _checked_length(sum(map(len, _json(entries, metadata))), metadata)
 
 
 def too_long(json_bytes: int) -> str:
@@ -150,13 +155,13 @@ def _checked_length(json_bytes: int, metadata) -> int:
 
 
 def header_pieces(entries, size: int, metadata=None, piece: int = 1 << 20):
-    """The header of `size` bytes (header_size of the same entries) in pieces of about `piece` bytes:
-    the header of a million tensors is written without being held whole (the same bytes as
-    build_header)."""
-    text, at, total = bytearray(struct.pack("<Q", size - 8)) + header_start(metadata), 0, 0
-    for name, dt, shape, nbytes in entries:
-        text += header_entry(name, dt, shape, at, nbytes)
-        at += nbytes
+    """The header for [(name, DType, shape, nbytes)] in data order, of `size` bytes (header_size of
+    the same entries): the length prefix, the JSON written entry by entry (the same bytes json.dumps
+    gives for the whole object), padded to 8, in pieces of about `piece` bytes: a million tensors'
+    header is never held whole, nor first built as a million dicts."""
+    text, total = bytearray(struct.pack("<Q", size - 8)), 0
+    for part in _json(entries, metadata):
+        text += part
         if len(text) >= piece:
             total += len(text)
             yield bytes(text)
@@ -165,19 +170,3 @@ def header_pieces(entries, size: int, metadata=None, piece: int = 1 << 20):
     if not 0 <= size - total - len(text) < 8:
         raise AssertionError("a header's entries changed between its size and its bytes")
     yield bytes(text + b" " * (size - total - len(text)))
-
-
-def build_header(entries, metadata=None) -> bytes:
-    """Header bytes (length prefix + JSON padded to 8) for [(name, DType, shape, nbytes)] in data order."""
-    # entry by entry, the same bytes json.dumps gives for the whole object: a million tensors must
-    # not become a million dicts first
-    text = bytearray(8) + header_start(metadata)   # the length prefix is filled in at the end (no copy to prepend it)
-    at = 0
-    for name, dt, shape, nbytes in entries:
-        text += header_entry(name, dt, shape, at, nbytes)
-        at += nbytes
-    n = _checked_length(len(text) - 8, metadata)
-    text += b"}"
-    text += b" " * (n - (len(text) - 8))
-    struct.pack_into("<Q", text, 0, n)
-    return bytes(text)

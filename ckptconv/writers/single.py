@@ -6,11 +6,12 @@ facts as a JSON string (format tag, source, every tensor's SHA-256, extras), so 
 The header comes first but the digests are known last: it is written with placeholder digests of
 the same length, the data streams after it, and the header is rewritten in place at the end.
 """
+import dataclasses
 import json
 import os
 
 from ..formats import manifest as fmt
-from ..formats.safetensors import build_header, header_size
+from ..formats.safetensors import header_size
 from ..io.hashing import Pipeline
 from .base import Content, WriteOptions, Writer, register
 from .files import ShardFile, Written, check_space, write_shards
@@ -31,9 +32,6 @@ class SingleWriter(Writer):
         self.file_name = os.path.basename(os.path.abspath(out))
         self.unit = None
 
-    def _header(self, tensors, digests) -> bytes:
-        return build_header(((t.name, t.dtype, t.shape, t.nbytes) for t in tensors), metadata(self.content, digests))
-
     def plan(self, tensors) -> list:
         placeholder = metadata(self.content, {t.name: "0" * 64 for t in tensors})  # real digests: the same length
         size = header_size(((t.name, t.dtype, t.shape, t.nbytes) for t in tensors), placeholder)
@@ -50,14 +48,16 @@ class SingleWriter(Writer):
             written = write_shards(tmp, [unit], pipeline, progress, self.options.fsync, direct=self.options.direct)
         finally:
             pipeline.close()
-        header = self._header(unit.tensors, dict(written.by_tensor([unit])))
-        if len(header) != unit.header_size:
-            raise AssertionError("the header changed length when its digests were filled in")
+        # the same header with the real digests (of the same length: header_pieces checks it), in place
+        final = dataclasses.replace(unit, metadata=metadata(self.content, dict(written.by_tensor([unit]))))
         fd = os.open(os.path.join(tmp, unit.name), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            view = memoryview(header)
-            while view:
-                view = view[os.pwrite(fd, view, len(header) - len(view)):]
+            at = 0
+            for piece in final.header():
+                view = memoryview(piece)
+                while view:
+                    n = os.pwrite(fd, view, at)
+                    view, at = view[n:], at + n
             if self.options.fsync:
                 os.fsync(fd)
         finally:

@@ -1,6 +1,8 @@
 """The shard plan on plain data (Hugging Face's rule): shards filled in order up to the limit, a
 tensor never split, one larger than the limit alone, names always STEM-0000k-of-0000n."""
 import hashlib
+import json
+import struct
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +20,17 @@ def tensors(*sizes):
 
 def layout(shards):
     return [(s.name, [t.name for t in s.tensors]) for s in shards]
+
+
+def dumped_header(entries, metadata=None) -> bytes:
+    """A safetensors header as json.dumps gives it for the whole object (the oracle)."""
+    doc, at = {"__metadata__": metadata or {"format": "pt"}}, 0
+    for name, dt, shape, nbytes in entries:
+        doc[name] = {"dtype": dt.code, "shape": list(shape), "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text
 
 
 def test_filled_in_order_up_to_the_limit():
@@ -44,15 +57,15 @@ def test_a_shard_is_closed_before_its_header_passes_what_readers_accept(monkeypa
     from ckptconv.formats import safetensors
     many = tensors(*[1] * 10)
     (one,) = plan_shards(many, 100)
-    empty = len(safetensors.build_header([]))
+    empty = len(dumped_header([]))
     per_entry = (one.header_size - empty) // 10 + 8
     monkeypatch.setattr(safetensors, "MAX_HEADER", empty + 4 * per_entry - 8)
     split = plan_shards(many, 100)
     assert [len(s.tensors) for s in split] in ([3, 3, 3, 1], [4, 4, 2])
-    for s in split:   # every shard's header within the bound, and the bytes build_header gives
+    for s in split:   # every shard's header within the bound, and the bytes json.dumps gives
         header = b"".join(s.header())
         assert len(header) == s.header_size <= safetensors.MAX_HEADER + 8
-        assert header == safetensors.build_header((t.name, t.dtype, t.shape, t.nbytes) for t in s.tensors)
+        assert header == dumped_header([(t.name, t.dtype, t.shape, t.nbytes) for t in s.tensors])
     assert [t.name for s in split for t in s.tensors] == [t.name for t in many]
     # a tensor whose entry alone does not fit is refused, named, wherever it is
     for at in (0, 5, 9):
@@ -63,14 +76,16 @@ def test_a_shard_is_closed_before_its_header_passes_what_readers_accept(monkeypa
             plan_shards(odd, 100)
 
 
-def test_a_header_written_in_pieces_is_build_headers_bytes():
-    from ckptconv.formats.safetensors import build_header, header_pieces, header_size
-    entries = [(f"w{i}\u00e9", dtypes.from_code("BF16"), (i, 3), 6 * i) for i in range(200)]
+def test_a_header_written_in_pieces_is_the_whole_documents_bytes():
+    """Headers are written entry by entry, in pieces (a million tensors' is never held whole, nor
+    built as a million dicts first): the bytes are exactly json.dumps' of the whole object."""
+    from ckptconv.formats.safetensors import header_pieces, header_size
+    entries = [(f"w{i}\u00e9\"\\\t", dtypes.from_code("BF16"), (i, 3) if i % 2 else (), 6 * i or 2) for i in range(300)]
     for metadata in (None, {"format": "pt", "k": "\u00fc" * 9}):
         size = header_size(entries, metadata)
         pieces = list(header_pieces(entries, size, metadata, piece=64))
         assert len(pieces) > 10 and max(map(len, pieces)) < 200   # (a piece: at least 64 bytes, or the last)
-        assert b"".join(pieces) == build_header(entries, metadata) and len(b"".join(pieces)) == size
+        assert b"".join(pieces) == dumped_header(entries, metadata) and len(b"".join(pieces)) == size
     with pytest.raises(AssertionError):   # entries that changed between the size and the bytes
         b"".join(header_pieces(entries[:-1], header_size(entries)))
 
@@ -85,13 +100,10 @@ def test_units_are_balanced_by_bytes_deterministically():
     assert assign([], 2) == []
 
 
-def test_json_and_headers_written_piece_by_piece_are_the_whole_documents_bytes():
-    """Manifests stream in chunks and safetensors headers entry by entry (a million tensors must not
-    be built as one text or one dict first): the bytes are exactly json.dumps' of the whole."""
-    import json
-    import struct
+def test_json_written_piece_by_piece_is_the_whole_documents_bytes():
+    """Manifests stream in chunks (a million tensors must not be built as one text or one dict
+    first): the bytes are exactly json.dumps' of the whole."""
     from ckptconv.formats.manifest import Rows, dump_chunks
-    from ckptconv.formats.safetensors import build_header
     obj = {"tensors": {f"t{i}\u00fc\"\\\n": {"shape": [i, 0], "sha256": "x" * 64} for i in range(500)},
            "odd": "\udcff", "empty": {}, "list": []}
     whole = (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
@@ -103,15 +115,6 @@ def test_json_and_headers_written_piece_by_piece_are_the_whole_documents_bytes()
         whole = (json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8",
                                                                                             "backslashreplace")
         assert b"".join(dump_chunks(lazy, size=100)) == whole and b"".join(dump_chunks(lazy)) == whole
-    entries = [(f"w{i}\u00e9\"\\\t", dtypes.from_code("BF16"), (i, 3) if i % 2 else (), 6 * i or 2) for i in range(300)]
-    header = build_header(entries, {"format": "pt", "k": "ü"})
-    doc, at = {"__metadata__": {"format": "pt", "k": "ü"}}, 0
-    for name, dt, shape, nbytes in entries:
-        doc[name] = {"dtype": dt.code, "shape": list(shape), "data_offsets": [at, at + nbytes]}
-        at += nbytes
-    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-(8 + len(text)) % 8)
-    assert header == struct.pack("<Q", len(text)) + text
 
 
 def test_digests_swap_finished_futures_and_keep_order():
