@@ -442,14 +442,14 @@ def _hash_shard(m, header, shard, m_files, recorded, sums, report, progress):
         for entry, begin, end in ranges:
             begin = max(begin, pos)
             if entry is not None and end - begin <= SMALL:
-                digests.append_done(entry, hashlib.sha256(m.view[begin:max(begin, end)]).digest())
+                digests.append_done(hashlib.sha256(m.view[begin:max(begin, end)]).digest())
                 if end - fed >= CHUNK:   # the file's digest follows (and drops the pages read here)
                     feed(end)
             elif entry is not None:
                 feed(begin)
                 tensor_h = sha256.new()
                 feed(end, tensor_h)
-                digests.append(entry, hashes.digest("tensor", tensor_h))
+                digests.append(hashes.digest("tensor", tensor_h))
             pos = max(pos, end)
         feed(m.size)
         for futures, _ in chunks:
@@ -472,7 +472,7 @@ def _hash_shard(m, header, shard, m_files, recorded, sums, report, progress):
             report.add(path, "sha256 differs from manifest.json", "digest")
     if shard in sums and sums[shard] != file_digest:
         report.add(path, "sha256 differs from SHA256SUMS", "digest")
-    for entry, digest in digests:
+    for (entry, _, _), digest in zip(ranges[1:], digests):   # (a digest per entry of `ranges`, in order)
         want = recorded(entry.name)
         if want is not None and want != digest:
             report.add(path, f"tensor {entry.name!r}: sha256 differs from the manifest (its bytes "

@@ -67,27 +67,25 @@ class HashLanes:
 
 
 class Digests:
-    """(key, future hex digest) pairs in order, kept as the keys (names that live anyway, or None)
-    and the finished digests' 32 bytes each: a shard of a million small tensors must hold
-    neither a million futures (each with its lock) nor a million hex strings until it closes.
+    """Future digests in order, kept as their 32 bytes each once finished: a shard of a million
+    small tensors must hold neither a million futures (each with its lock) nor a million hex strings
+    until it closes. Which tensor each is, the caller knows by position (its plan, its header).
     Futures are swapped for their bytes, in order, as they finish; iterating waits for the rest and
-    gives (key, hex digest)."""
+    gives hex digests."""
 
     def __init__(self):
-        self._keys, self._done, self._pending = [], bytearray(), deque()
+        self._done, self._pending = bytearray(), deque()
 
-    def append(self, key, future):
-        self._keys.append(key)
+    def append(self, future):
         self._pending.append(future)
         while self._pending and (self._pending[0].__class__ is bytes or self._pending[0].done()):
             self._done += self._take()
 
-    def append_done(self, key, digest: bytes):
+    def append_done(self, digest: bytes):
         """A digest already computed (32 bytes), in its place among the futures."""
         if self._pending:
-            self.append(key, digest)
+            self.append(digest)
         else:
-            self._keys.append(key)
             self._done += digest
 
     def _take(self) -> bytes:
@@ -104,16 +102,12 @@ class Digests:
         return self._done
 
     def __len__(self):
-        return len(self._keys)
-
-    def order(self) -> list:
-        """The keys, in the order they were added (not `keys()`: dict() would take this for a mapping)."""
-        return self._keys
+        return len(self._done) // 32 + len(self._pending)
 
     def __iter__(self):
         self._finish()
-        for k, key in enumerate(self._keys):
-            yield key, self._done[32 * k:32 * k + 32].hex()
+        for k in range(0, len(self._done), 32):
+            yield self._done[k:k + 32].hex()
 
 
 class Pipeline:

@@ -29,8 +29,7 @@ from ..tensor import as_bytes, iter_blocks
 class ShardFile:
     """A planned shard: its tensors (a sequence: any object with name, dtype, shape and nbytes), in
     data order, and the sizes of its header and data. The header is made again as it is written
-    (`header()`), a MiB at a time: a million tensors' header is about 90 MB. (A single-file output
-    holds its header whole at the end, to rewrite it with the digests: writers/single.py.)"""
+    (`header()`), a MiB at a time: a million tensors' header is about 90 MB."""
     name: str
     tensors: Sequence
     header_size: int
@@ -158,9 +157,9 @@ class OutputStream:
         self._next += 1
         return self._file, self._file_h
 
-    def _record(self, t, digest):
-        """A tensor of the current shard is fully pushed; `digest` is its future SHA-256."""
-        self._digests.append(t.name, digest)
+    def _record(self, digest):
+        """The current shard's next tensor is fully pushed; `digest` is its future SHA-256."""
+        self._digests.append(digest)
 
     def _close(self):
         if self._file is None:
@@ -170,8 +169,7 @@ class OutputStream:
         self.pipeline.drain()
         self._file.close(self.fsync)  # on failure, the caller abandons the stream (and this file)
         self._file = None
-        if len(self._digests) != len(shard.tensors) or any(
-                a != b.name for a, b in zip(self._digests.order(), shard.tensors)):
+        if len(self._digests) != len(shard.tensors):   # (each was checked against the plan as it began)
             raise AssertionError(f"{shard.name}: its tensors were not written as planned, one by one in order")
         self.written.digests[shard.name] = self._digests.packed()
         self.written.files[shard.name] = {"sha256": self._file_h.hexdigest(), "size": shard.size}
@@ -209,7 +207,7 @@ class TensorWriter:
 
     def close(self):
         """Every byte is pushed: the tensor's digest (a future) goes to the stream's manifest entry."""
-        self.stream._record(self.t, self.stream.pipeline.hashes.digest("tensor", self.tensor_h))
+        self.stream._record(self.stream.pipeline.hashes.digest("tensor", self.tensor_h))
 
 
 class InlineTap:
@@ -248,7 +246,7 @@ class SmallTensorWriter:
         self.stream._small += data
 
     def close(self):
-        self.stream._digests.append_done(self.t.name, self.tensor_h.digest())
+        self.stream._digests.append_done(self.tensor_h.digest())
         if len(self.stream._small) >= GATHERED:
             self.stream._flush()
         signals.check()   # (a signal pending outside our code: no chunk may pass for a million of these)

@@ -178,12 +178,12 @@ class MeshWriter(Writer):
                         tap = InlineTap()   # every piece is small: digested in this thread, as they are
                     for r in holders:
                         streams[r].add(pieces[r], progress, tap)
-                if tap is not None:   # (in layout order: no key per tensor, tapped says which)
+                if tap is not None:   # (the taps in layout order: tapped says whose they are)
                     tapped[i] = 1
                 if isinstance(tap, InlineTap):
-                    taps.append_done(None, tap.digest())
+                    taps.append_done(tap.digest())
                 elif tap is not None:   # (a state per tensor only while it is written)
-                    taps.append(None, pipeline.hashes.digest("tap", tap))
+                    taps.append(pipeline.hashes.digest("tap", tap))
             for stream in streams.values():
                 stream.finish()
             return streams, taps, tapped
