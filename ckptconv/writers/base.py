@@ -58,6 +58,11 @@ class Content:
         return {"skipped_files": self.skipped_files} if self.skipped_files else {}
 
 
+def result_bytes(value) -> bytes:
+    """Bytes in a writer's result, as they are (one process) or as the hex they crossed as (cluster.py)."""
+    return bytes.fromhex(value) if isinstance(value, str) else value
+
+
 def assign(sizes, processes: int) -> list:
     """Owner process of each unit: balanced by bytes, deterministic."""
     load = [0] * processes

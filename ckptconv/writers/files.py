@@ -23,6 +23,7 @@ from ..formats.sums import write_sums
 from ..io.hashing import CHUNK, GATHERED, SMALL, Digests, Pipeline, write_all
 from ..io.outfile import OutFile
 from ..tensor import as_bytes, iter_blocks
+from .base import result_bytes
 
 
 @dataclass
@@ -95,8 +96,7 @@ class Written:
 
     @classmethod
     def from_result(cls, data: dict) -> "Written":
-        return cls(data["files"], {name: bytes.fromhex(row) if isinstance(row, str) else row
-                                   for name, row in data["digests"].items()})
+        return cls(data["files"], {name: result_bytes(row) for name, row in data["digests"].items()})
 
 
 class OutputStream:

@@ -21,7 +21,7 @@ from ..formats import mesh as fmt
 from ..io.hashing import CHUNK, SMALL, Digests, Pipeline
 from ..tensor import Concat, as_bytes, sha256_of, zero_padded
 from ..tp.layout import RankPieces, holds
-from .base import Content, WriteOptions, Writer, assign, register
+from .base import Content, WriteOptions, Writer, assign, register, result_bytes
 from .files import (InlineTap, OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json,
                     write_tensor)
 
@@ -132,8 +132,8 @@ class MeshWriter(Writer):
         n = len(self.layout)
         digests, have = np.zeros((n, 32), np.uint8), np.zeros(n, bool)
         for r in results:   # (from another process, bytes come as hex: cluster.py)
-            at = np.unpackbits(np.frombuffer(_bytes(r["global_at"]), np.uint8), count=n).astype(bool)
-            rows = np.frombuffer(_bytes(r["global"]), np.uint8).reshape(-1, 32)
+            at = np.unpackbits(np.frombuffer(result_bytes(r["global_at"]), np.uint8), count=n).astype(bool)
+            rows = np.frombuffer(result_bytes(r["global"]), np.uint8).reshape(-1, 32)
             if len(results) == 1 and at.all():   # (one process: its rows are the table, not copied)
                 digests = rows
             else:
@@ -193,11 +193,6 @@ class MeshWriter(Writer):
             raise
         finally:
             pipeline.close()
-
-
-def _bytes(data) -> bytes:
-    """Bytes in a writer's result, as they are or as hex (from another process: cluster.py)."""
-    return bytes.fromhex(data) if isinstance(data, str) else data
 
 
 def _ordered(p, src, holders, pieces, streams, progress, global_h):
