@@ -14,6 +14,8 @@ from ..errors import BadInput
 NAME = "SHA256SUMS"
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _LINE = re.compile(rb"([0-9a-f]{64})  (.+)", re.DOTALL)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+NAME_MAX = 255   # bytes in a file name (Linux): a longer one names no file, whatever it holds
 
 
 def is_digest(value) -> bool:
@@ -27,9 +29,11 @@ def unsafe_name(name) -> str | None:
         return f"a {type(name).__name__}, not a file name"
     if name in ("", ".", ".."):
         return "not a file name"
+    if len(name) > NAME_MAX or len(name.encode("utf-8", "surrogatepass")) > NAME_MAX:
+        return f"longer than the {NAME_MAX} bytes of a file name"   # (checked first: it may be megabytes)
     if "/" in name:
         return "an absolute path" if name.startswith("/") else "a path, not a file name"
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+    if _CONTROL.search(name):
         return "it holds a control character"
     return None
 
