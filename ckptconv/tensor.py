@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -100,40 +101,49 @@ class ArraySource(TensorSource):
             mapped.release(offset, length)
 
 
+class Strided(NamedTuple):
+    """How a MappedView that is not its own row-major little-endian bytes reads them: strides in
+    elements, byte order, and the bytes it may reach (to release), when known."""
+
+    stride: tuple
+    big_endian: bool = False
+    held: tuple | None = None   # (offset, length)
+
+
 class MappedView(TensorSource):
-    """A tensor at `start` in a mapped file: row-major (`stride` None) or strided (in elements,
-    possibly big-endian), its array made only when read. A record of a few fields, no closure: a
-    checkpoint of a million small tensors must not hold a million functions and views."""
+    """A tensor at `start` in a mapped file: row-major (`strided` None) or as `strided` says, its
+    array made only when read. A record of a few fields, no closure: a checkpoint of a million small
+    tensors must not hold a million functions and views (nor a field per tensor that only strided
+    ones use)."""
 
-    __slots__ = ("name", "dtype", "shape", "mapped", "start", "stride", "big_endian", "held")
+    __slots__ = ("name", "dtype", "shape", "mapped", "start", "strided")
 
-    def __init__(self, name, dtype: DType, shape, mapped, start: int, stride=None, big_endian=False, held=None):
+    def __init__(self, name, dtype: DType, shape, mapped, start: int, strided: Strided | None = None):
         self.name, self.dtype, self.shape, self.mapped, self.start = name, dtype, tuple(shape), mapped, start
-        self.stride, self.big_endian = stride, big_endian
-        self.held = held   # (offset, length) of the bytes the view may reach, when not exactly its own
+        self.strided = strided
 
     def array(self) -> np.ndarray:
         item, n = self.dtype.itemsize, math.prod(self.shape)
-        np_dtype = self.dtype.numpy.newbyteorder(">") if self.big_endian and item > 1 else self.dtype.numpy
         if not n:
             return np.empty(self.shape, self.dtype.numpy)
-        if self.stride is None:
-            return np.frombuffer(self.mapped.view, dtype=np_dtype, count=n, offset=self.start).reshape(self.shape)
-        reach = (sum((k - 1) * s for k, s in zip(self.shape, self.stride)) + 1) * item
+        if self.strided is None:
+            return np.frombuffer(self.mapped.view, dtype=self.dtype.numpy, count=n, offset=self.start).reshape(self.shape)
+        stride, big_endian, _ = self.strided
+        np_dtype = self.dtype.numpy.newbyteorder(">") if big_endian and item > 1 else self.dtype.numpy
+        reach = (sum((k - 1) * s for k, s in zip(self.shape, stride)) + 1) * item
         flat = np.frombuffer(self.mapped.view, dtype=np.uint8, count=reach, offset=self.start)
-        return np.lib.stride_tricks.as_strided(flat.view(np_dtype), self.shape, tuple(s * item for s in self.stride),
+        return np.lib.stride_tricks.as_strided(flat.view(np_dtype), self.shape, tuple(s * item for s in stride),
                                                writeable=False)
 
     def _region(self, index):
         return self.array()[index]
 
     def file_span(self):
-        if self.stride is None and not self.big_endian:
-            return self.mapped, self.start
-        return None
+        return (self.mapped, self.start) if self.strided is None else None
 
     def release(self):
-        offset, length = self.held if self.held is not None else (self.start, self.nbytes)
+        held = self.strided and self.strided.held
+        offset, length = held if held else (self.start, self.nbytes)
         self.mapped.release(offset, length)
 
 

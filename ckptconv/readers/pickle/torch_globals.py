@@ -12,7 +12,7 @@ from ... import dtypes
 from ...errors import BadInput, brief
 from ...limits import MAX_DEPTH, Budget, shape_problem
 from .numpy_globals import NumpyArray, numpy_globals, numpy_source
-from ...tensor import MappedView
+from ...tensor import MappedView, Strided
 from . import unpickler
 from .unpickler import BENIGN, Function, Marker, StandIn
 
@@ -50,7 +50,11 @@ class TorchTensor(MappedView):
     storage: a million-tensor file does not hold a million storage records (each with its key) past
     its load. It is its own source under the first name it is flattened to."""
 
-    __slots__ = ("pending",)   # (storage, element offset, strided): a legacy file places storages after its pickle
+    __slots__ = ()   # (a million of them: a field here is 8 MB, and 16 where it crosses an allocation class)
+    pending = None   # where its storage is not placed yet (an _Unplaced one): (storage, element offset)
+
+    def __new__(cls, ctx, storage, *args, **kwargs):
+        return super().__new__(_Unplaced if isinstance(storage, Storage) and storage.offset < 0 else cls)
 
     def __init__(self, ctx, storage, storage_offset, size, stride, dtype=None):
         if not isinstance(storage, Storage):
@@ -74,16 +78,14 @@ class TorchTensor(MappedView):
             if (last + 1) * dt.itemsize > storage.nbytes:
                 raise ctx.bad(f"tensor of size {size}, stride {stride}, offset {storage_offset} reaches element "
                               f"{last}, beyond its storage {storage.key!r} of {storage.nbytes} bytes")
+        size = ctx.shapes.setdefault(size, size)   # (a million-tensor optimizer state has a few hundred shapes)
         placed = storage.offset >= 0
         start = storage.offset + storage_offset * dt.itemsize if placed else -1
-        if not storage.big_endian and _is_row_major(size, stride):
-            super().__init__(None, dt, size, storage.mapped, start)
-            strided = False
-        else:
-            super().__init__(None, dt, size, storage.mapped, start, stride, storage.big_endian,
-                             held=(storage.offset, storage.nbytes) if placed else None)
-            strided = True
-        self.pending = None if placed else (storage, storage_offset, strided)
+        strided = None if not storage.big_endian and _is_row_major(size, stride) else \
+            Strided(stride, storage.big_endian, (storage.offset, storage.nbytes) if placed else None)
+        super().__init__(None, dt, size, storage.mapped, start, strided)
+        if not placed:
+            self.pending = (storage, storage_offset)
 
     @property
     def unsupported(self):
@@ -93,15 +95,21 @@ class TorchTensor(MappedView):
         """The tensor under `name`: this record the first time, a copy under a second name (one
         tensor saved under two keys, tied weights)."""
         if self.pending is not None:   # its storage is placed by now (the whole file was read)
-            storage, offset, strided = self.pending
+            storage, offset = self.pending
             self.start, self.pending = storage.offset + offset * self.dtype.itemsize, None
-            if strided:
-                self.held = (storage.offset, storage.nbytes)
+            if self.strided is not None:
+                self.strided = self.strided._replace(held=(storage.offset, storage.nbytes))
         if self.name is None:
             self.name = name
             return self
-        return MappedView(name, self.dtype, self.shape, self.mapped, self.start, self.stride, self.big_endian,
-                          self.held)
+        return MappedView(name, self.dtype, self.shape, self.mapped, self.start, self.strided)
+
+
+class _Unplaced(TorchTensor):
+    """A tensor over a storage that a legacy file places after its pickle: where it starts is known
+    once the whole file is read (`source`)."""
+
+    __slots__ = ("pending",)
 
 
 def _is_row_major(size, stride) -> bool:

@@ -396,6 +396,7 @@ class Context:
         self._sweep_at = _SWEEP_MIN
         self._credited = 0
         self.payloads = 0  # bytes of the payloads left in the file (Payload), up to here
+        self.shapes = {}   # each distinct tensor shape kept once: stand-ins' tensors share its tuple
 
     def credit(self, pos: int):
         """The budget grows with the pickle bytes read so far, less the payloads left in place (a
