@@ -402,3 +402,25 @@ def test_a_storage_is_what_its_first_reference_says(tmp_path):
     got = {t.name: t.dtype.code for t in open_source(Source(str(path))).tensors}
     want = {k: str(v.dtype) for k, v in torch.load(path, weights_only=True).items()}
     assert got == {"a": "F32", "b": "F32"} and want == {"a": "torch.float32", "b": "torch.float32"}
+
+
+@pytest.mark.parametrize("kind", ["train", "layouts", "legacy"])
+def test_records_share_shapes_and_carry_strides_only_where_strided(torch_fixtures, kind):
+    """What a million-tensor optimizer state is held as (docs/benchmarks.md, sixth pass): one tuple
+    per distinct shape, strided fields only on a view that is not its own row-major bytes, and no
+    storage left unplaced once a legacy file is read."""
+    from ckptconv.readers import open_checkpoint
+    from ckptconv.tensor import MappedView
+
+    tensors = open_checkpoint(torch_fixtures[kind]).tensors
+    kept = {}
+    for t in tensors:
+        assert kept.setdefault(t.shape, t.shape) is t.shape, t.name
+    assert len(kept) < len(tensors)   # (each of these files repeats a shape)
+    assert all(isinstance(t, MappedView) and getattr(t, "pending", None) is None for t in tensors)
+    strided = {t.name for t in tensors if t.strided is not None}
+    if kind == "train":
+        assert not strided
+    else:   # (layout_cases, in the zip and the legacy format)
+        assert strided == {"view_cols", "transposed", "strided", "channels_last", "expanded"}
+        assert all(t.strided.held is not None for t in tensors if t.strided is not None)
