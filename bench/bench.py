@@ -239,7 +239,7 @@ def _once(cmd, out):
 def measure_all(rows):
     """rows: (name, cmd, out dir or None). Runs them interleaved REPEAT times, starting each round at
     the next row (so drift in the machine's state, and the disk's clean-up after the previous row's
-    writes, hit every row alike); returns (name, seconds per round, max peak RSS MB)."""
+    writes, hit every row alike); returns (name, seconds per round, max peak RSS MiB)."""
     times = {name: [] for name, _, _ in rows}
     rss = {name: 0.0 for name, _, _ in rows}
     for rep in range(REPEAT):
@@ -265,7 +265,7 @@ def table(title, nbytes, rows):
     by_name = {name: times for name, times, _ in rows}
     floor, bound = by_name["copy floor (dd O_DIRECT)"], by_name["bound"]
     print(f"\n{title} ({nbytes / 1e9:.3f} GB, {REPEAT} rounds; ratios: median of the rounds' ratios (range))")
-    print("| command | median wall s | GB/s | peak RSS MB | x copy floor | x bound |\n|---|---:|---:|---:|---:|---:|")
+    print("| command | median wall s | GB/s | peak RSS MiB | x copy floor | x bound |\n|---|---:|---:|---:|---:|---:|")
     for name, times, rss in rows:
         secs = statistics.median(times)
         print(f"| {name} | {secs:.2f} | {nbytes / secs / 1e9:.2f} | {rss:.0f} | {paired(times, floor)} | "
@@ -367,7 +367,7 @@ def bench_vllm(layers):
     n = pt.stat().st_size
     print(f"\nreshard --tp 8 --target vllm against plain reshard --tp 8, {layers} layers, {n / 1e9:.3f} GB, "
           f"{REPEAT} rounds")
-    print("| command | median wall s | GB/s | peak RSS MB | x plain reshard |\n|---|---:|---:|---:|---:|")
+    print("| command | median wall s | GB/s | peak RSS MiB | x plain reshard |\n|---|---:|---:|---:|---:|")
     for name, times, rss in (("reshard --tp 8", plain, plain_rss), ("reshard --tp 8 --target vllm", fused, fused_rss)):
         secs = statistics.median(times)
         print(f"| {name} | {secs:.2f} | {n / secs / 1e9:.2f} | {rss:.0f} | {paired(times, plain)} |")
@@ -402,7 +402,7 @@ def bench_verify(layers):
                                            by_name["hashlib, all files, two threads"])]
         print(f"\nverify (structural, every file hashed), {label}: {len(files)} files, {n / 1e9:.3f} GB, "
               f"{REPEAT} rounds; floor = the larger of the two hashlib rows, per round")
-        print("| command | median wall s | GB/s | peak RSS MB | x floor |\n|---|---:|---:|---:|---:|")
+        print("| command | median wall s | GB/s | peak RSS MiB | x floor |\n|---|---:|---:|---:|---:|")
         for name, times, rss in rows:
             secs = statistics.median(times)
             print(f"| {name} | {secs:.2f} | {n / secs / 1e9:.2f} | {rss:.0f} | {paired(times, floor)} |")
@@ -491,16 +491,22 @@ def bench_distributed(layers):
     sys.stdout.flush()
 
 
+def split_all_rules(scratch) -> Path:
+    """A rules file that splits every tensor on its first axis (an optimizer state has no model type)."""
+    rules = scratch / "split-all.toml"
+    rules.write_text('layout = "torch"\n[[rule]]\npattern = ".*"\naxis = 0\n')
+    return rules
+
+
 def bench_many():
     """Many small tensors (an optimizer state): inspect, convert, reshard --tp 2 and verify, each
     once per size; time per 10,000 tensors (linear means a flat column) and peak RSS."""
     sizes = [int(n) for n in os.environ.get("BENCH_MANY", "10000,50000,100000,1000000").split(",")]
     scratch = scratch_dir()
-    rules = scratch / "split-all.toml"
-    rules.write_text('layout = "torch"\n[[rule]]\npattern = ".*"\naxis = 0\n')
+    rules = split_all_rules(scratch)
     print("\nmany small tensors (16 float32 each, one torch.save file), one run each; s / 10k = seconds per "
           "10,000 tensors")
-    print("| tensors | job | wall s | s / 10k | peak RSS MB |\n|---:|---|---:|---:|---:|")
+    print("| tensors | job | wall s | s / 10k | peak RSS MiB |\n|---:|---|---:|---:|---:|")
     for n in sizes:
         src = generate("optimizer_state", DATA / f"many-{n}.pt", str(DATA / f"many-{n}.pt"), n)
         warm(src)
@@ -545,7 +551,8 @@ def bench_plan():
     scratch = scratch_dir()
     tp8 = ["--tp", "8", "--heads", "16", "--kv-heads", "16", "--head-dim", "128"]
     jobs = [("convert 2.1 GB", "convert", big, []), ("reshard --tp 8 2.1 GB", "reshard", big, tp8),
-            ("convert 100,000 tensors", "convert", many, [])]
+            ("convert 100,000 tensors", "convert", many, []),
+            ("reshard --tp 2 100,000 tensors", "reshard", many, ["--tp", "2", "--rules", split_all_rules(scratch)])]
     print("\nplan's estimates against the run (warm cache; ratio = estimate / measured median)")
     print("| job | est. s | measured s | ratio | est. peak MB | measured peak MB | ratio |\n|---|---:|---:|---:|---:|---:|---:|")
     for label, job, src, extra in jobs:

@@ -18,7 +18,7 @@ BASE_RSS = 45 * 2**20          # interpreter, numpy, the reader and writer modul
 IN_FLIGHT = 45 * 2**20         # staging buffers and chunks being hashed that a large write touches
 # bytes per tensor: a convert's source record and packed digest, per tensor it writes; a reshard's
 # source record and layout entry, per tensor of the checkpoint (every process plans them all) ...
-PER_TENSOR_RSS = {"convert": 400, "reshard": 520}
+PER_TENSOR_RSS = {"convert": 260, "reshard": 380}
 # ... and per rank piece it writes, the piece's packed digest and its place in its shard plan (pieces
 # themselves are made as they are written)
 PER_PIECE_RSS = 48
