@@ -232,3 +232,35 @@ def test_nested_handling_changes_nothing(restored):
 
     Dropped()
     assert sys.unraisablehook == seen.append and [type(a.exc_value) for a in seen] == [ValueError]
+
+
+_CTRL_C_WHILE_IMPORTING = """
+import os, signal, sys
+import ckptconv_entry
+assert "ckptconv" not in sys.modules, "the entry point imported the package before its own step"
+
+
+class CtrlC:   # a Ctrl-C that lands while the package imports numpy
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["ckptconv", "--version"]
+ckptconv_entry.main()
+"""
+
+
+def test_a_ctrl_c_while_the_command_starts_ends_it_without_a_traceback():
+    """The command's entry point (ckptconv_entry.py, outside the package) gives SIGINT its default
+    action before the package's imports, so a Ctrl-C then ends the process as the signal does (exit
+    130 in a shell), not with a KeyboardInterrupt traceback and exit 1; the command's own handlers
+    come when it starts."""
+    from importlib.metadata import entry_points
+    import subprocess
+
+    assert [e.value for e in entry_points(group="console_scripts", name="ckptconv")] == ["ckptconv_entry:main"]
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_IMPORTING], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGINT, proc.stderr
+    assert proc.stderr == "" and proc.stdout == ""
