@@ -47,6 +47,11 @@ def detect(path) -> list:
     if not path.is_dir() and not path.is_file():
         raise BadInput(f"{path}: not a regular file or a directory")
     found = [r for r in readers().values() if r.detect(path)]
+    if not found and path.is_dir():   # readers do not look at links leading out: say that is why
+        root = source_root(path)
+        for p in sorted(path.iterdir()):
+            if p.name.endswith(WEIGHT_SUFFIXES) and p.is_symlink():
+                confined(p, root)
     if not found:
         raise BadInput(f"{path}: not a checkpoint format ckptconv knows "
                        f"(known: {', '.join(readers())}; use --from to force one)")

@@ -352,7 +352,7 @@ def test_weight_files_leading_outside_are_refused_unread(tmp_path):
     torch.save({"w": torch.ones(2)}, tmp_path / "real.pt")
     (pt / "pytorch_model.bin").symlink_to(tmp_path / "real.pt")
     r = cli("convert", pt, tmp_path / "out")
-    assert_refused(r, tmp_path / "out", "not a checkpoint format")
+    assert_refused(r, tmp_path / "out", "pytorch_model.bin", "leads outside the checkpoint")
     assert opened_outside(r, pt, tmp_path / "out") == []
 
 
