@@ -21,6 +21,7 @@ from .io import sha256
 from .errors import BadInput, CkptError, UsageError, brief, printable
 from .io.hashing import CHUNK, SMALL, Digests, HashLanes
 from .io.mapped import MappedFile
+from .limits import MAX_NDIM
 from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint
 from .formats.safetensors import parse_header
 from .formats.sums import NAME as SUMS, parse_sums
@@ -265,7 +266,7 @@ def _check_dir(d: Path, report: Report, progress, hash_only, structural) -> list
         file, e = located[name]
         if entry.dtype != e.dtype.code or entry.shape != e.shape:
             report.add(d / file, f"tensor {name!r} is {e.dtype.code}{list(e.shape)}, the manifest says "
-                                 f"{entry.dtype}{list(entry.shape)}", "metadata", tensor=name)
+                                 f"{_as_said(entry.dtype, entry.shape)}", "metadata", tensor=name)
         if entry.file != file:
             report.add(d / file, f"tensor {name!r} is here, the manifest says {entry.file}",
                        "misplaced", tensor=name)
@@ -328,6 +329,15 @@ def _view_digest(rows, metadata: dict) -> bytes:
     for key, value in sorted(metadata.items()):
         h.update(f"{len(key)}:{key}{len(value)}:{value}".encode("utf-8", "surrogatepass"))
     return h.digest()
+
+
+def _as_said(dtype: str, shape) -> str:
+    """A dtype and shape as manifest.json says them, for a problem line: as written where they could
+    be a tensor's, else bounded (a manifest may say a megabyte of dtype or a 4,000-digit size)."""
+    said = dtype if len(dtype) <= 16 else brief(dtype, 16)
+    if len(shape) <= MAX_NDIM and all(n.bit_length() <= 64 for n in shape):
+        return f"{said}{list(shape)}"
+    return said + brief(list(shape))
 
 
 def _header_rows(header):
@@ -467,7 +477,8 @@ def _hash_shard(m, header, shard, m_files, recorded, sums, report, progress):
         report.add(path, "shard is not listed in manifest.json files", "unlisted")
     elif info is not None:  # (a malformed entry is reported with the manifest)
         if info.get("size") != m.size:
-            report.add(path, f"size is {m.size} bytes, the manifest says {info.get('size')} (truncated?)", "digest")
+            report.add(path, f"size is {m.size} bytes, the manifest says {brief(info.get('size'))} (truncated?)",
+                       "digest")
         if info.get("sha256") != file_digest:
             report.add(path, "sha256 differs from manifest.json", "digest")
     if shard in sums and sums[shard] != file_digest:

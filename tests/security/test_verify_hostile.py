@@ -350,6 +350,34 @@ def test_problem_lines_stay_one_line(copy):
     assert not any(line.startswith("OK") for line in lines)
 
 
+@pytest.mark.parametrize("said, shown", [({"shape": [10 ** 4000]}, "the manifest says F32[<int of 13288 bits>]"),
+                                         ({"shape": [1] * 100_000}, "the manifest says F32[1, 1, 1, 1, 1, 1, 1, 1, ...]"),
+                                         ({"dtype": "F" * 1_000_000}, "the manifest says 'FFFFFFFFFFFFFFFF'..."),
+                                         ({"shape": [3, 2]}, "the manifest says F32[3, 2]")])
+def test_what_a_manifest_says_of_a_tensor_is_shown_bounded(copy, said, shown):
+    """A manifest's dtype and shape are shown as written where a tensor could have them, else bounded:
+    a problem line does not run to megabytes because a file says so."""
+    out = copy("conv")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["tensors"]["model.norm.weight"].update(said)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    resign_dir(out)
+    code, lines, _ = verify(out)
+    assert code == 1
+    line = problem(lines, "tensor 'model.norm.weight' is F32[16]", shown)
+    assert len(line) < 400
+
+
+def test_a_manifest_file_size_is_shown_bounded(copy):
+    out = copy("conv")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["files"][shards(out)[0].name]["size"] = 10 ** 4000
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    sign_sums(out)
+    code, lines, _ = verify(out)
+    assert code == 1 and len(problem(lines, "the manifest says <int of 13288 bits> (truncated?)")) < 400
+
+
 # ------------------------------------------------------------------------------------------------
 # (c) every entry of a plain output is accounted for
 
