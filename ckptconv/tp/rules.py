@@ -85,38 +85,42 @@ def _rule(raw: dict, where: str) -> Rule:
     for key, want in RULE_FIELDS.items():
         if key in raw and type(raw[key]) is not want:
             raise UsageError(f"{where}: a rule's {key} must be {_TYPE_NAMES[want]}, not {brief(raw[key])}")
+    rule = f"rule {brief(raw['pattern'], 80)}"   # (what a file says is shown bounded: mesh.json records rules)
     for key in ("heads", "kv_heads", "head_dim"):
         if raw.get(key) is not None and raw[key] <= 0:
-            raise UsageError(f"{where}: rule {raw['pattern']!r}: {key} must be positive, not {raw[key]}")
+            raise UsageError(f"{where}: {rule}: {key} must be positive, not {brief(raw[key])}")
     kind, axis = raw.get("kind"), raw.get("axis")
     if (kind is None) == (axis is None):
-        raise UsageError(f"{where}: rule {raw['pattern']!r} needs exactly one of 'kind' or 'axis'")
+        raise UsageError(f"{where}: {rule} needs exactly one of 'kind' or 'axis'")
     if kind is not None and kind not in KINDS:
-        raise UsageError(f"{where}: rule {raw['pattern']!r}: kind {kind!r} is not one of {', '.join(KINDS)}")
+        raise UsageError(f"{where}: {rule}: kind {brief(kind, 40)} is not one of {', '.join(KINDS)}")
     if kind == "qkv" and not all(raw.get(k) for k in ("heads", "kv_heads", "head_dim")):
-        raise UsageError(f"{where}: rule {raw['pattern']!r}: kind 'qkv' takes heads, kv_heads and head_dim")
+        raise UsageError(f"{where}: {rule}: kind 'qkv' takes heads, kv_heads and head_dim")
     try:
         re.compile(raw["pattern"])
     except re.error as e:
-        raise UsageError(f"{where}: rule pattern {raw['pattern']!r} is not a valid regular expression: {e}") from None
+        raise UsageError(f"{where}: {rule}: the pattern is not a valid regular expression: {e}") from None
     return Rule(**raw)
 
 
 def load_rules_file(path) -> RuleSet:
+    """The rules a --rules file gives, and its text as read once (recorded in mesh.json: the rules
+    parsed are the text recorded, even if the file changes during the run)."""
     try:
-        raw = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+        text = Path(path).read_text()
+        raw = tomllib.loads(text)
+    except (OSError, ValueError) as e:   # (TOMLDecodeError, undecodable text, an integer of 4,300+ digits)
         raise UsageError(f"--rules {path}: cannot read TOML: {e}") from None
     layout = raw.get("layout", "torch")
     if layout not in ("torch", "jax"):
-        raise UsageError(f"--rules {path}: layout must be 'torch' or 'jax', not {layout!r}")
+        raise UsageError(f"--rules {path}: layout must be 'torch' or 'jax', not {brief(layout, 40)}")
     listed = raw.get("rule", [])
     if not isinstance(listed, list) or not all(isinstance(r, dict) for r in listed):
         raise UsageError(f"--rules {path}: 'rule' must be [[rule]] tables, not {brief(listed)}")
     rules = [_rule(r, f"--rules {path}") for r in listed]
     if not rules:
         raise UsageError(f"--rules {path}: no [[rule]] entries")
-    return RuleSet(f"rules file {Path(path).name}", layout, rules, {"file": Path(path).read_text()})
+    return RuleSet(f"rules file {Path(path).name}", layout, rules, {"file": text})
 
 
 def read_config(model_files) -> dict | None:

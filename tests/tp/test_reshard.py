@@ -260,6 +260,12 @@ def test_rules_file(torch_fixtures, tmp_path):
     ('pattern = ".*"\nkind = "qkv"\nheads = "4"\nkv_heads = 2\nhead_dim = 8', "a rule's heads must be an integer"),
     ('pattern = ".*"\nkind = "qkv"\nheads = 0\nkv_heads = 2\nhead_dim = 8', "heads must be positive, not 0"),
     ('pattern = ".*"\naxis = 0\nexperts = "yes"', "a rule's experts must be true or false, not 'yes'"),
+    # what a file says is shown bounded (a 4,000-digit count, a long pattern), and an integer Python
+    # will not read (4,300 digits or more) is the file's fault, not an unexpected error
+    ('pattern = ".*"\nkind = "qkv"\nheads = -' + "9" * 4000 + '\nkv_heads = 2\nhead_dim = 8',
+     "heads must be positive, not <int of 13288 bits>"),
+    ('pattern = ".*"\naxis = ' + "9" * 5000, "cannot read TOML: Exceeds the limit"),
+    ('pattern = "(' + "a" * 10_000 + '"\naxis = 0', "rule '(aaaa"),
 ])
 def test_a_rules_file_of_the_wrong_types_is_a_usage_error(torch_fixtures, tmp_path, rule, why):
     """A value of the wrong type in a rules file is one clear line (it was an unexpected TypeError)."""
@@ -267,6 +273,7 @@ def test_a_rules_file_of_the_wrong_types_is_a_usage_error(torch_fixtures, tmp_pa
     rules.write_text(f'layout = "torch"\n[[rule]]\n{rule}\n')
     r = run("reshard", torch_fixtures["train"], tmp_path / "out", "--tp", 2, "--rules", rules)
     assert r.exit_code == 2 and why in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert len(r.stderr) < 400 and "unexpected" not in r.stderr
     assert not (tmp_path / "out").exists()
 
 
