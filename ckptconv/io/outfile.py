@@ -143,7 +143,7 @@ class OutFile:
                 if not (self.direct and e.errno == errno.EINVAL):  # EINVAL: the device will not take these
                     raise
             if done < length:
-                _pwrite_all(self._plain(), view[done:], offset + done)
+                pwrite_all(self._plain(), view[done:], offset + done)
         finally:
             lease.let_go()
 
@@ -175,7 +175,7 @@ class OutFile:
             if not self._failed:
                 self._check_pending(wait=True)
                 if self._carry:
-                    _pwrite_all(self._plain(), memoryview(self._carry), self._pos)
+                    pwrite_all(self._plain(), memoryview(self._carry), self._pos)
                 if fsync:
                     for fd in {self.fd, self._plain_fd} - {None}:
                         os.fsync(fd)
@@ -190,7 +190,8 @@ class OutFile:
             self.fd = self._plain_fd = None
 
 
-def _pwrite_all(fd, view, offset):
+def pwrite_all(fd, view, offset):
+    """Write all of `view` at `offset` (pwrite may write less than asked)."""
     while len(view):
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n

@@ -18,7 +18,6 @@ import hashlib
 import itertools
 import math
 import mmap
-import os
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
@@ -31,6 +30,7 @@ from .pickle import unpickler
 from ..errors import BadInput, OutputError, UnsafePickle, UsageError
 from ..limits import MAX_NDIM, Budget, shape_problem
 from ..io.mapped import MappedFile, MemoryFile
+from ..io.outfile import pwrite_all
 from ..formats.safetensors import parse_header
 from ..tensor import Checkpoint, Concat, TensorSource
 from .pickle.torch_globals import TorchTensor, flatten, torch_globals
@@ -412,10 +412,8 @@ class DCPReader:
                         break
                     if size + len(piece) > limit:
                         raise too_big(limit)
-                    view = memoryview(piece)
-                    while view:
-                        written = os.pwrite(spill.fileno(), view, start + size)
-                        view, size = view[written:], size + written
+                    pwrite_all(spill.fileno(), memoryview(piece), start + size)
+                    size += len(piece)
         except zstandard.ZstdError as e:
             raise BadInput(f"{m.path}: {loc.what}: corrupt or unsupported zstd stream: {e}") from None
         except OSError as e:

@@ -13,6 +13,7 @@ import os
 from ..formats import manifest as fmt
 from ..formats.safetensors import header_size
 from ..io.hashing import Pipeline
+from ..io.outfile import pwrite_all
 from .base import Content, WriteOptions, Writer, register
 from .files import ShardFile, Written, check_space, write_shards
 
@@ -54,10 +55,8 @@ class SingleWriter(Writer):
         try:
             at = 0
             for piece in final.header():
-                view = memoryview(piece)
-                while view:
-                    n = os.pwrite(fd, view, at)
-                    view, at = view[n:], at + n
+                pwrite_all(fd, memoryview(piece), at)
+                at += len(piece)
             if self.options.fsync:
                 os.fsync(fd)
         finally:
