@@ -121,11 +121,15 @@ class MeshWriter(Writer):
         for i, p in enumerate(self.layout):
             if p.axis is not None and not tapped[i] and (ours is None or i in ours):
                 found[i], have[i] = np.frombuffer(bytes.fromhex(sha256_of(self.sources[i])), np.uint8), True
-        if 0 in streams:
-            whole = {p.name: i for i, p in enumerate(self.layout) if p.axis is None}
-            for name, digest in streams[0].written.by_tensor(streams[0].shards):
-                if name in whole:
-                    found[whole[name]], have[whole[name]] = np.frombuffer(bytes.fromhex(digest), np.uint8), True
+        if 0 in streams:   # rank 0's digests, shard by shard, are of the tensors it holds in layout order
+            n = len(self.layout)
+            held = np.flatnonzero(np.fromiter((holds(p, 0) for p in self.layout), bool, n))
+            whole = np.fromiter((p.axis is None for p in self.layout), bool, n)
+            at = 0
+            for shard in streams[0].shards:
+                rows = np.frombuffer(streams[0].written.digests[shard.name], np.uint8).reshape(-1, 32)
+                index, at = held[at:at + len(rows)], at + len(rows)
+                found[index[whole[index]]], have[index[whole[index]]] = rows[whole[index]], True
         return have, found
 
     def finish(self, tmp, results) -> dict:
