@@ -36,6 +36,13 @@ def run_subprocess(*args, **kw) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=kw.pop("cwd", None), **kw)
 
 
+def split_all_rules(directory) -> Path:
+    """A --rules file that splits every tensor on its first axis (for sources with no model type)."""
+    path = Path(directory) / "split-all.toml"
+    path.write_text('layout = "torch"\n[[rule]]\npattern = ".*"\naxis = 0\n')
+    return path
+
+
 def load_output(out) -> dict:
     """Every tensor of an output dir, read by the real safetensors library (torch tensors)."""
     from safetensors import safe_open

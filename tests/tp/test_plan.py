@@ -6,7 +6,7 @@ import pytest
 
 from ckptconv.plan import CPU_GBPS, PER_PIECE_RSS, PER_TENSOR_RSS, PER_TENSOR_SECONDS
 from ckptconv.writers.base import assign
-from tests.helpers import DATA, run
+from tests.helpers import DATA, run, split_all_rules
 
 GROK = DATA / "grok1_tensors.json"
 
@@ -52,8 +52,7 @@ def test_a_reshards_memory_is_per_tensor_and_per_rank_piece(tmp_path):
     path = tmp_path / "many.json"
     path.write_text(json.dumps({"tensors": [{"name": f"t{i}", "shape": [8, 16], "dtype": "float32"}
                                             for i in range(10000)]}))
-    rules = tmp_path / "rules.toml"
-    rules.write_text('layout = "torch"\n[[rule]]\npattern = ".*"\naxis = 0\n')
+    rules = split_all_rules(tmp_path)
 
     def peak(tp, hosts=1):
         r = run("plan", path, "--tp", tp, "--rules", rules, "--hosts", hosts, "--json")

@@ -9,7 +9,7 @@ import torch
 from safetensors.numpy import load_file
 
 from tests.fixtures import grok as gf
-from tests.helpers import run
+from tests.helpers import run, split_all_rules
 
 
 def rank_tensors(out, rank) -> dict:
@@ -426,8 +426,7 @@ def test_global_digests_of_small_and_large_split_tensors(tmp_path):
     state = {"small": torch.randn(64, 4, generator=g), "large": torch.randn(512, 64, generator=g),
              "edge": torch.randn(4096, 4, generator=g)}   # 64 KiB: hashing.SMALL exactly
     torch.save(state, tmp_path / "m.pt")
-    rules = tmp_path / "rules.toml"
-    rules.write_text('layout = "torch"\n[[rule]]\npattern = ".*"\naxis = 0\n')
+    rules = split_all_rules(tmp_path)
     out = reshard(tmp_path / "m.pt", tmp_path / "out", "--tp", 2, "--rules", rules)
     mesh = json.loads((out / "mesh.json").read_text())["tensors"]
     for name, t in state.items():

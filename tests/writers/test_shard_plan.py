@@ -198,13 +198,13 @@ def test_more_tensors_than_one_header_holds_convert_and_reshard_into_shards_read
     from safetensors import safe_open
     from ckptconv import api
     from ckptconv.formats import safetensors
-    from tests.helpers import cli
+    from tests.helpers import cli, split_all_rules
     state = {f"layer.{i:03d}.weight": torch.arange(8 * i, 8 * i + 8, dtype=torch.float32).reshape(2, 4)
              for i in range(40)}
     torch.save(state, tmp_path / "m.pt")
     monkeypatch.setattr(safetensors, "MAX_HEADER", 800)
     api.convert(str(tmp_path / "m.pt"), str(tmp_path / "out"))
-    api.reshard(str(tmp_path / "m.pt"), str(tmp_path / "tp2"), 2, rules=str(_axis0_rules(tmp_path)))
+    api.reshard(str(tmp_path / "m.pt"), str(tmp_path / "tp2"), 2, rules=str(split_all_rules(tmp_path)))
     for out in (tmp_path / "out", tmp_path / "tp2" / "rank-00001"):
         shards = sorted(out.glob("*.safetensors"))
         assert len(shards) > 3, shards
@@ -220,12 +220,6 @@ def test_more_tensors_than_one_header_holds_convert_and_reshard_into_shards_read
     for out in ("out", "tp2"):
         run = cli("verify", str(tmp_path / out))
         assert run.returncode == 0, run.stderr
-
-
-def _axis0_rules(d):
-    path = d / "rules.toml"
-    path.write_text('layout = "torch"\n[[rule]]\npattern = ".*"\naxis = 0\n')
-    return path
 
 
 def test_a_piece_is_written_only_as_the_plan_has_it(tmp_path):
