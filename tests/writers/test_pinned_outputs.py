@@ -4,7 +4,13 @@ checkpoints), recorded in tests/fixtures/data/pinned_outputs.json. Restructuring
 issue that changes the output contract re-records them (CKPTCONV_PIN_RECORD=1) and says so.
 
 Inputs are made with torch and numpy only (no transformers or huggingface_hub, whose versions would
-change the inputs), and every command runs with relative paths, so the manifests' paths are too."""
+change the inputs), and every command runs with relative paths, so the manifests' paths are too.
+
+Inputs are arithmetic-free: their values come from numpy's uniform draws, integers and exact scalings
+(tests/fixtures/values.py), never from torch's normal sampler, a module's initialisation, a forward or
+backward pass or an optimizer step. Those pick SIMD and BLAS code paths by CPU, so on another machine
+(AMD against Intel, or ATEN_CPU_CAPABILITY=default) they give other bytes and the pins would fail
+although ckptconv's output is right for its input."""
 import hashlib
 import json
 import os
@@ -16,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fixtures import grok as grok_fixtures, models as fixtures
+from tests.fixtures import grok as grok_fixtures, models as fixtures, values
 from tests.helpers import DATA, ROOT
 
 PINS = DATA / "pinned_outputs.json"
@@ -25,20 +31,20 @@ RECORD = os.environ.get("CKPTCONV_PIN_RECORD") == "1"
 
 def llama_bin(d: Path):
     """A Llama-shaped state dict (GQA: 4 query, 2 kv heads) in two .bin shards with an index."""
-    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
     hidden, inter, vocab, kv = 32, 48, 64, 16
-    sd = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g)}
+    sd = {"model.embed_tokens.weight": values.floats(rng, vocab, hidden)}
     for i in range(2):
         p = f"model.layers.{i}."
         for name, shape in [("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (kv, hidden)),
                             ("self_attn.v_proj", (kv, hidden)), ("self_attn.o_proj", (hidden, hidden)),
                             ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
                             ("mlp.down_proj", (hidden, inter))]:
-            sd[p + name + ".weight"] = torch.randn(*shape, generator=g)
+            sd[p + name + ".weight"] = values.floats(rng, *shape)
         sd[p + "input_layernorm.weight"] = torch.ones(hidden)
         sd[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
     sd["model.norm.weight"] = torch.ones(hidden)
-    sd["lm_head.weight"] = torch.randn(vocab, hidden, generator=g)
+    sd["lm_head.weight"] = values.floats(rng, vocab, hidden)
     d.mkdir()
     names = list(sd)
     halves = {"pytorch_model-00001-of-00002.bin": names[:10], "pytorch_model-00002-of-00002.bin": names[10:]}
