@@ -108,8 +108,11 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
     if target not in _reshard.TARGETS or dtype not in ("keep", "bf16", "f16", "f32"):
         raise UsageError(f"target: one of {', '.join(_reshard.TARGETS)}; dtype: keep, bf16, f16 or f32 "
                          f"(not {target!r}, {dtype!r})")
+    if preset is not None and not isinstance(preset, str):
+        raise UsageError(f"preset: expected a preset's name, not {type(preset).__name__}")
     mesh = MeshSpec(tp, ep, preset, None if rules is None else _path(rules, "rules"),
-                    {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab, tuple(allow_replicate))
+                    {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab,
+                    tuple(_texts(allow_replicate, "allow_replicate")))
     return _reshard.reshard(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
                                     reader_options),
                             out, mesh, _write(max_shard_size, name, overwrite, fsync, buffered_io), dry_run,

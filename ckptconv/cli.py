@@ -129,7 +129,7 @@ def read_options(fn):
     """How to read a source (every command): the common options and those each reader declares."""
     for reader in reversed(list(readers().values())):
         for opt in reversed(reader.options):
-            kind = (click.Path(exists=True, dir_okay=False) if opt.path else click.Choice(list(opt.choices))
+            kind = (click.Path(path_type=str) if opt.path else click.Choice(list(opt.choices))   # (the reader opens it)
                     if opt.choices else opt.type)
             fn = click.option(opt.flag, opt.dest, type=kind, help=opt.help)(fn)
     declared = [opt.dest for reader in readers().values() for opt in reader.options]
@@ -236,7 +236,7 @@ def mesh_options(tp_required: bool):
                       help="Expert-parallel groups for MoE models (ranks = tp x ep, rank = group x tp + tp rank).")
         @click.option("--preset", type=click.Choice(sorted(PRESETS)),
                       help="Partition preset (default: from config.json model_type, else from tensor names).")
-        @click.option("--rules", "rules_file", type=click.Path(exists=True, dir_okay=False),
+        @click.option("--rules", "rules_file", type=click.Path(path_type=str),   # (read as it is checked: rules.py)
                       help="Partition rules file (TOML, see docs/reshard.md).")
         @click.option("--heads", type=click.IntRange(1), help="Query heads (overrides config.json).")
         @click.option("--kv-heads", type=click.IntRange(1), help="Key/value heads (overrides config.json).")
@@ -260,7 +260,28 @@ def mesh_options(tp_required: bool):
     return decorate
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineErrors(click.Group):
+    """click's usage errors (a bad option value, a missing argument) as every other error: one line,
+    `ckptconv: error: …`, exit 2 (click prints the usage and the error on three)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        given = list(sys.argv[1:] if args is None else args)
+        try:
+            code = super().main(given, prog_name, complete_var, False, **extra)
+        except click.ClickException as e:
+            context = getattr(e, "ctx", None)
+            hint = f" (see '{context.command_path} --help')" if context is not None else ""
+            _fail(e.format_message() + hint, e.exit_code, "--json" in given)
+        except click.exceptions.Abort:
+            _fail("aborted", 1, "--json" in given)
+        except Exception as e:   # raised while the options were read, before a command's own handling
+            _fail(*_reason(e), as_json="--json" in given)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(version=__version__, prog_name="ckptconv")
 def main():
     """Convert large-model checkpoints to sharded safetensors, safely and streaming."""

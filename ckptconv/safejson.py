@@ -12,7 +12,7 @@ import stat
 
 import numpy as np
 
-from .errors import BadInput
+from .errors import BadInput, printable
 from .limits import MAX_DEPTH
 
 _ESCAPE = re.compile(rb"\\.", re.S)
@@ -206,6 +206,8 @@ def open_regular(path, what="file", follow: bool = True):
         if e.errno == errno.ELOOP and not follow:
             raise BadInput(f"{path}: is a symbolic link, not a regular file (not followed)") from None
         raise BadInput(f"{path}: cannot open the {what}: {e.strerror}") from None
+    except ValueError:   # a NUL in the name
+        raise BadInput(f"{printable(path, 300)}: cannot open the {what}: the name holds a NUL byte") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise BadInput(f"{path}: the {what} is not a regular file")

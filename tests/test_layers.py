@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ckptconv"
 
 # lowest first; a module may import its own layer and those below
 LAYERS = [
-    ["errors", "limits", "sizes", "dtypes", "safejson", "signals", "progress", "rowview", "_mapguard", "_sha256x"],
+    ["errors", "limits", "sizes", "dtypes", "safejson", "safetoml", "signals", "progress", "rowview", "_mapguard", "_sha256x"],
     ["io"],
     ["tensor", "transforms"],
     ["formats"],

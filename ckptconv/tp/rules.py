@@ -10,14 +10,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import safejson
+from .. import safejson, safetoml
 from ..errors import BadInput, UsageError, brief
 from ..formats.mesh import RULE_FIELDS
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 KINDS = ("column", "row", "vocab", "expert", "replicate", "qkv", "gate_up")
 
@@ -103,14 +98,21 @@ def _rule(raw: dict, where: str) -> Rule:
     return Rule(**raw)
 
 
+MAX_RULES_FILE = 1 << 20   # bytes: a rules file is a few dozen rules
+
+
 def load_rules_file(path) -> RuleSet:
     """The rules a --rules file gives, and its text as read once (recorded in mesh.json: the rules
-    parsed are the text recorded, even if the file changes during the run)."""
+    parsed are the text recorded, even if the file changes during the run). Read as every file a
+    user names is: a regular file (a FIFO or device is refused without waiting on it), capped in
+    size, nesting bounded before it is parsed (safetoml)."""
+    where = f"--rules {path}"
     try:
-        text = Path(path).read_text()
-        raw = tomllib.loads(text)
-    except (OSError, ValueError) as e:   # (TOMLDecodeError, undecodable text, an integer of 4,300+ digits)
-        raise UsageError(f"--rules {path}: cannot read TOML: {e}") from None
+        data = safejson.read(path, "rules file", limit=MAX_RULES_FILE)
+        raw = safetoml.loads(data, where, "rules file")
+    except BadInput as e:
+        raise UsageError(str(e) if str(e).startswith(where) else f"--rules {e}") from None
+    text = data.decode("utf-8")
     layout = raw.get("layout", "torch")
     if layout not in ("torch", "jax"):
         raise UsageError(f"--rules {path}: layout must be 'torch' or 'jax', not {brief(layout, 40)}")
