@@ -21,12 +21,24 @@ that never comes, the user's insistence is worth that risk. A few steps must not
 (taking the lock, publishing, cleaning up): they run inside `deferred()`, and a signal that arrives
 there is raised when the step is done. A raise that lands where Python can only print it (a `__del__`,
 a weakref callback) is caught by our `sys.unraisablehook` and made pending again, not lost.
+
+One signal must still end a run that waits where no checkpoint comes: in a blocking call of a C
+library (a collective that never completes), or in Python code of the standard library that loops.
+Python runs handlers only between bytecodes of the main thread, so a watcher thread learns of each
+signal from the wakeup descriptor (`signal.set_wakeup_fd`, written by Python's C-level handler at
+once) and, if the run has not turned it into an exception within GRACE_S seconds (outside a deferred
+step), ends the process itself: the cleanups the run registered (`on_escape`: its temporary output
+and lock) run, one line is printed, and the process exits with 128 + n.
 """
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
+import time
+
+GRACE_S = 2.0   # how long a pending signal may wait for a checkpoint before the watcher ends the run
 
 _FAULTS = {"SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGIOT", "SIGTRAP", "SIGSYS", "SIGKILL", "SIGSTOP"}
 _NAMED = ["SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF",
@@ -68,6 +80,7 @@ class _State:
     deferring = 0
     active = False    # inside handled()
     published = None  # this run's output, once published: an interruption after that leaves it complete
+    cleanups = []     # what the watcher undoes if it must end the run itself (on_escape)
 
 
 _state = _State()
@@ -125,7 +138,8 @@ def handled():
             return
         previous(args)
 
-    sys.unraisablehook, _state.active = hook, True
+    sys.unraisablehook, _state.active, _state.cleanups = hook, True, []
+    watcher = None
     try:
         for sig in terminating():
             try:
@@ -135,12 +149,85 @@ def handled():
                     before[sig] = current
             except (OSError, ValueError):  # not settable here (or not in the main thread)
                 continue
+        if before:
+            watcher = _Watcher(set(before))
         yield
     finally:
+        if watcher is not None:
+            watcher.stop()
         for sig, h in before.items():
             signal.signal(sig, signal.SIG_DFL if h is None else h)
         sys.unraisablehook, _state.active = previous, False
-        _state.received, _state.raised = None, False
+        _state.received, _state.raised, _state.cleanups = None, False, []
+
+
+class _Watcher:
+    """The thread that ends a run whose pending signal finds no checkpoint (see the module's text)."""
+
+    def __init__(self, handled: set):
+        self.handled, self.first, self.done = handled, None, threading.Event()
+        self.read, write = os.pipe()
+        os.set_blocking(write, False)
+        self.write = write
+        try:
+            self.previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except ValueError:   # not the main thread: no watcher
+            os.close(self.read), os.close(write)
+            self.read = None
+            return
+        threading.Thread(target=self._run, name="ckptconv-signal-watcher", daemon=True).start()
+
+    def stop(self):
+        if self.read is None:
+            return
+        signal.set_wakeup_fd(self.previous)
+        os.write(self.write, b"\0")   # (wakes the thread; 0 is no signal), before it may close the pipe
+        self.done.set()
+
+    def _run(self):
+        try:
+            while not self.done.is_set():
+                ready, _, _ = select.select([self.read], [], [], 0.25)
+                if ready:
+                    for signum in os.read(self.read, 512):
+                        if signum in self.handled and self.first is None:
+                            self.first = (signum, time.monotonic())
+                if self.first is None or self.done.is_set() or _state.raised:
+                    continue
+                if _state.deferring:   # a step that must not be cut: the grace starts after it
+                    self.first = (self.first[0], time.monotonic())
+                elif time.monotonic() - self.first[1] >= GRACE_S:
+                    _escape(self.first[0])
+        finally:
+            os.close(self.read)
+            os.close(self.write)
+
+
+def _escape(signum: int):
+    """End the process from the watcher: the run's cleanups, one line, exit 128 + n."""
+    e = Interrupted(signum)
+    after = f"{e.published} was published before it and is complete" if e.published else "no output was published"
+    for cleanup in reversed(_state.cleanups):
+        try:
+            cleanup()
+        except Exception:   # (best effort: a later run recognises what is left, docs/security.md)
+            pass
+    try:
+        os.write(2, f"ckptconv: error: interrupted by {e.name} while waiting outside ckptconv's code; "
+                    f"{after}\n".encode("utf-8", "backslashreplace"))
+    finally:
+        os._exit(e.exit_code)
+
+
+@contextlib.contextmanager
+def on_escape(cleanup):
+    """While the block runs, `cleanup()` is what the watcher calls before it ends the process itself
+    (a signal that found no checkpoint): the run's temporary output and lock."""
+    _state.cleanups.append(cleanup)
+    try:
+        yield
+    finally:
+        _state.cleanups.remove(cleanup)
 
 
 def published(out):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import OutputError
-from ..signals import check, deferred, published
+from ..signals import check, deferred, on_escape, published
 
 
 def temp_path(out: Path) -> Path:
@@ -137,8 +137,9 @@ def atomic_output(out, overwrite=False, resume=False, inputs=(), single_file=Fal
             if tmp.exists() and not resume:
                 shutil.rmtree(tmp)  # left by a killed run
             tmp.mkdir(exist_ok=resume)
-        yield tmp
-        check()  # a signal still pending (it arrived outside our code) stops the run before it publishes
+        with on_escape(lambda: (shutil.rmtree(tmp, ignore_errors=True), lock.unlink(missing_ok=True))):
+            yield tmp
+            check()  # a signal still pending (it arrived outside our code) stops the run before it publishes
         with deferred():
             _fsync_dir(tmp)
             # again: something may have appeared at OUT while the run wrote (hours, for a big model)

@@ -68,6 +68,46 @@ def test_a_rules_file_that_is_not_a_small_regular_file_is_refused_without_readin
     assert_refused(r, tmp_path / "out", str(rules))
 
 
+STUCK = """
+import sys, threading, time
+import ckptconv.io.output as output
+from ckptconv import cli
+real = output.atomic_output
+
+def stuck(*args, **kwargs):   # the run waits where no checkpoint comes: a join in the standard library
+    manager = real(*args, **kwargs)
+    tmp = manager.__enter__()
+    print("waiting", flush=True)
+    waiter = threading.Thread(target=time.sleep, args=(60,), daemon=True)
+    waiter.start()
+    waiter.join()
+
+output.atomic_output = stuck
+import ckptconv.cluster
+ckptconv.cluster.atomic_output = stuck
+cli.main(sys.argv[1:], prog_name="ckptconv")
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_one_signal_ends_a_run_that_waits_outside_our_code(model, tmp_path, sig):
+    """Python runs a handler between bytecodes only, and ours leaves a signal pending outside our own
+    code: a run waiting there would never see it. The watcher ends it, cleaning up, in GRACE_S."""
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-c", STUCK, "convert", str(model), str(out), "--quiet"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "waiting\n"
+    assert (tmp_path / ".out.ckptconv-tmp").is_dir() and (tmp_path / ".out.ckptconv-lock").exists()
+    sent = time.monotonic()
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=30)
+    assert time.monotonic() - sent < 10
+    assert p.returncode == 128 + sig
+    assert err == f"ckptconv: error: interrupted by {sig.name} while waiting outside ckptconv's code; " \
+                  "no output was published\n"
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["m.pt"]
+
+
 # --- rule 2: no exception but a CkptError leaves the API, and the CLI says one line, for hostile options
 
 LONG = "x" * 100_000
