@@ -33,7 +33,7 @@ from ..io.mapped import MappedFile, MemoryFile
 from ..io.outfile import pwrite_all
 from ..formats.safetensors import parse_header
 from ..tensor import Checkpoint, Concat, TensorSource
-from .pickle.torch_globals import TorchTensor, flatten, torch_globals
+from .pickle.torch_globals import TORCH_OWNED, TorchTensor, flatten, torch_globals
 from .pickle.unpickler import Function, InertClass, InertObject, Marker
 from . import ReadOptions, confined, model_files, source_root, wanted
 from .safetensors import file_tensors
@@ -93,8 +93,9 @@ def allowlist(extra=()) -> dict:
         allow[(module, "_StorageInfo")] = InertClass("_StorageInfo")
     allow[("pathlib", "PosixPath")] = Function("pathlib.PosixPath", _posix_path)
     allow[("pathlib", "WindowsPath")] = Function("pathlib.WindowsPath", _posix_path)
-    allow.update(unpickler.allow_globals(extra))
-    return allow
+    return unpickler.allowing(allow, extra, (*TORCH_OWNED, *_MODULES, "torch.distributed._shard.sharded_tensor.metadata",
+                                             "torch.distributed.checkpoint.filesystem",
+                                             "torch.distributed._shard.checkpoint.filesystem"))
 
 
 def detect(path: Path) -> bool:

@@ -19,7 +19,7 @@ from .. import dtypes, safejson, signals
 from .pickle import unpickler
 from ..errors import BadInput, UsageError
 from ..io.mapped import MappedFile
-from .pickle.numpy_globals import NumpyArray, numpy_globals, numpy_source
+from .pickle.numpy_globals import NUMPY_OWNED, NumpyArray, numpy_globals, numpy_source
 from ..tensor import Checkpoint, Computed, Concat, cast
 from .pickle.unpickler import StandIn
 from . import ReadOptions, confined, model_files, source_root, wanted
@@ -92,8 +92,7 @@ def allowlist(extra=()) -> dict:
     allow[("_codecs", "encode")] = unpickler.BENIGN[("_codecs", "encode")]
     allow[("__main__", "QuantizedWeight8bit")] = _QuantizedClass("__main__.QuantizedWeight8bit")
     allow[("model", "QuantizedWeight8bit")] = _QuantizedClass("model.QuantizedWeight8bit")
-    allow.update(unpickler.allow_globals(extra))
-    return allow
+    return unpickler.allowing(allow, extra, NUMPY_OWNED)
 
 
 def _shard_dir(path: Path):

@@ -16,7 +16,7 @@ from ..limits import Budget
 from ..io.mapped import MappedFile
 from ..tensor import Checkpoint
 from .pickle.numpy_globals import NumpyArray
-from .pickle.torch_globals import Storage, TorchTensor, flatten, storage_dtype, torch_globals
+from .pickle.torch_globals import TORCH_OWNED, Storage, TorchTensor, flatten, storage_dtype, torch_globals
 from . import (ReadOptions, by_shard, check_listed, inside, model_files, source_root, training_state, wanted,
                weight_map, weights_file)
 
@@ -62,8 +62,7 @@ def detect(path: Path) -> bool:
 
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
-    allow = torch_globals()
-    allow.update(unpickler.allow_globals(options.allow_globals))
+    allow = unpickler.allowing(torch_globals(), options.allow_globals, TORCH_OWNED)
     if path.is_dir():
         found = _dir_files(path)
         if len(found) != 1:

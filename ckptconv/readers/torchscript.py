@@ -17,7 +17,7 @@ from . import ReadOptions, wanted
 from .base import Reader, register
 from . import ziparchive
 from .pickle import unpickler
-from .pickle.torch_globals import TorchTensor, TorchTensorUnsupported, flatten, torch_globals
+from .pickle.torch_globals import TORCH_OWNED, TorchTensor, TorchTensorUnsupported, flatten, torch_globals
 from .pickle.torchscript_globals import SCRIPT_MODULE, ScriptObject, script_globals
 from .torch_pickle import archive_prefix, justified, load_zip
 from ..errors import BadInput, printable
@@ -74,9 +74,8 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     if found is None:
         raise BadInput(f"{path}: not a TorchScript archive (a torch zip archive with code/ beside data.pkl)")
     m, entries, prefix = found
-    allow = torch_globals()
-    allow.update(unpickler.allow_globals(options.allow_globals))
-    allow.update(script_globals())
+    allow = unpickler.allowing({**torch_globals(), **script_globals()}, options.allow_globals,
+                               (*TORCH_OWNED, "torch.jit._pickle"))
     budget, unlisted = Budget(path), unpickler.Unlisted(path)
     root = load_zip(m, allow, budget=budget, unlisted=unlisted, entries=entries)
     tree = _ModuleTree(m, entries, prefix, budget, options.skip_unsupported)

@@ -109,8 +109,10 @@ def test_code_entry_points_are_refused_even_in_state_that_is_dropped(tmp_path, t
     src = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {"w": torch.ones(2)}, "callbacks": Reduce(target, (f"touch {canary}",))}, src)
     out = tmp_path / "out"
+    assert_refused(cli("convert", src, out), out, "is not on the allowlist", "can run code")
+    # asking for them is itself refused (issue 28): no spelling of --allow-global admits them
     assert_refused(cli("convert", src, out, "--allow-global", "posix.*", "--allow-global", "builtins.*"), out,
-                   "is not on the allowlist", "can run code")
+                   "--allow-global 'posix.*'", "can run code")
     assert not canary.exists()
 
 

@@ -70,6 +70,7 @@ def test_a_rules_file_that_is_not_a_small_regular_file_is_refused_without_readin
 
 STUCK = """
 import sys, threading, time
+sys.path.insert(0, ".")
 import ckptconv.io.output as output
 from ckptconv import cli
 real = output.atomic_output
@@ -93,8 +94,9 @@ cli.main(sys.argv[1:], prog_name="ckptconv")
 def test_one_signal_ends_a_run_that_waits_outside_our_code(model, tmp_path, sig):
     """Python runs a handler between bytecodes only, and ours leaves a signal pending outside our own
     code: a run waiting there would never see it. The watcher ends it, cleaning up, in GRACE_S."""
-    out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-c", STUCK, "convert", str(model), str(out), "--quiet"], cwd=ROOT,
+    out, script = tmp_path / "out", tmp_path.parent / f"stuck-{sig.name}.py"
+    script.write_text(STUCK)   # (a file: code compiled from "<string>" called from ours would count as ours)
+    p = subprocess.Popen([sys.executable, script, "convert", str(model), str(out), "--quiet"], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline() == "waiting\n"
     assert (tmp_path / ".out.ckptconv-tmp").is_dir() and (tmp_path / ".out.ckptconv-lock").exists()
@@ -205,3 +207,82 @@ def test_the_cli_answers_hostile_options_in_one_line(model, tmp_path, case):
     assert r.returncode in (0, 1, 2), (r.returncode, r.stderr[-500:])
     if r.returncode:
         assert_refused(r, tmp_path / "out", code=r.returncode)
+
+
+# --- class 3: --allow-global only adds records, never replaces a stand-in or admits code
+
+from ckptconv.errors import UnsafePickle, UsageError   # noqa: E402
+from ckptconv.readers.pickle import unpickler          # noqa: E402
+from ckptconv.readers.pickle.torch_globals import TORCH_OWNED, torch_globals   # noqa: E402
+from tests.security.test_trust import torch_file       # noqa: E402
+
+
+def _global(module: str, name: str) -> bytes:
+    return f"c{module}\n{name}\n".encode()
+
+
+def test_allow_global_never_replaces_how_a_tensor_is_read(tmp_path):
+    src = tmp_path / "p.pt"
+    torch.save({"w": torch.nn.Parameter(torch.arange(4.0))}, src)
+    for allowed in ("torch._utils._rebuild_parameter", "torch._utils._rebuild_tensor_v2", "torch.*",
+                    "torch.nn.parameter.Parameter", "collections.OrderedDict"):
+        out = tmp_path / f"out-{allowed}"
+        result = ckptconv.convert(src, out, allow_globals=[allowed])
+        assert result.tensors == 1 and ckptconv.verify(out, against=src, allow_globals=[allowed]).ok
+
+
+def test_allow_global_cannot_add_a_name_to_a_module_the_format_reads(model, tmp_path):
+    with pytest.raises(UsageError, match="torch._utils is part of the format"):
+        ckptconv.convert(model, tmp_path / "out", allow_globals=["torch._utils._rebuild_wrapper_subclass"])
+
+
+def test_an_unknown_global_of_the_format_is_not_made_a_record_by_a_pattern(tmp_path):
+    """`torch._utils._rebuild_wrapper_subclass` builds a tensor ckptconv does not read: under `torch.*`
+    it became an extras record and the tensor was lost (exit 0); it is refused, with no hint to allow it."""
+    src = torch_file(tmp_path / "m.pt", b"X\x01\x00\x00\x00v" + _global("torch._utils", "_rebuild_wrapper_subclass")
+                     + b")R")
+    for extra in ([], ["--allow-global", "torch.*"], ["--allow-global", "torch._utils.*"]):
+        r = cli("convert", src, tmp_path / "out", *extra)
+        assert_refused(r, tmp_path / "out", "torch._utils._rebuild_wrapper_subclass", "part of the format")
+        assert "--allow-global" not in r.stderr
+
+
+@pytest.mark.parametrize("spelling", ["__builtin__.type", "builtins.type", "__builtin__.eval", "_builtins_.getattr",
+                                      "__builtin__.*", "builtins.*", "os.*", "posix.system", "_posixsubprocess.*",
+                                      "nt.system", "subprocess.Popen", "importlib.import_module"])
+def test_allow_global_refuses_code_running_globals_in_every_spelling(model, tmp_path, spelling):
+    with pytest.raises(UsageError, match="can run code"):
+        ckptconv.convert(model, tmp_path / "out", allow_globals=[spelling])
+
+
+@pytest.mark.parametrize("module,name", [("__builtin__", "type"), ("builtins", "type"), ("__builtin__", "getattr"),
+                                         ("_builtin_", "eval"), ("pathlib", "os.system")])
+def test_code_running_globals_are_refused_in_every_spelling_even_in_dropped_state(tmp_path, module, name):
+    src = torch_file(tmp_path / "m.pt", b"X\x01\x00\x00\x00v" + b"\x8c" + bytes([len(module)]) + module.encode()
+                     + b"\x8c" + bytes([len(name)]) + name.encode() + b"\x93")
+    r = cli("convert", src, tmp_path / "out", "--only", "w")
+    assert_refused(r, tmp_path / "out", "can run code")
+
+
+def test_hints_suggest_only_patterns_that_admit_no_code_running_global():
+    unlisted = unpickler.Unlisted("f.pt")
+    for q in ("__main__.Config", "tests.fixtures.lightning.ModelCheckpoint", "posixpath.Thing",
+              "omegaconf.dictconfig.DictConfig", "numpy.random._pickle.Ctor"):
+        unlisted.placeholder(q, 0)
+    line = str(unlisted.refusal())
+    patterns = [p.strip("'") for p in line.split("--allow-global ")[1:]]
+    patterns = [p.split("'")[0] for p in patterns]
+    assert patterns == ["__main__.*", "tests.*", "posixpath.*", "omegaconf.*"]
+    allow = unpickler.allowing({}, patterns)
+    for module, name in sorted(unpickler.CODE_NAMES) + [("posixpath", "os.system"), ("numpy", "load")]:
+        with pytest.raises(UnsafePickle):
+            unpickler.load(_global(module, name) + b".", allow, "f.pt")
+
+
+def test_the_format_owns_its_modules():
+    allow = unpickler.allowing(torch_globals(), ["torch.*"], TORCH_OWNED)
+    assert isinstance(allow[("torch._utils", "_rebuild_parameter")], unpickler.Function)
+    with pytest.raises(UnsafePickle, match="not on the allowlist"):
+        unpickler.load(_global("torch._utils", "_rebuild_xyz") + b".", allow, "f.pt")
+    assert unpickler.load(_global("torch.optim.lr_scheduler", "StepLR") + b".", allow, "f.pt").qualname == \
+        "torch.optim.lr_scheduler.StepLR"

@@ -113,6 +113,11 @@ def _scalar(ctx, dt, raw=None):
     return float(value) if dt.dtype.kind == "V" or dt.dtype in _ML_DTYPES.values() else value.item()
 
 
+# Modules whose globals build arrays and dtypes: read by ckptconv itself (unpickler.Allowlist.owned)
+NUMPY_OWNED = ("numpy", "numpy.core.multiarray", "numpy._core.multiarray", "numpy.core.numeric", "numpy._core.numeric",
+               "numpy.dtypes", "ml_dtypes")
+
+
 def numpy_globals(numpy1=True, numpy2=True) -> dict:
     """The numpy/ml_dtypes allowlist entries, under the module spellings numpy 1.x and 2.x use."""
     out: dict[tuple, StandIn] = {

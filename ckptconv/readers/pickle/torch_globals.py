@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ... import dtypes
 from ...errors import BadInput, brief
 from ...limits import MAX_DEPTH, Budget, shape_problem
-from .numpy_globals import NumpyArray, numpy_globals, numpy_source
+from .numpy_globals import NUMPY_OWNED, NumpyArray, numpy_globals, numpy_source
 from ...tensor import MappedView, Strided
 from . import unpickler
 from .unpickler import BENIGN, Function, Marker, StandIn
@@ -184,6 +184,12 @@ def _size(ctx, dims=()):
     if not isinstance(dims, (tuple, list)):
         raise ctx.bad(f"torch.Size of a {type(dims).__name__}")
     return ctx.tuple(dims)
+
+
+# Modules whose globals build tensors, storages and their dtypes: read by ckptconv itself, so a user's
+# --allow-global never makes one of them a record (unpickler.Allowlist.owned)
+TORCH_OWNED = ("torch", "torch._utils", "torch._tensor", "torch.storage", "torch.nn.parameter", "torch.serialization",
+               *NUMPY_OWNED)
 
 
 def torch_globals() -> dict:

@@ -207,15 +207,25 @@ CODE_LAST = {n for _, n in CODE_NAMES} | {"system", "popen", "spawn", "fork_exec
                                           "locate", "exit", "quit", "loads", "attrgetter", "methodcaller", "partial"}
 SAFE_BUILTINS = {"set", "frozenset", "bytearray", "object", "list", "dict", "tuple", "int", "long", "float", "str",
                  "unicode", "bytes", "bool"}
+_CODE_BARE = {_p.strip("_").lower() for _p in CODE_PARTS}
+_LAST_BARE = {_p.strip("_").lower() for _p in CODE_LAST}
+
+
+def _bare(part: str) -> str:
+    """A dotted path's part as the code-running lists spell it: underscores around it dropped
+    (`__builtin__` is `builtin`, `_posixsubprocess` is `posixsubprocess`), lower case."""
+    return part.strip("_").lower()
 
 
 def runs_code(module: str, name: str) -> bool:
+    """Whether `module.name` can run code or reach the system, in any spelling: Python 2's names,
+    C twins, a dotted path through a module attribute (`pathlib.os.system`)."""
     if (module, name) in CODE_NAMES or any(module == m or module.startswith(m + ".") for m in CODE_MODULES):
         return True
-    parts = [p.lstrip("_").lower() for p in f"{module}.{name}".split(".")]
-    if parts[0] == "builtin" or parts[0] == "builtins":   # builtins: only the plain types below
+    parts = [_bare(p) for p in f"{module}.{name}".split(".")]
+    if parts[0] in ("builtin", "builtins"):   # builtins: only the plain types below
         return len(parts) != 2 or parts[1] not in SAFE_BUILTINS
-    return any(p in CODE_PARTS for p in parts) or parts[-1] in CODE_LAST or "." in name
+    return any(p in _CODE_BARE for p in parts) or parts[-1] in _LAST_BARE or "." in name
 
 
 class Unlisted:
@@ -227,28 +237,50 @@ class Unlisted:
 
     def __init__(self, path):
         self.path, self.found = path, {}   # qualname -> [count, first offset]
+        self.owned = set()                 # those in a module the format reads itself (Allowlist.owned)
 
-    def placeholder(self, qualname: str, offset: int) -> "Placeholder":
+    def placeholder(self, qualname: str, offset: int, owned: bool = False) -> "Placeholder":
         entry = self.found.setdefault(qualname, [0, offset])
         entry[0] += 1
+        if owned:
+            self.owned.add(qualname)
         return Placeholder(qualname, self)
 
     def refusal(self) -> UnsafePickle:
-        """One line naming every such global of the file (count, first offset) and the way out."""
+        """One line naming every such global of the file (count, first offset) and the way out: for
+        a global of a module the format reads itself, none (ckptconv does not read that kind of
+        object); else `--allow-global` patterns that admit nothing that runs code."""
         names = sorted(self.found, key=lambda q: self.found[q][1])
         listed = ", ".join(f"{q} (x{self.found[q][0]}, first at pickle offset {self.found[q][1]})"
                            for q in names[:self.SHOWN])
         more = f" and {len(names) - self.SHOWN} more" if len(names) > self.SHOWN else ""
-        modules = sorted({q.split(".", 1)[0] for q in names if q.split(".", 1)[0].isidentifier()})
-        hint = " ".join(f"--allow-global '{m}.*'" for m in modules[:4]) or "--allow-global MODULE.NAME"
+        owned = [q for q in names if q in self.owned]
+        if owned:
+            return UnsafePickle(f"{self.path}: refused: {printable(listed, 1000)}{more} in the state to be written: "
+                                f"{printable(owned[0], 200)} is part of the format but builds something ckptconv "
+                                "does not read; nothing was executed. Leave that state out (--state-dict, --only)")
         return UnsafePickle(f"{self.path}: refused: {len(names)} global(s) in the state to be written are not on "
                             f"the allowlist: {printable(listed, 1000)}{more}; nothing was executed. To keep them as "
-                            f"inert data (never imported or called): {printable(hint, 300)}; or leave that state "
-                            "out (--state-dict, --only)")
+                            f"inert data (never imported or called): {printable(hint(names), 300)}; or leave that "
+                            "state out (--state-dict, --only)")
 
     def listing(self) -> list:
         """The placeholders of state that was dropped, for the summary and the manifest."""
         return [{"global": q, "count": c} for q, (c, _) in sorted(self.found.items())]
+
+
+def hint(qualnames) -> str:
+    """`--allow-global` arguments that admit these globals and nothing that can run code: a module's
+    pattern where that module is not a code-running one, else the exact names."""
+    shown = []
+    for q in qualnames:
+        if not all(part.isidentifier() and part.isascii() for part in q.split(".")):
+            continue   # (never a command to paste: a name with quotes or spaces is not suggested)
+        top = q.split(".", 1)[0]
+        pattern = f"{top}.*" if not runs_code(top, "x") else q
+        if pattern not in shown:
+            shown.append(pattern)
+    return " ".join(f"--allow-global '{p}'" for p in shown[:4]) or "--allow-global MODULE.NAME"
 
 
 def holds_placeholder(value) -> bool:
@@ -362,14 +394,45 @@ BENIGN = {
 
 def allow_globals(names) -> dict:
     """`--allow-global MODULE.NAME` or `MODULE.*` (the module and those below it): accept these
-    classes as inert records, never imported or called. Globals that run code stay refused."""
+    classes as inert records, never imported or called. A name or pattern that would admit a
+    code-running global (in any spelling: `runs_code`) is refused here; a pattern is checked again
+    for each global it meets."""
     out = {}
     for name in names or ():
         module, _, attr = name.rpartition(".")
-        if not module or not attr or "*" in module or ("*" in attr and attr != "*") or "" in module.split("."):
-            raise UsageError(f"--allow-global {name!r}: expected MODULE.NAME or MODULE.*")
+        if not module or not attr or "*" in module or ("*" in attr and attr != "*") or "" in module.split(".") \
+                or len(name) > 1000:
+            raise UsageError(f"--allow-global {printable(name, 200)!r}: expected MODULE.NAME or MODULE.*")
+        if runs_code(module, "x" if attr == "*" else attr):
+            raise UsageError(f"--allow-global {printable(name, 200)!r}: "
+                             + ("that module's globals can run code or reach the system" if attr == "*" else
+                                "that global can run code or reach the system")
+                             + "; it is refused whatever --allow-global says")
         out[(module, attr)] = InertClass(name)
     return out
+
+
+class Allowlist(dict):
+    """A format's stand-ins by (module, name), with the modules the format reads itself (`owned`:
+    `torch._utils`, `numpy.core.multiarray` …: there a global builds a tensor or array, so a user's
+    pattern never turns one ckptconv does not know into a record), and the user's `--allow-global`
+    additions, which never replace a stand-in (`allowing`)."""
+
+    def __init__(self, standins=(), owned=()):
+        super().__init__(standins)
+        self.owned = frozenset(owned)
+
+
+def allowing(standins: dict, names, owned=()) -> Allowlist:
+    """The format's `standins`, and `--allow-global names` only where no stand-in is (an exact name
+    with one is what ckptconv reads already). A name in an `owned` module is a usage error."""
+    allow = Allowlist(standins, owned)
+    for (module, attr), cls in allow_globals(names).items():
+        if attr != "*" and module in allow.owned and (module, attr) not in standins:
+            raise UsageError(f"--allow-global {cls.qualname!r}: {module} is part of the format, read by ckptconv "
+                             "itself (it builds tensors); --allow-global only adds classes no reader handles")
+        allow.setdefault((module, attr), cls)
+    return allow
 
 
 class _Mark:
@@ -999,7 +1062,8 @@ def _resolve(vm, module, name):
         raise vm.ctx.unsafe("STACK_GLOBAL with non-string operands")
     standin = vm.allowlist.get((module, name))
     parts = module.split(".")
-    prefix = None if standin is not None else next(   # `--allow-global 'omegaconf.*'`: a module and those below
+    owned = module in getattr(vm.allowlist, "owned", ())   # (no pattern reaches a module the format reads)
+    prefix = None if standin is not None or owned else next(   # `--allow-global 'omegaconf.*'`: a module and below
         (".".join(parts[:i]) for i in range(len(parts), 0, -1) if (".".join(parts[:i]), "*") in vm.allowlist), None)
     pattern = vm.allowlist[(prefix, "*")] if prefix is not None else None
     if pattern is not None and pattern.namespace:
@@ -1019,7 +1083,7 @@ def _resolve(vm, module, name):
     if standin is None:
         if vm.ctx.unlisted is None:
             raise vm.ctx.unsafe(f"global '{module}.{name}' is not on the allowlist")
-        standin = vm.ctx.unlisted.placeholder(f"{module}.{name}", vm.ctx.base_offset + vm.ctx.pos)
+        standin = vm.ctx.unlisted.placeholder(f"{module}.{name}", vm.ctx.base_offset + vm.ctx.pos, owned)
     return standin
 
 
