@@ -98,7 +98,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()}, ckpt.extras, ckpt.manifest,
                                                     [rel for rel, _ in content.model_files]])
     writer = WRITERS["single" if one_file else "sharded"](write, content, out)
-    facts = runner.run(writer, tensors, out, write, ckpt.inputs(src), ckpt.check_unchanged, cluster, progress)
+    facts = runner.run(writer, tensors, out, write, ckpt.reads(src), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started
     total = sum(t.nbytes for t in tensors)
     result = ConvertResult(str(out), ckpt.format, len(tensors), total, facts.get("files", []), round(seconds, 3),

@@ -90,7 +90,7 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
         content.edited = transforms.config_with_dtype(read_config(ckpt.model_files) or {}, cast_to, described)
     writer = WRITERS[target](write, content, out, plans, rules, mesh.tp, mesh.ep, list(tensors))   # (plans' order)
     total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
-    runner.run(writer, tensors, out, write, ckpt.inputs(source.path), ckpt.check_unchanged, cluster, progress)
+    runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started
     result.out, result.seconds, result.bytes_written = str(out), round(seconds, 3), total
     result.gb_per_s = round(total / seconds / 1e9, 3) if seconds else None

@@ -8,6 +8,7 @@ are one contiguous range of a file (`file_span`), hash and copy that range witho
 import hashlib
 import itertools
 import math
+import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from .dtypes import DType
 from .errors import BadInput, encodable
+from .io.output import Inputs
 from .limits import shape_problem
 
 
@@ -379,6 +381,18 @@ class Checkpoint:
     def inputs(self, src) -> list:
         """Every path this checkpoint reads: SRC, its mapped files and the model files it carries."""
         return [src] + [m.path for m in self.mapped] + [p for _, p in self.model_files]
+
+    def reads(self, src) -> Inputs:
+        """What a run over this checkpoint must not write into: its files, and the directories a
+        reader of SRC reads from (SRC itself if a directory; SRC's if SRC is a file read with
+        others beside it, an index or a DCP `.metadata`; none for a file read alone)."""
+        files = self.inputs(src)
+        if os.path.isdir(src):
+            roots = (src,)
+        else:
+            alone = os.path.realpath(src)
+            roots = (os.path.dirname(os.path.abspath(src)),) if any(os.path.realpath(p) != alone for p in files) else ()
+        return Inputs(tuple(files), roots)
 
     @property
     def total_bytes(self) -> int:

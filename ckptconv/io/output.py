@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OutputError
@@ -48,17 +49,33 @@ def _never_ours(out: Path, single_file: bool) -> str:
     return "nothing may be replaced here"
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What a run reads: OUT may not be or hold any of `files`, nor lie inside any of `roots` (the
+    directories a reader of the source reads from: a later read of the source would take the
+    output for part of it)."""
+
+    files: tuple = ()
+    roots: tuple = ()
+
+
 def check_target(out: Path, inputs=(), overwrite=False, single_file=False, not_ours=_never_ours):
-    """Refuse an OUT that a run must not replace: a symbolic link, one that is or holds an input, an
-    existing file, a non-empty directory without --overwrite, or with it, one that is not a previous
-    output (`not_ours(out, single_file)` says why not, or None when it is: formats.not_ours)."""
+    """Refuse an OUT that a run must not replace: a symbolic link, one that is or holds an input or
+    lies inside the source (`inputs`: an `Inputs`, or the files alone), an existing file, a non-empty
+    directory without --overwrite, or with it, one that is not a previous output (`not_ours(out,
+    single_file)` says why not, or None when it is: formats.not_ours). Paths are compared resolved."""
     if out.is_symlink():
         raise OutputError(f"{out}: is a symbolic link (to {os.readlink(out)}); give the path it points to")
+    inputs = inputs if isinstance(inputs, Inputs) else Inputs(tuple(inputs))
     real = os.path.realpath(out)
-    for p in inputs:
+    for p in inputs.files:
         if _inside(os.path.realpath(p), real):
             what = "is" if os.path.realpath(p) == real else "holds"
             raise OutputError(f"{out}: {what} the input {p}; write the output somewhere else")
+    for root in inputs.roots:
+        if _inside(real, os.path.realpath(root)):
+            raise OutputError(f"{out}: lies inside the source directory {root}, where a later read of the source "
+                              "would take it for part of the checkpoint; write the output somewhere else")
     if not out.parent.is_dir():
         raise OutputError(f"{out.parent}: output's parent directory does not exist")
     if not os.path.lexists(out):

@@ -13,7 +13,7 @@ import torch
 
 import ckptconv
 from ckptconv.errors import CkptError
-from tests.helpers import ROOT, assert_refused, cli
+from tests.helpers import ROOT, assert_refused, cli, split_all_rules
 
 
 @pytest.fixture
@@ -286,3 +286,40 @@ def test_the_format_owns_its_modules():
         unpickler.load(_global("torch._utils", "_rebuild_xyz") + b".", allow, "f.pt")
     assert unpickler.load(_global("torch.optim.lr_scheduler", "StepLR") + b".", allow, "f.pt").qualname == \
         "torch.optim.lr_scheduler.StepLR"
+
+
+# --- class 4: OUT never lies inside SRC, nor where a reader of SRC would pick it up
+
+def _listing(d: Path) -> list:
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
+@pytest.mark.parametrize("command,out", [(["convert"], "converted.safetensors"), (["convert"], "out"),
+                                         (["reshard", "--tp", "1", "--rules", "RULES"], "tp1"),
+                                         (["convert"], "deeper/out")])
+def test_out_inside_the_source_directory_is_refused(tmp_path, command, out):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "deeper").mkdir()
+    torch.save({"model.layers.0.mlp.up_proj.weight": torch.ones(4, 2)}, src / "m.pt")
+    before = _listing(src)
+    for given in (src / out, tmp_path / "link" / out):   # also through a link to SRC: resolved paths
+        if not (tmp_path / "link").exists():
+            (tmp_path / "link").symlink_to(src)
+        r = cli(command[0], src, given, *[split_all_rules(tmp_path) if a == "RULES" else a for a in command[1:]])
+        assert_refused(r, given, "lies inside the source directory")
+        assert _listing(src) == before
+
+
+def test_out_beside_an_index_file_is_inside_its_checkpoint(tmp_path):
+    from safetensors.torch import save_file
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    save_file({"a": torch.ones(2)}, src / "model-00001-of-00001.safetensors")
+    (src / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {"a": '
+                                                      '"model-00001-of-00001.safetensors"}}')
+    r = cli("convert", src / "model.safetensors.index.json", src / "again")
+    assert_refused(r, src / "again", "lies inside the source directory")
+    # a file read alone may have its output beside it
+    torch.save({"w": torch.ones(2)}, tmp_path / "one.pt")
+    assert cli("convert", tmp_path / "one.pt", tmp_path / "one.safetensors").returncode == 0
