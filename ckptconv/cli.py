@@ -164,15 +164,17 @@ def read_options(fn):
 
 def cluster_options(fn):
     """--distributed and friends: join a multi-process job (see docs/distributed.md)."""
-    @click.option("--distributed", is_flag=True, help="Work as one of several processes (jax.distributed; also "
-                  "implied by JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID or a multi-task SLURM job).")
-    @click.option("--coordinator", metavar="HOST:PORT", help="Address of process 0's coordination service.")
+    @click.option("--distributed", is_flag=True, help="Work as one of several processes (also implied by "
+                  "JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID or a multi-task SLURM job).")
+    @click.option("--coordinator", metavar="HOST:PORT", help="Address where process 0 serves the job's messages "
+                  "(verify --device also uses PORT+1 for JAX's runtime).")
     @click.option("--num-processes", type=click.IntRange(1), help="Processes in the job.")
     @click.option("--process-id", type=click.IntRange(0), help="This process's index.")
     @click.option("--cluster-timeout", type=click.IntRange(1), default=60, show_default=True,
-                  help="Seconds to wait for the coordinator and for other processes' results.")
+                  help="Seconds to wait for the coordinator, for every process to join and for other processes' "
+                  "results.")
     @click.option("--heartbeat-timeout", type=click.IntRange(1), default=10, show_default=True,
-                  help="Seconds without a heartbeat after which a process counts as dead.")
+                  help="Seconds without a word from a process after which it counts as stopped or gone.")
     @functools.wraps(fn)
     def wrapper(*args, distributed, coordinator, num_processes, process_id, cluster_timeout, heartbeat_timeout, **kw):
         kw["cluster"] = lambda: join(distributed, coordinator, num_processes, process_id, cluster_timeout,

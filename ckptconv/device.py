@@ -23,8 +23,9 @@ from .readers import ReadOptions, safetensors as st_reader
 CUDA_HINT = "pip install 'ckptconv[cuda]'"
 
 
-def import_jax(platform: str, ranks: int):
-    """Import jax for `platform`; on the CPU, ask XLA for one host device per rank."""
+def import_jax(platform: str, ranks: int, cluster=None):
+    """Import jax for `platform`; on the CPU, ask XLA for one host device per rank. With several
+    processes, JAX's distributed runtime is started first (`Cluster.start_jax`)."""
     if platform == "cpu" and "jax" not in __import__("sys").modules:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
@@ -35,6 +36,8 @@ def import_jax(platform: str, ranks: int):
         hint = CUDA_HINT if platform == "cuda" else "pip install 'ckptconv[jax]'"
         raise UsageError(f"--device {platform} needs JAX, which is not installed: {hint}") from None
     jax.config.update("jax_enable_x64", True)  # else int64/float64 tensors would arrive as 32-bit
+    if cluster is not None:
+        cluster.start_jax()
     try:
         devices = jax.devices(platform)
     except RuntimeError as e:
@@ -61,7 +64,7 @@ def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=N
     global arrays are assembled over the global mesh from each process's local pieces."""
     mesh = json.loads((path / MESH).read_text()) if (path / MESH).is_file() else None
     ranks = mesh["ranks"] if mesh else 1
-    jax, devices = import_jax(platform, ranks // (cluster.num_processes if cluster else 1))
+    jax, devices = import_jax(platform, ranks // (cluster.num_processes if cluster else 1), cluster)
     if len(devices) < ranks and not allow_fewer:
         raise UsageError(f"--device {platform}: {ranks} ranks but only {len(devices)} devices "
                          "(--allow-fewer-devices maps ranks to devices round-robin)")

@@ -898,8 +898,12 @@ def _compare(a, b, where, report):
 def verify(path, against=None, read=None, fmt=None, device=None, allow_fewer=False, progress=None,
            cluster=None) -> Report:
     """Every check, in order; each stage runs only if the one before found nothing. On several
-    processes each checks its share (shards, rank dirs, tensors) and process 0 gathers the report."""
+    processes each checks its share (shards, rank dirs, tensors) and process 0 gathers the report;
+    they first agree that they verify the same output the same way."""
     path = Path(path)
+    if cluster is not None and cluster.num_processes > 1:
+        from .cluster import agree
+        agree(cluster, _job(path, against, fmt, device, allow_fewer))
     if path.name.endswith(".safetensors") and path.is_file():
         return _verify_single(path, against, read, fmt, device, allow_fewer, progress, cluster)
     if not path.is_dir():
@@ -1006,11 +1010,25 @@ def _merge(cluster, stage, report: Report):
         if stage == "totals":
             merged.update({k: sum(r[k] for r in results) for k in ("files", "tensors", "bytes")})
         cluster.put(f"verify/{stage}/all", merged)
-    total = cluster.get(f"verify/{stage}/all", "process 0")
+    total = cluster.get(f"verify/{stage}/all", 0)
     report.problems = [Problem(**p) for p in total["problems"]]
     report.shared = len(report.problems)
     if stage == "totals":
         report.files, report.tensors, report.bytes = total["files"], total["tensors"], total["bytes"]
+
+
+def _job(path: Path, against, fmt, device, allow_fewer) -> dict:
+    """What one process of a verify is about to check, for `cluster.agree`: the options, and the
+    output by what names every file of it (its SHA256SUMS, or a single file's header), as digests."""
+    first = path / SUMS if path.is_dir() else path
+    try:
+        with safejson.open_regular(first, follow=False) as fd:
+            head = os.read(fd, 1 << 20)
+    except BadInput:
+        head = b""
+    return {"options": {"--against": against is not None, "--from": fmt, "--device": device,
+                        "--allow-fewer-devices": allow_fewer},
+            "output": {"name": path.name, "digest": hashlib.sha256(head).hexdigest()}}
 
 
 def total_bytes(path: Path) -> int:

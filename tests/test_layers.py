@@ -15,7 +15,7 @@ LAYERS = [
     ["tp", "readers.pickle", "readers.ziparchive"],
     ["readers"],
     ["writers"],
-    ["cluster", "runner", "device"],
+    ["cluster_wire", "cluster", "runner", "device"],
     ["convert", "reshard", "plan", "verify"],
     ["cli", "api", ""],        # "": the package itself (ckptconv/__init__.py exports the API)
 ]

@@ -91,3 +91,8 @@ class Writer:
 
     def finish(self, tmp, results) -> dict:
         raise NotImplementedError
+
+    def job(self) -> dict:
+        """The options of this writer that change the bytes it writes, as a user gave them (the
+        processes of one job must agree on them: cluster.agree)."""
+        return {"layout": self.name, "--max-shard-size": self.options.max_shard_size, "--name": self.options.stem}

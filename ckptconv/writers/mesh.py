@@ -88,6 +88,9 @@ class MeshWriter(Writer):
     def plan(self, tensors=None) -> list:
         return [RankDir(r, fmt.rank_dir(r), sum(p.piece_bytes(r) for p in self.layout)) for r in range(self.ranks)]
 
+    def job(self) -> dict:
+        return {**super().job(), "--tp": self.tp, "--ep": self.ep, "rules": self.rules.to_json()}
+
     def write(self, units, tmp, progress=None, share=(0, 1)):
         mine = [u.rank for u in units]
         check_space(tmp, sum(u.size for u in units), self.content.model_files, len(units))

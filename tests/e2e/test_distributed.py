@@ -127,3 +127,99 @@ def test_process_0_failing_to_start_stops_the_others(hf_llama, tmp_path):
     assert [rc for rc, _, _ in results] == [2, 2], results
     assert "already exists" in results[0][2]
     assert "process 0 could not start the run" in results[1][2]
+
+
+# --- issue 28, rule 5: the processes agree on one job before anything is written, and a process that
+# never comes or goes silent is one line within the timeouts, never a C++ abort
+
+def launch_each(argv_of, n=2, extra=()):
+    """Like `launch`, with each process's own arguments (`argv_of(i)`)."""
+    port = free_port()
+    return [subprocess.Popen([sys.executable, "-m", "ckptconv.cli", *map(str, argv_of(i)), "--coordinator",
+                              f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i), *extra],
+                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(n)]
+
+
+def _process_0(args, timeout: str):
+    """Process 0 of a job of two whose process 1 never starts."""
+    return subprocess.Popen([sys.executable, "-m", "ckptconv.cli", *map(str, args), "--coordinator",
+                             f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id", "0",
+                             "--cluster-timeout", timeout], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _one_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptconv: error: "), err[-2000:]
+    assert "Traceback" not in err and "Check failure" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("differs,expected", [
+    ("source", "inputs"), ("--strip-prefix", "--strip-prefix"), ("--dtype", "--dtype"), ("--only", "--only"),
+    ("--max-shard-size", "--max-shard-size")])
+def test_processes_that_run_different_jobs_stop_before_writing(tmp_path, differs, expected):
+    for name, seed in (("a", 0), ("b", 1)):   # the same file names, sizes and shapes; other values
+        g = torch.Generator().manual_seed(seed)
+        (tmp_path / name).mkdir()
+        torch.save({"model.w": torch.rand(8, 4, generator=g), "model.b": torch.rand(4, generator=g)},
+                   tmp_path / name / "m.pt")
+        os.utime(tmp_path / name / "m.pt", ns=(10**18 + seed, 10**18 + seed))
+    out = tmp_path / "out"
+
+    def argv(i):
+        other = i == 1
+        src = tmp_path / ("b" if other and differs == "source" else "a") / "m.pt"
+        extra = {"--strip-prefix": ["--strip-prefix", "model."], "--dtype": ["--dtype", "bf16"],
+                 "--only": ["--only", "model.w"], "--max-shard-size": ["--max-shard-size", "100B"]}.get(differs, [])
+        return ["convert", src, out, "--quiet", *(extra if other else [])]
+
+    results = wait_all(launch_each(argv, extra=["--cluster-timeout", "30"]))
+    assert [rc for rc, _, _ in results] == [2, 2], results
+    for _, _, err in results:
+        line = _one_line(err)
+        assert "process 1 runs another job than process 0" in line and expected in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+def test_a_peer_that_never_comes_is_one_line_within_the_timeout(tmp_path, hf_llama):
+    start = time.monotonic()
+    p = _process_0(["convert", hf_llama["dir"], tmp_path / "out"], "3")
+    rc, _, err = wait_all([p], timeout=60)[0]
+    assert rc == 2 and "process(es) 1 did not join within 3 s" in _one_line(err)
+    assert time.monotonic() - start < 20
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_process_that_goes_silent_stops_the_others_and_sigterm_is_honoured_meanwhile(big, tmp_path, stopped):
+    out = tmp_path / "out"
+    procs = launch(["convert", big, out, "--max-shard-size", "8MiB", "--quiet"],
+                   extra=["--heartbeat-timeout", "3", "--cluster-timeout", "120"])
+    tmp = tmp_path / ".out.ckptconv-tmp"
+    deadline = time.monotonic() + 60
+    while not (tmp.exists() and any(tmp.iterdir())) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    procs[stopped].send_signal(signal.SIGSTOP)
+    other = procs[1 - stopped]
+    try:
+        started = time.monotonic()
+        rc, _, err = wait_all([other], timeout=90)[0]
+        assert rc == 2, err[-2000:]
+        assert f"process {stopped} stopped answering" in _one_line(err)
+        assert time.monotonic() - started < 60
+    finally:
+        procs[stopped].send_signal(signal.SIGCONT)
+        procs[stopped].kill()
+        procs[stopped].wait()
+
+
+def test_sigterm_while_waiting_for_a_peer_ends_process_0_at_once(tmp_path, hf_llama):
+    p = _process_0(["convert", hf_llama["dir"], tmp_path / "out"], "60")
+    time.sleep(3)   # (imports, then the wait for process 1)
+    sent = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    rc, _, err = wait_all([p], timeout=30)[0]
+    assert rc == 128 + signal.SIGTERM and time.monotonic() - sent < 5
+    assert "interrupted by SIGTERM" in _one_line(err)
