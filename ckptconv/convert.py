@@ -91,6 +91,8 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     if source.options.only:
         described["only"] = list(source.options.only)   # verify --against compares the same selection
     carry = options.copy_extras and not one_file  # one file carries no model files
+    if not options.copy_extras and not one_file and ckpt.model_files:
+        described["model_files"] = "not carried"       # (--no-copy-extras: verify --against expects none)
     content = Content(described, ckpt.extras, {**ckpt.manifest, **({"aliases": aliases} if aliases else {})},
                       ckpt.model_files if carry else [], ckpt.skipped_files if carry else [])
     if carry and target is not None:

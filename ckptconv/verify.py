@@ -7,6 +7,7 @@ mesh.json by assembling each global tensor lazily from the rank pieces (never in
 """
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import stat
@@ -22,11 +23,11 @@ from .errors import BadInput, CkptError, UsageError, brief, printable
 from .io.hashing import CHUNK, SMALL, Digests, HashLanes
 from .io.mapped import MappedFile
 from .limits import MAX_NDIM
-from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint
+from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint, readers
 from .formats.safetensors import parse_header
 from .formats.sums import NAME as SUMS, parse_sums
 from .tp import vllm
-from .tp.rules import check_recorded
+from .tp.rules import check_recorded, read_config
 from .tensor import as_bytes, iter_blocks, sha256_of
 from . import dtypes, transforms
 from .formats import manifest as manifest_format
@@ -511,6 +512,10 @@ def verify_file(path: Path, report: Report, progress=None):
     _library_view(path, _our_view(header), report)
     if header.metadata.get("format") != "pt":
         report.add(path, f"__metadata__ format is {brief(header.metadata.get('format'))}, not 'pt'", "metadata")
+    added = sorted(set(header.metadata) - {"format", manifest_format.SINGLE_KEY})
+    if added:
+        report.add(path, f"__metadata__ holds {', '.join(brief(k, 60) for k in added[:8])}, which ckptconv "
+                         "does not write", "metadata")
     tensors, problems = manifest_format.check_single(raw)
     for p in problems:
         report.add(path, f"__metadata__ {manifest_format.SINGLE_KEY!r}: {p}", "metadata")
@@ -785,8 +790,9 @@ def _checked_manifest(d: Path) -> dict:
 
 
 def _recorded_source(out_path: Path, is_mesh: bool) -> tuple:
-    """(where the manifest is, its "source" entry) of an output verify already checked: what convert
-    did to the source (prefix stripped, cast) is applied again before comparing."""
+    """(where the manifest is, its "source" entry, its aliases, the whole document) of an output
+    verify already checked: what convert did to the source (prefix stripped, cast) is applied again
+    before comparing."""
     if out_path.is_file():
         m = MappedFile(out_path)
         raw = manifest_format.single_document(parse_header(m.view, m.size, out_path).metadata, out_path)
@@ -799,7 +805,7 @@ def _recorded_source(out_path: Path, is_mesh: bool) -> tuple:
     aliases = {a: b for a, b in aliases.items() if isinstance(a, str) and isinstance(b, str)} \
         if isinstance(aliases, dict) else {}
     # (a malformed source is informational: the tensors still compare)
-    return where, source if isinstance(source, dict) else {}, aliases
+    return where, source if isinstance(source, dict) else {}, aliases, raw if isinstance(raw, dict) else {}
 
 
 def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report, mine=lambda kind, key: True):
@@ -808,14 +814,16 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
     # what OUT holds is read as what ckptconv writes, never by detection: a .pt or .metadata slipped
     # into OUT (and listed in its sums) must not become "the output" that matches the source
     out = open_checkpoint(out_path, "mesh" if is_mesh else "safetensors", ReadOptions())
-    recorded, manifest, aliases = _recorded_source(out_path, is_mesh)
-    applied = _as_recorded(read, manifest)
+    recorded, manifest, aliases, document = _recorded_source(out_path, is_mesh)
+    applied = _as_recorded(read, manifest, fmt)
     if applied != read:  # say so: "matches the source" then means the selection convert recorded
         report.notes.append(f"{out_path}: compared with the part of the source the output records it was made "
                             f"from: --state-dict {brief(applied.state_dict)}"
                             + (f", --only {brief(applied.only)}" if applied.only else ""))
     read = applied
     source = open_checkpoint(src, fmt, read)
+    if mine("structure", None) and document.get("format") == manifest_format.FORMAT:   # (not a foreign output)
+        _compare_facts(recorded, document, manifest, source, report)
     src_list = source.tensors
     prefix, cast_to = manifest.get("strip_prefix"), manifest.get("cast")
     if prefix is not None:  # convert's own transforms, with their own checks (a name clash is refused)
@@ -867,16 +875,95 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
         report.add(out_path, f"tensor {name!r} of the source is missing from the output", "source", tensor=name)
 
 
-def _as_recorded(read: ReadOptions, manifest: dict) -> ReadOptions:
+def _as_recorded(read: ReadOptions, manifest: dict, fmt=None) -> ReadOptions:
     """The source read the way convert read it: its recorded --state-dict and --only (when they are
-    what convert writes: a key or "none", a list of prefixes), unless given again here."""
+    what convert writes: a key or "none", a list of prefixes) and the options its reader declares and
+    records (Grok's --dequantize and --layout: one of their choices), unless given again here."""
     wrapper, only = manifest.get("state_dict"), manifest.get("only")
     if isinstance(wrapper, str) and wrapper and read.state_dict == "auto":
         read = dataclasses.replace(read, state_dict=wrapper)
     if isinstance(only, list) and 0 < len(only) <= 1000 and all(isinstance(p, str) and len(p) <= 1000 for p in only) \
             and not read.only:
         read = dataclasses.replace(read, only=list(only))
-    return read
+    reader = readers().get(manifest.get("format") if fmt is None else fmt)
+    declared = dict(read.declared)
+    for opt in reader.options if reader is not None else ():
+        value = manifest.get(opt.dest)
+        if opt.choices and value in opt.choices and opt.dest not in declared:
+            declared[opt.dest] = value
+    return dataclasses.replace(read, declared=declared) if declared != read.declared else read
+
+
+# What convert and reshard add to the reader's description of the source (the options they applied,
+# replayed by compare_against, and where the source was): the rest is the reader's, and must be what
+# the reader says of the source today.
+_APPLIED = ("path", "cast", "strip_prefix", "only", "skipped_files", "config_edits", "resharded", "target",
+            "model_files")
+
+
+def _compare_facts(recorded: Path, document: dict, manifest: dict, source, report: Report):
+    """Everything else the output records of its source: the reader's description and the extras
+    (when the output was made by the same reader: an output converted again records the output it
+    was made from), and the model files carried (each the source's bytes, or config.json as --dtype
+    edits it)."""
+    if not isinstance(document.get("source"), dict):
+        report.add(recorded, f"source is {brief(document.get('source'), 80)}, not the object ckptconv records",
+                   "source")
+        return
+    fresh = {k: v for k, v in _plain(source.source).items() if k != "path"}
+    kept = {k: v for k, v in _plain(manifest).items() if k not in _APPLIED}
+    if kept.get("format") != fresh.get("format"):
+        report.notes.append(f"{recorded}: made from a {brief(kept.get('format'), 40)} source, compared with a "
+                            f"{brief(fresh.get('format'), 40)} one: its tensors and model files are compared, not "
+                            "its extras or what its reader recorded")
+        fresh = kept = {}
+        document = {**document, "extras": source.extras}
+    for key in sorted(set(fresh) | set(kept)):
+        if key in fresh and fresh.get(key) != kept.get(key):
+            report.add(recorded, f"source.{key} is {brief(kept.get(key), 120)}, the source gives "
+                                 f"{brief(fresh[key], 120)}", "source")
+        elif key not in fresh:
+            report.add(recorded, f"source.{key} ({brief(kept[key], 120)}) is not what the source gives", "source")
+    extras, theirs = _plain(document.get("extras", {})), _plain(source.extras)
+    for key in sorted(set(extras) | set(theirs), key=str) if extras != theirs else ():
+        if extras.get(key) != theirs.get(key):
+            report.add(recorded, f"extras {key!r} is {brief(extras.get(key), 120)}, the source's is "
+                                 f"{brief(theirs.get(key), 120)}", "source")
+    files = document.get("files")
+    if not isinstance(files, dict) or recorded.name != MANIFEST:
+        return   # (a single file carries no model files)
+    edited = {}
+    cast_to = manifest.get("cast")
+    target = next((d for d in dtypes.CAST_TARGETS.values() if d.code == cast_to), None)
+    if target is not None and manifest.get("config_edits"):
+        edited = transforms.config_with_dtype(_config(source.model_files), target, {})
+    skipped = {s.get("name") for s in manifest.get("skipped_files", []) if isinstance(s, dict)}
+    theirs = {rel for rel, _ in source.model_files}
+    for name in sorted(files):
+        if name not in theirs and not name.endswith((".safetensors", manifest_format.INDEX_SUFFIX)):
+            report.add(recorded.parent / name, "is listed as carried, but the source has no such model file", "source")
+    for rel, path in source.model_files:
+        info = files.get(rel)
+        if info is None:
+            if rel not in skipped and manifest.get("model_files") != "not carried":
+                report.add(recorded.parent, f"model file {rel!r} of the source was not carried", "source")
+            continue
+        digest = hashlib.sha256(edited[rel]).hexdigest() if rel in edited else _sha256_regular(Path(path))
+        if not isinstance(info, dict) or info.get("sha256") != digest:
+            report.add(recorded.parent / rel, f"is not the source's {rel}" + (" as --dtype edits it" if rel in edited
+                                                                              else ""), "source")
+
+
+def _plain(value):
+    """`value` as JSON gives it back (tuples are lists, keys strings): what a manifest holds."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _config(model_files) -> dict:
+    try:
+        return read_config(model_files) or {}
+    except BadInput:
+        return {}
 
 
 def _compare(a, b, where, report):

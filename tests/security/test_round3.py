@@ -323,3 +323,86 @@ def test_out_beside_an_index_file_is_inside_its_checkpoint(tmp_path):
     # a file read alone may have its output beside it
     torch.save({"w": torch.ones(2)}, tmp_path / "one.pt")
     assert cli("convert", tmp_path / "one.pt", tmp_path / "one.safetensors").returncode == 0
+
+
+# --- class 6: verify --against compares everything the output says of its source
+
+import hashlib   # noqa: E402
+import json      # noqa: E402
+import struct    # noqa: E402
+
+
+def _resum(out: Path, changed: str):
+    """Re-record `changed`'s digest in manifest.json and SHA256SUMS: a consistent forger."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    if changed != "manifest.json":
+        data = (out / changed).read_bytes()
+        manifest["files"][changed] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}" for p in sorted(out.iterdir())
+             if p.name != "SHA256SUMS"]
+    (out / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture
+def trained(tmp_path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}, "epoch": 3}, src / "train.pt")
+    (src / "config.json").write_text('{"model_type": "x", "torch_dtype": "float32"}')
+    (src / "tokenizer.json").write_text('{"vocab": {}}')
+    return src
+
+
+@pytest.mark.parametrize("forgery", ["extras", "config", "added file", "source facts"])
+def test_a_consistent_forger_of_what_the_output_says_of_its_source_is_caught(trained, tmp_path, forgery):
+    out = tmp_path / "out"
+    assert ckptconv.convert(trained, out).tensors == 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    if forgery == "extras":
+        manifest["extras"]["epoch"] = 999
+    elif forgery == "source facts":
+        manifest["source"]["files"] = ["other.pt"]
+    if forgery in ("extras", "source facts"):
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        _resum(out, "manifest.json")
+    elif forgery == "config":
+        (out / "config.json").write_text('{"model_type": "y", "torch_dtype": "float32"}')
+        _resum(out, "config.json")
+    else:
+        (out / "modeling_extra.py").write_text("print('hi')\n")
+        _resum(out, "modeling_extra.py")
+    assert ckptconv.verify(out).ok                      # consistent on its own
+    report = ckptconv.verify(out, against=trained)
+    assert not report.ok and len(report.problems) == 1, [str(p) for p in report.problems]
+    assert {"extras": "'epoch' is 999", "config": "config.json", "added file": "no such model file",
+            "source facts": "source.files"}[forgery] in str(report.problems[0])
+
+
+def _single_header(path: Path) -> tuple:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _rewrite(path: Path, header: dict, body: bytes):
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + body)
+
+
+def test_a_single_file_holds_only_the_metadata_ckptconv_writes_and_its_extras_are_compared(trained, tmp_path):
+    out = tmp_path / "one.safetensors"
+    ckptconv.convert(trained / "train.pt", out)
+    assert ckptconv.verify(out, against=trained / "train.pt").ok
+    header, body = _single_header(out)
+    facts = json.loads(header["__metadata__"]["ckptconv.manifest"])
+    facts["extras"]["epoch"] = 999
+    header["__metadata__"]["ckptconv.manifest"] = json.dumps(facts)
+    _rewrite(out, header, body)
+    report = ckptconv.verify(out, against=trained / "train.pt")
+    assert [p.detail for p in report.problems if "epoch" in str(p)], [str(p) for p in report.problems]
+    header["__metadata__"]["added"] = "x"
+    _rewrite(out, header, body)
+    report = ckptconv.verify(out)
+    assert any("'added', which ckptconv does not write" in str(p) for p in report.problems), report.problems
+
