@@ -126,5 +126,8 @@ def _for_vllm(ckpt, tensors, mesh: MeshSpec) -> tuple:
     if not isinstance(tied, bool):
         raise BadInput(f"config.json: tie_word_embeddings must be true or false, not {brief(tied, 60)}")
     params = {k: params[k] for k in ("heads", "kv_heads", "head_dim")}
+    layers = config.get("num_hidden_layers")
+    if type(layers) is int and layers > 0:
+        params["layers"] = layers   # (vLLM builds that many: every one must be here, tp/vllm._check_layers)
     recorded = {"engine": vllm.TARGET, "model_type": model_type, "tied": tied, "params": params}
     return vllm.to_vllm(tensors, model_type, tied, params), vllm.vllm_rules(params), recorded

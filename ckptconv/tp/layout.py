@@ -189,13 +189,37 @@ def split(name, shape, rule, layout, tp):
     return axis, _even(name, n, tp, axis)
 
 
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def expert_numbers(names, where="") -> dict:
+    """{module prefix (up to `.experts.`): number of experts} for per-expert tensors (`….experts.N.…`),
+    each prefix's experts numbered 0..E-1 and spelled canonically (`01` and `1` would be one
+    expert): BadInput otherwise. The one check of expert numbering, for every mode that groups or
+    stacks experts (reshard --ep, --target vllm)."""
+    found = {}
+    for name in names:
+        m = _EXPERT.search(name)
+        if m:
+            if str(int(m.group(1))) != m.group(1):
+                raise BadInput(f"{where}tensor {name!r}: expert number {m.group(1)!r} is not written canonically")
+            found.setdefault(name[:m.start()], set()).add(int(m.group(1)))
+    for prefix, numbers in found.items():
+        if numbers != set(range(len(numbers))):
+            shown = sorted(numbers)
+            listed = ", ".join(map(str, shown[:8])) + (" …" if len(shown) > 8 else "")
+            raise BadInput(f"{where}the experts of {prefix} are numbered {listed}, not 0..{len(numbers) - 1}: an "
+                           "expert is missing or misnamed")
+    return {prefix: len(numbers) for prefix, numbers in found.items()}
+
+
 def plan(tensors, rules: RuleSet, tp: int, ep: int = 1, pad_vocab: bool = False) -> list:
     """The whole layout as data: one TensorPlan per tensor, ranks = ep groups x tp (rank = g * tp + t).
     Quantization scales (`X.scales` beside `X.weight`) follow their weight's plan."""
     if tp < 1 or ep < 1:
         raise UsageError("--tp and --ep must be at least 1")
     names = {t.name for t in tensors}
-    experts_named = sorted({int(m.group(1)) for t in tensors if (m := re.search(r"\.experts\.(\d+)\.", t.name))})
+    experts_named = expert_numbers(names) if ep > 1 else {}
     by_name = {t.name: _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab)
                for t in tensors if _weight_of(t.name, names) is None}
     for t in tensors:
@@ -237,11 +261,12 @@ def _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab=False):
     axis, per_tp = split(t.name, t.shape, rule, rules.layout, tp)
     if axis is None:
         return TensorPlan(t.name, t.shape, t.dtype, rule.describe() + " -> replicate", None, [None] * ranks, False)
-    m = re.search(r"\.experts\.(\d+)\.", t.name)
+    m = _EXPERT.search(t.name)
     if ep > 1 and m:  # one tensor per expert: only its expert group holds it
-        if len(experts_named) % ep:
-            raise BadInput(f"tensor {t.name!r}: {len(experts_named)} experts cannot be split over ep={ep}")
-        group = experts_named.index(int(m.group(1))) // (len(experts_named) // ep)
+        count = experts_named[t.name[:m.start()]]
+        if count % ep:
+            raise BadInput(f"tensor {t.name!r}: {count} experts cannot be split over ep={ep}")
+        group = int(m.group(1)) // (count // ep)
         ranges = [per_tp[r % tp] if r // tp == group else [] for r in range(ranks)]
     else:
         ranges = per_tp if ranks == tp else [per_tp[r % tp] for r in range(ranks)]

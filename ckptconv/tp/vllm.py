@@ -29,6 +29,7 @@ import re
 from .. import dtypes
 from ..errors import BadInput, UsageError, brief
 from ..tensor import Concat, Stacked, constant, zero_padded
+from .layout import expert_numbers
 from .rules import Rule, RuleSet
 
 TARGET = "vllm"
@@ -63,6 +64,7 @@ def to_vllm(tensors, model_type: str, tied: bool, params: dict) -> list:
     one name: an engine that only warns about shapes would load anything else as garbage."""
     by_name = {t.name: t for t in tensors}
     experts = _experts_by_layer(by_name)
+    _check_layers(by_name, params.get("layers"))
     out, used = [], set()
 
     def take(name):
@@ -115,6 +117,37 @@ def to_vllm(tensors, model_type: str, tied: bool, params: dict) -> list:
     return out
 
 
+def _check_layers(by_name, layers):
+    """vLLM builds every layer config.json names and loads each one's every part: the source must
+    hold layers 0..layers-1 (when config.json says how many), each with the attention and norm parts
+    layer 0 has and an MLP (dense or experts: MoE models may mix them)."""
+    parts, mlp = {}, set()
+    for name in by_name:
+        m = _LAYER.fullmatch(name)
+        if m:
+            layer, rest = int(m.group(1).split(".")[2]), m.group(2)
+            if rest.startswith(("mlp.", "block_sparse_moe.")):
+                mlp.add(layer)
+            elif not rest.endswith("rotary_emb.inv_freq"):
+                parts.setdefault(layer, set()).add(rest)
+            parts.setdefault(layer, set())
+    if type(layers) is int and set(parts) != set(range(layers)):
+        missing = sorted(set(range(layers)) - set(parts))[:4]
+        raise BadInput(f"--target vllm: config.json has {layers} layers; the source " + (
+            f"lacks layer(s) {', '.join(map(str, missing))} (left out with --only?)" if missing else
+            f"has layers beyond them ({max(parts)})") + ": vLLM loads every layer")
+    first = parts.get(min(parts)) if parts else set()
+    for i, held in sorted(parts.items()):
+        if i not in mlp:
+            raise BadInput(f"--target vllm: layer {i} has no MLP weights (left out with --only?): vLLM loads one in "
+                           "every layer")
+        if held != first:
+            odd = sorted(first ^ held)[0]
+            raise BadInput(f"--target vllm: layer {i} " + ("lacks" if odd in first else "has") +
+                           f" {odd!r}, which layer {min(parts)} " + ("has" if odd in first else "lacks")
+                           + ": vLLM loads the same parts in every layer")
+
+
 def _rows(t, n, what):
     if len(t.shape) < 1 or t.shape[0] != n:
         raise BadInput(f"--target vllm: tensor {t.name!r} has shape {list(t.shape)}; config.json says {n} rows "
@@ -146,15 +179,14 @@ def _embedding(name, by_name, tied, take, used) -> list:
 
 def _experts_by_layer(by_name) -> dict:
     """{layer prefix: {"all": names, expert index: {w1/gate_proj...: name}}}, in one pass over the
-    names; an expert index must be spelled canonically (`01` and `1` would be one expert)."""
+    names, after the one check of expert numbering (layout.expert_numbers)."""
+    expert_numbers(by_name, "--target vllm: ")
     out = {}
     for name in by_name:
         m = _LAYER.fullmatch(name)
         e = m and _EXPERT.fullmatch(m.group(2))
         if not e:
             continue
-        if str(int(e.group(1))) != e.group(1):
-            raise BadInput(f"--target vllm: tensor {name!r}: expert number {e.group(1)!r} is not written canonically")
         layer = out.setdefault(m.group(1), {"all": set()})
         layer["all"].add(name)
         layer.setdefault(int(e.group(1)), {})[e.group(2)] = name

@@ -292,3 +292,36 @@ def test_verify_reads_the_linked_parts_once(hf_llama, tmp_path, monkeypatch):
     r = run("verify", out, "--json")
     problems = {(p["kind"], p["file"]) for p in json.loads(r.stdout)["problems"]}
     assert r.exit_code == 1 and ("digest", str(shard)) in problems, problems
+
+
+def test_one_check_of_expert_numbering_for_every_mode_that_groups_experts(mixtral, tmp_path):
+    """Experts 0, 1, 2, 5 of 4 (issue 28): `reshard --ep 2` put 2 and 5 in group 1 while `--target
+    vllm` refused; both now refuse with the same words (tp/layout.expert_numbers)."""
+    d, _ = mixtral
+    src = tmp_path / "renumbered"
+    shutil.copytree(d / "per_expert", src)
+    from safetensors.torch import load_file
+    files = sorted(src.glob("*.safetensors"))
+    for f in files:
+        sd = {k.replace(".experts.3.", ".experts.5."): v for k, v in load_file(f).items()}
+        save_file(sd, f)
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        index.write_text(index.read_text().replace(".experts.3.", ".experts.5."))
+    for extra in (["--ep", "2"], ["--target", "vllm"]):
+        r = run("reshard", src, tmp_path / f"out{extra[0]}", "--tp", "1", *extra)
+        assert r.exit_code == 2 and "are numbered 0, 1, 2, 5, not 0..3" in r.stderr, r.stderr
+
+
+def test_the_vllm_target_needs_every_layer_config_json_has(tmp_path):
+    sd = _llama_state()
+    sd.update({k.replace("layers.0.", "layers.1."): v.clone() for k, v in sd.items() if ".layers.0." in k})
+    src = _llama_dir(tmp_path / "two", sd, num_hidden_layers=2)
+    assert run("reshard", src, tmp_path / "ok", "--tp", "2", "--target", "vllm").exit_code == 0
+    r = run("reshard", src, tmp_path / "only", "--tp", "2", "--target", "vllm", "--only", "model.layers.0.",
+            "--only", "model.embed_tokens", "--only", "model.norm", "--only", "lm_head")
+    assert r.exit_code == 2 and "config.json has 2 layers; the source lacks layer(s) 1" in r.stderr, r.stderr
+    r = run("reshard", src, tmp_path / "mlp", "--tp", "2", "--target", "vllm", "--only", "model.layers.0.",
+            "--only", "model.layers.1.self_attn", "--only", "model.layers.1.input", "--only", "model.layers.1.post",
+            "--only", "model.embed_tokens", "--only", "model.norm", "--only", "lm_head")
+    assert r.exit_code == 2 and "layer 1 has no MLP weights" in r.stderr, r.stderr
