@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from . import convert as _convert, reshard as _reshard, verify as _verify
 from .dtypes import CAST_TARGETS
-from .errors import UsageError
+from .errors import UsageError, brief
 from .formats.manifest import stem_problem
 from .readers import ReadOptions, Source, open_source
 from .rowview import RowView
@@ -120,16 +120,29 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
 
 
 def verify(path, against=None, *, device=None, allow_fewer_devices=False, format=None, allow_globals=(),
-           state_dict="auto", workers=2, reader_options=None, progress=None) -> _verify.Report:
+           state_dict="auto", workers=2, reader_options=None, progress=None, expect=None) -> _verify.Report:
     """`ckptconv verify PATH [--against SRC] [--device ...]` (docs/verify.md). The report lists every
     problem (`report.problems`: `Problem`s with a kind, file, tensor and detail; `str()` of one is the
     line the command prints); `report.ok` is True when there is none.
-    `progress(nbytes)` is called as bytes are hashed."""
+    `progress(nbytes)` is called as bytes are hashed. `expect`: the output's identity as convert or
+    reshard printed it (`sha256:…`): the output must be exactly that one."""
     read = _source(path, format, (), allow_globals, state_dict, False, workers, reader_options).options
     if device not in (None, "cpu", "cuda", "tpu"):
         raise UsageError(f"device: one of cpu, cuda, tpu, not {device!r}")
     return _verify.verify(_path(path, "path"), None if against is None else _path(against, "against"), read, format,
-                          device, _flag(allow_fewer_devices, "allow_fewer_devices"), progress)
+                          device, _flag(allow_fewer_devices, "allow_fewer_devices"), progress,
+                          expect=expected_identity(expect))
+
+
+def expected_identity(value) -> str | None:
+    """`sha256:HEX` from `--expect` (that, or the 64 hex digits alone); UsageError otherwise."""
+    if value is None:
+        return None
+    text = value.lower().removeprefix("sha256:") if isinstance(value, str) else ""
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise UsageError(f"--expect {brief(value, 80)}: expected an identity as convert prints it, sha256: and 64 "
+                         "hex digits")
+    return "sha256:" + text
 
 
 @dataclass

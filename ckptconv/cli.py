@@ -24,7 +24,7 @@ import click
 
 from .cluster import join
 from . import __version__
-from .api import inspect
+from .api import expected_identity, inspect
 from .convert import ConvertOptions, convert, single_file
 from . import signals
 from .io import mapped
@@ -336,6 +336,7 @@ def _convert_command(name, pickle_only, help_text):
                 f"in {len(result.files)} files, {result.seconds:.2f} s ({result.gb_per_s or 0:.2f} GB/s)"
                 + (f"; reused {format_size(result.resumed_bytes)} from the interrupted run"
                    if result.resumed_bytes else ""))
+            say(f"identity: {result.identity} (check with: ckptconv verify {result.out} --expect {result.identity})")
             if result.resume_note:
                 say(f"--resume: {result.resume_note}")
             if verbose():
@@ -408,6 +409,8 @@ def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, write, fmt
         say(f"wrote {result.out}: {result.ranks} ranks ({result.preset} rules, "
             f"{result.split} tensors split, {len(result.replicated)} replicated), "
             f"{format_size(result.bytes_written)} in {result.seconds:.2f} s")
+        if result.identity:
+            say(f"identity: {result.identity} (check with: ckptconv verify {result.out} --expect {result.identity})")
         if verbose():
             for line in plan_lines(result):
                 say(line)
@@ -454,20 +457,23 @@ def plan_lines(result) -> list:
 @click.option("--device", type=click.Choice(["cpu", "cuda", "tpu"]), help="Load every rank's pieces onto devices "
               "with JAX and check them there.")
 @click.option("--allow-fewer-devices", is_flag=True, help="Map ranks to devices round-robin when there are fewer.")
+@click.option("--expect", metavar="sha256:DIGEST", help="The output's identity as its producer published it "
+              "(convert and reshard print it): fail unless PATH is exactly that output.")
 @read_options
 @cluster_options
 @command
-def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, quiet, as_json):
+def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cluster, quiet, as_json):
     """Check an output of convert or reshard (a directory, or one .safetensors file convert wrote):
     digests, structure, the source, and a device load.
 
     Prints every problem found, one per line naming the file and the tensor; exits 0 when clean,
     1 when problems were found, 2 when it could not verify. Example: ckptconv verify out/ --against model/
     """
+    expect = expected_identity(expect)
     cluster = cluster()
     size = total_bytes(path) if Path(path).is_dir() else Path(path).stat().st_size if Path(path).is_file() else 0
     with byte_progress(size, "verify", quiet) as progress:
-        report = verify(path, against, read, fmt, device, allow_fewer_devices, progress, cluster)
+        report = verify(path, against, read, fmt, device, allow_fewer_devices, progress, cluster, expect)
     changed = mapped.changed_files()
     if changed:
         raise BadInput(f"{changed[0]}: changed while it was being read; it could not be verified")
@@ -475,7 +481,8 @@ def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, q
         emit("verify", {"ok": not report.problems, "problems": [p.to_json() for p in report.problems],
                         "files": report.files,
                         "tensor_count": report.tensors, "bytes": report.bytes, "device": report.device,
-                        **({"notes": report.notes} if report.notes else {})})
+                        **({"notes": report.notes} if report.notes else {}),
+                        **({"expected": report.expected} if expect else {})})
     elif cluster is not None and not cluster.is_main:
         say(f"process {cluster.process_id} of {cluster.num_processes}: checked its share; "
             f"{'no problems' if not report.problems else f'{len(report.problems)} problem(s)'} in the whole "
@@ -489,7 +496,8 @@ def verify_cmd(path, against, device, allow_fewer_devices, fmt, read, cluster, q
         say(f"{path}: {status}: {report.files} shard files, {report.tensors} tensors, "
             f"{format_size(report.bytes)} {'read' if report.notes else 'hashed'}"
             + (", matches the source" if against and not report.problems
-                                                     else ""))
+                                                     else "")
+            + (f", is the expected output {expect}" if report.expected and not report.problems else ""))
         if verbose():
             say("checked: " + "; ".join(_checks(report, against)))
         if report.device:

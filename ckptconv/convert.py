@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass, field
 
 from . import dtypes, runner, transforms
 from .errors import BadInput, UsageError
+from .formats.identity import identity
 from .readers import Source, open_source, readers
 from .tp.rules import read_config
 from .writers import WRITERS
@@ -39,11 +40,12 @@ class ConvertResult:
     placeholders: list = field(default_factory=list)  # classes on no allowlist, in state left out
     process: int | None = None                      # on several processes: this one, and how many
     processes: int | None = None
+    identity: str | None = None                     # sha256:… naming exactly this output (formats/identity.py)
 
     def to_json(self) -> dict:
         """The `--json` summary: the fields that apply to this run."""
         optional = ("resume_note", "skipped_files", "also", "process", "processes", "state_dict", "dropped",
-                    "placeholders")
+                    "placeholders", "identity")
         return {"tensor_count" if k == "tensors" else k: v for k, v in asdict(self).items()
                 if k not in optional or v not in (None, [])}
 
@@ -108,6 +110,8 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
                            facts.get("resume_note"), content.skipped_files, ckpt.also,
                            None if ckpt.source.get("state_dict") in (None, "none") else ckpt.source["state_dict"],
                            ckpt.source.get("dropped", []), ckpt.source.get("placeholders", []))
+    if cluster is None or cluster.is_main:
+        result.identity = identity(out)
     if cluster is not None:
         mine = facts["unit_bytes"]
         result.files, result.resumed_bytes = sorted(facts["units"]), 0

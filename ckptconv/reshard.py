@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 from . import dtypes, runner, transforms
 from .errors import BadInput, UsageError, brief
+from .formats.identity import identity
 from .readers import Source, open_source, readers
 from .sizes import format_size
 from .tp.layout import REPLICATED_SHARE, plan, plan_summary, silent_replication
@@ -40,13 +41,15 @@ class ReshardResult:
     unasked: list = field(default_factory=list)   # [{name, bytes}] replicated though nothing asked (refused)
     refusal: str | None = None   # why a run of this plan stops (unasked replication)
     out: str | None = None
+    identity: str | None = None   # sha256:… naming exactly this output (formats/identity.py)
     seconds: float | None = None
     bytes_written: int | None = None
     gb_per_s: float | None = None
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None or k not in ("out", "seconds", "bytes_written",
-                                                                                      "gb_per_s", "refusal")}
+                                                                                      "gb_per_s", "refusal",
+                                                                                      "identity")}
 
 
 TARGETS = ("mesh", vllm.TARGET)   # --target: the layout written (writers/mesh.py, writers/vllm.py)
@@ -93,6 +96,8 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
     runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started
     result.out, result.seconds, result.bytes_written = str(out), round(seconds, 3), total
+    if cluster is None or cluster.is_main:
+        result.identity = identity(out)
     result.gb_per_s = round(total / seconds / 1e9, 3) if seconds else None
     return result
 

@@ -31,6 +31,7 @@ from .tp.rules import check_recorded, read_config
 from .tensor import as_bytes, iter_blocks, sha256_of
 from . import dtypes, transforms
 from .formats import manifest as manifest_format
+from .formats.identity import identity
 from .formats.manifest import MANIFEST
 from .formats.mesh import MESH, intervals, outer_cut, parse_mesh, rank_dir, rank_dirs, rank_number, read_regular
 
@@ -40,7 +41,7 @@ from .formats.mesh import MESH, intervals, outer_cut, parse_mesh, rank_dir, rank
 # that cannot be read; what the safetensors library sees differing from ckptconv; rank pieces that do
 # not fit mesh.json; a tensor that differs from the --against source.
 KINDS = ("missing", "unlisted", "misplaced", "digest", "metadata", "not-regular", "unreadable", "consumer", "mesh",
-         "source")
+         "source", "identity")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class Report:
     device: dict | None = None
     shared: int = 0   # problems already merged across processes
     notes: list = field(default_factory=list)   # checks that could not be done (an output ckptconv did not write)
+    expected: bool = False   # --expect was given and the output is that one
 
     def add(self, where, what: str, kind: str, tensor: str | None = None):
         assert kind in KINDS, kind
@@ -983,11 +985,27 @@ def _compare(a, b, where, report):
 
 
 def verify(path, against=None, read=None, fmt=None, device=None, allow_fewer=False, progress=None,
-           cluster=None) -> Report:
-    """Every check, in order; each stage runs only if the one before found nothing. On several
+           cluster=None, expect=None) -> Report:
+    """Every check, in order; each stage runs only if the one before found nothing; with `expect`
+    (an output's identity, formats/identity.py), the output must also be exactly that one. On several
     processes each checks its share (shards, rank dirs, tensors) and process 0 gathers the report;
     they first agree that they verify the same output the same way."""
-    path = Path(path)
+    report = _verify(Path(path), against, read, fmt, device, allow_fewer, progress, cluster)
+    if expect is not None and (cluster is None or cluster.is_main):
+        try:
+            found = identity(path)
+        except BadInput as e:
+            found, why = None, f"has nothing to name it by ({_detail(e, path)})"
+        if found is not None and found != expect:
+            why = f"is not the expected output: its identity is {found}, not {expect}"
+        if found != expect:
+            report.add(path, why, "identity")
+        else:
+            report.expected = True
+    return report
+
+
+def _verify(path: Path, against, read, fmt, device, allow_fewer, progress, cluster) -> Report:
     if cluster is not None and cluster.num_processes > 1:
         from .cluster import agree
         agree(cluster, _job(path, against, fmt, device, allow_fewer))

@@ -406,3 +406,52 @@ def test_a_single_file_holds_only_the_metadata_ckptconv_writes_and_its_extras_ar
     report = ckptconv.verify(out)
     assert any("'added', which ckptconv does not write" in str(p) for p in report.problems), report.problems
 
+
+# --- rule 8: an output's identity, published by its producer and checked by its consumer
+
+def test_the_identity_names_exactly_one_output(trained, tmp_path):
+    out, tp2 = tmp_path / "out", tmp_path / "tp2"
+    result = ckptconv.convert(trained, out)
+    assert result.identity == "sha256:" + hashlib.sha256((out / "SHA256SUMS").read_bytes()).hexdigest()
+    assert ckptconv.verify(out, expect=result.identity).expected
+    # a consistent forger: every digest re-recorded, verify alone finds nothing
+    (out / "tokenizer.json").write_text('{"vocab": {"x": 1}}')
+    _resum(out, "tokenizer.json")
+    assert ckptconv.verify(out).ok
+    report = ckptconv.verify(out, expect=result.identity)
+    assert [p.kind for p in report.problems] == ["identity"] and not report.expected
+    # a reshard output: its top SHA256SUMS and every rank's, in rank order (cat OUT/SHA256SUMS OUT/rank-*/SHA256SUMS)
+    sd = {"model.layers.0.mlp.up_proj.weight": torch.arange(32.0).reshape(8, 4)}
+    torch.save(sd, tmp_path / "l.pt")
+    r = ckptconv.reshard(tmp_path / "l.pt", tp2, 2, rules=split_all_rules(tmp_path))
+    lists = b"".join((d / "SHA256SUMS").read_bytes() for d in [tp2, tp2 / "rank-00000", tp2 / "rank-00001"])
+    assert r.identity == "sha256:" + hashlib.sha256(lists).hexdigest()
+    assert ckptconv.verify(tp2, expect=r.identity).ok
+
+
+def test_a_single_files_identity_covers_its_header(trained, tmp_path):
+    """A dtype changed in the header (F32 read as I32: the same bytes, the same digests) passes verify
+    alone; the identity, the header's digest, does not match."""
+    out = tmp_path / "one.safetensors"
+    result = ckptconv.convert(trained / "train.pt", out)
+    header, body = _single_header(out)
+    header["model.w"]["dtype"] = "I32"
+    _rewrite(out, header, body)
+    assert ckptconv.verify(out).ok
+    report = ckptconv.verify(out, expect=result.identity)
+    assert [p.kind for p in report.problems] == ["identity"]
+
+
+@pytest.mark.parametrize("value", ["sha256:xyz", "1234", "", "sha256:" + "g" * 64])
+def test_expect_takes_only_an_identity(trained, value):
+    with pytest.raises(UsageError, match="expected an identity"):
+        ckptconv.verify(trained, expect=value)
+
+
+def test_the_cli_prints_and_checks_the_identity(trained, tmp_path):
+    r = cli("convert", trained, tmp_path / "out", "--json")
+    digest = json.loads(r.stdout)["identity"]
+    r = cli("verify", tmp_path / "out", "--expect", digest)
+    assert r.returncode == 0 and f"is the expected output {digest}" in r.stdout
+    r = cli("verify", tmp_path / "out", "--expect", "sha256:" + "0" * 64)
+    assert r.returncode == 1 and "is not the expected output" in r.stdout
