@@ -79,7 +79,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     one_file = single_file(out)
     if one_file and write.resume:
         raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
-    tensors = transforms.strip_prefix(ckpt.tensors, options.strip_prefix)
+    tensors = transforms.strip_prefix(ckpt.tensors, options.strip_prefix, src)
     aliases, config = {}, _config(ckpt.model_files)
     if config.get("tie_word_embeddings") is True:
         tensors, aliases = transforms.untie(tensors)

@@ -63,7 +63,7 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
     write = write or WriteOptions()
     started = time.perf_counter()
     ckpt = open_source(source)
-    tensors = transforms.strip_prefix(ckpt.tensors, strip_prefix)
+    tensors = transforms.strip_prefix(ckpt.tensors, strip_prefix, source.path)
     described = dict(ckpt.source, **({"strip_prefix": strip_prefix} if strip_prefix else {}),
                      **({"only": list(source.options.only)} if source.options.only else {}))
     cast_to = None if dtype == "keep" else dtypes.CAST_TARGETS[dtype]

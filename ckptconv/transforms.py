@@ -5,9 +5,10 @@ from .errors import UsageError
 from .tensor import cast
 
 
-def strip_prefix(tensors, prefix: str | None):
+def strip_prefix(tensors, prefix: str | None, where="the source"):
     """Drop `prefix` from the names that start with it (`model.` is the common case). A prefix
-    without its trailing dot takes the dot too: `model` turns `model.w` into `w`, never `.w`."""
+    without its trailing dot takes the dot too: `model` turns `model.w` into `w`, never `.w`.
+    UsageError naming `where` (SRC) when two names become one, or one the safetensors format reserves."""
     if not prefix:
         return tensors
     out, seen = [], {}
@@ -15,7 +16,10 @@ def strip_prefix(tensors, prefix: str | None):
         cut = prefix if prefix.endswith(".") or not t.name.startswith(prefix + ".") else prefix + "."
         name = t.name[len(cut):] if t.name.startswith(cut) and len(t.name) > len(cut) else t.name
         if name in seen:
-            raise UsageError(f"--strip-prefix {prefix!r} makes {seen[name]!r} and {t.name!r} both {name!r}")
+            raise UsageError(f"{where}: --strip-prefix {prefix!r} makes {seen[name]!r} and {t.name!r} both {name!r}")
+        if name == "__metadata__":
+            raise UsageError(f"{where}: --strip-prefix {prefix!r} makes {t.name!r} '__metadata__', a name the "
+                             "safetensors format reserves")
         seen[name] = t.name
         out.append(t if name == t.name else t.renamed(name))
     return out

@@ -830,7 +830,7 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
     prefix, cast_to = manifest.get("strip_prefix"), manifest.get("cast")
     if prefix is not None:  # convert's own transforms, with their own checks (a name clash is refused)
         try:
-            src_list = transforms.strip_prefix(src_list, prefix if isinstance(prefix, str) and prefix else None)
+            src_list = transforms.strip_prefix(src_list, prefix if isinstance(prefix, str) and prefix else None, src)
         except UsageError as e:
             report.add(recorded, f"source.strip_prefix {brief(prefix)}: {e}", "metadata")
             return

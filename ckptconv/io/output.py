@@ -126,12 +126,22 @@ def _take_lock(out: Path) -> Path:
     raise OutputError(f"{out}: could not take the lock {lock}")
 
 
+def _leftover(path: Path):
+    """A killed run leaves a directory (or, for a single file, a file) at its temporary and old
+    names; anything else there (a symbolic link, a FIFO …) was put there by someone else: refused,
+    never followed, renamed or removed."""
+    if os.path.islink(path) or (os.path.lexists(path) and not (path.is_dir() or path.is_file())):
+        what = f"a symbolic link (to {os.readlink(path)})" if os.path.islink(path) else "not a file or directory"
+        raise OutputError(f"{path}: is {what}, not what a ckptconv run leaves there; remove it yourself")
+
+
 def _recover(out: Path):
     """A run killed while publishing left the previous OUT at `.OUT.ckptconv-old`: put it back."""
     old = _old_path(out)
+    _leftover(old)
     if os.path.lexists(old):
         if os.path.lexists(out):
-            shutil.rmtree(old, ignore_errors=True)
+            old.unlink() if old.is_file() else shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(old, out)
 
@@ -151,7 +161,10 @@ def atomic_output(out, overwrite=False, resume=False, inputs=(), single_file=Fal
             lock = _take_lock(out)
             _recover(out)
             check_target(out, inputs, overwrite, single_file, not_ours)  # again, now that we hold the lock
-            if tmp.exists() and not resume:
+            _leftover(tmp)
+            if tmp.is_file():
+                tmp.unlink()
+            elif tmp.exists() and not resume:
                 shutil.rmtree(tmp)  # left by a killed run
             tmp.mkdir(exist_ok=resume)
         with on_escape(lambda: (shutil.rmtree(tmp, ignore_errors=True), lock.unlink(missing_ok=True))):

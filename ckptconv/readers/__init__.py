@@ -85,6 +85,8 @@ def open_checkpoint(path, fmt=None, options=None):
     if Path(path).is_dir():
         ckpt.skipped_files += [{"name": p.name, "reason": f"training state: {what}"}
                                for p, what in training_files(Path(path))]
+        ckpt.skipped_files += [{"name": name, "reason": "an earlier output's own metadata (OUT gets its own)"}
+                               for name in (MANIFEST, SUMS) if os.path.lexists(Path(path) / name)]
     for m in ckpt.mapped:
         # Reading headers touched a page of the mapping per tensor, and the kernel may map a whole 2 MiB
         # folio of the page cache for each (measured: 290 MB of RSS after opening a 2 GB .pt of 165

@@ -181,7 +181,10 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
     entries = entries if entries is not None else ziparchive.read_entries(m, base, length)
     prefix = archive_prefix(m, entries)
     order = entries.get(prefix + "byteorder")
-    big = order is not None and bytes(ziparchive.read_small(m, order, 16)).strip() == b"big"
+    said = bytes(ziparchive.read_small(m, order, 16)).strip() if order is not None else b"little"
+    if said not in (b"little", b"big"):   # (torch.load refuses it too)
+        raise BadInput(f"{m.path}: {prefix}byteorder says {brief(said, 20)}, not 'little' or 'big'")
+    big = said == b"big"
     # The first reference to a storage says what it is (its dtype and size), as for torch.load; later
     # ones get the same. Kept per entry row as a number and a byte, not as a table of Storage records:
     # a million of them, each with its key, would stay in memory to the end of the load.

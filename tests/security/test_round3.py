@@ -455,3 +455,45 @@ def test_the_cli_prints_and_checks_the_identity(trained, tmp_path):
     assert r.returncode == 0 and f"is the expected output {digest}" in r.stdout
     r = cli("verify", tmp_path / "out", "--expect", "sha256:" + "0" * 64)
     assert r.returncode == 1 and "is not the expected output" in r.stdout
+
+
+# --- class 7 of the attack (small gaps), each fixed
+
+def test_a_byteorder_other_than_little_or_big_is_refused(tmp_path):
+    import zipfile
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.arange(4.0)}, src)
+    with zipfile.ZipFile(src) as z:
+        items = {i.filename: z.read(i) for i in z.infolist()}
+    name = next(n for n in items if n.endswith("/byteorder"))
+    items[name] = b"middle"
+    with zipfile.ZipFile(src, "w", zipfile.ZIP_STORED) as z:
+        for n, data in items.items():
+            z.writestr(n, data)
+    assert_refused(cli("convert", src, tmp_path / "out"), tmp_path / "out", "byteorder says b'middle'")
+
+
+@pytest.mark.parametrize("leftover", ["tmp", "old"])
+def test_a_leftover_that_is_a_link_is_refused_naming_it(model, tmp_path, leftover):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    link = tmp_path / f".out.ckptconv-{leftover}"
+    link.symlink_to(target)
+    r = cli("convert", model, tmp_path / "out")
+    assert r.returncode == 2 and f"{link}: is a symbolic link (to {target})" in r.stderr, r.stderr
+    assert (target / "keep").read_text() == "x" and link.is_symlink() and not (tmp_path / "out").exists()
+
+
+def test_the_sources_own_output_metadata_is_listed_as_not_carried(trained, tmp_path):
+    (trained / "manifest.json").write_text("{}")
+    (trained / "SHA256SUMS").write_text("")
+    result = ckptconv.convert(trained, tmp_path / "out")
+    assert {s["name"] for s in result.skipped_files} >= {"manifest.json", "SHA256SUMS"}
+
+
+def test_a_prefix_that_makes_a_reserved_name_is_refused_naming_the_source(tmp_path):
+    src = tmp_path / "m.pt"
+    torch.save({"x.__metadata__": torch.ones(2), "x.w": torch.ones(2)}, src)
+    r = cli("convert", src, tmp_path / "out", "--strip-prefix", "x.")
+    assert_refused(r, tmp_path / "out", f"{src}: --strip-prefix 'x.' makes 'x.__metadata__' '__metadata__'")
