@@ -146,6 +146,18 @@ class MappedFile:
         if end > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def advise(self, advice: int, offset: int = 0, length: int | None = None):
+        """How the kernel should read [offset, offset+length) (the whole file by default) when it is
+        touched: `mmap.MADV_RANDOM`, only the page touched (a fault otherwise reads around it, as much
+        as the disk's read-ahead: 8 MiB on some); `mmap.MADV_SEQUENTIAL`, ahead of it, never behind."""
+        if self._map is None:
+            return
+        start = offset - offset % _PAGE
+        end = self.size if length is None else min(self.size, offset + length)
+        if end > start:
+            with contextlib.suppress(OSError):
+                self._map.madvise(advice, start, end - start)
+
     @property
     def hits(self) -> int:
         """Faults the guard answered with zeros (pages gone from the file): it shrank under us."""
