@@ -80,9 +80,8 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     if one_file and write.resume:
         raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
     tensors = transforms.strip_prefix(ckpt.tensors, options.strip_prefix, src)
-    aliases, config = {}, _config(ckpt.model_files)
-    if config.get("tie_word_embeddings") is True:
-        tensors, aliases = transforms.untie(tensors)
+    config = _config(ckpt.model_files)
+    tensors, aliases = transforms.untie(tensors, same_bytes=config.get("tie_word_embeddings") is True)
     target = None if options.dtype == "keep" else dtypes.CAST_TARGETS[options.dtype]
     tensors = transforms.cast_floats(tensors, target)
     described = dict(ckpt.source)

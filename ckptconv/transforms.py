@@ -2,7 +2,7 @@
 import json
 
 from .errors import UsageError
-from .tensor import cast
+from .tensor import Renamed, cast
 
 
 def strip_prefix(tensors, prefix: str | None, where="the source"):
@@ -25,19 +25,24 @@ def strip_prefix(tensors, prefix: str | None, where="the source"):
     return out
 
 
-def untie(tensors) -> tuple:
-    """(tensors, {alias: kept name}): of tensors that are the same bytes of the same file (tied
-    weights: the embeddings and the output head), the first is kept and the others become aliases,
-    as huggingface_hub's save_torch_state_dict writes them; from_pretrained ties them back."""
+def untie(tensors, same_bytes: bool = True) -> tuple:
+    """(tensors, {alias: kept name}): of tensors that are one tensor under two names, the first is kept
+    and the others become aliases, as huggingface_hub's save_torch_state_dict writes them;
+    from_pretrained ties them back. One tensor is the same source under another name (a reader that
+    knows two names are tied: DeepSpeed's shared_params), always; or, with `same_bytes` (config.json
+    says tie_word_embeddings), the same bytes of the same file (the embeddings and the output head)."""
     kept, aliases, first = [], {}, {}
     for t in tensors:
-        span = t.file_span()
-        key = None if span is None else (id(span[0]), span[1], t.nbytes, t.dtype.code, tuple(t.shape))
-        if key is not None and key in first:
+        base = t
+        while isinstance(base, Renamed):
+            base = base.base
+        span = t.file_span() if same_bytes else None
+        key = ("source", id(base)) if span is None else \
+            (id(span[0]), span[1], t.nbytes, t.dtype.code, tuple(t.shape))
+        if key in first:
             aliases[t.name] = first[key]
             continue
-        if key is not None:
-            first[key] = t.name
+        first[key] = t.name
         kept.append(t)
     return kept, aliases
 
