@@ -108,8 +108,22 @@ _TRAINING_STATE = [
     (re.compile(r"rng_state(_\d+)?\.pth"), "random number generator states"),
     (re.compile(r"training_args\.bin"), "TrainingArguments, a pickled Python object"),
     (re.compile(r"trainer_state\.json"), "Trainer progress and logs"),
-    (re.compile(r"latest|zero_to_fp32\.py"), "DeepSpeed"),
+    (re.compile(r"latest|zero_to_fp32\.py|zero_to_torch\.py"), "DeepSpeed"),
 ]
+
+# DeepSpeed's rank files in a tag directory (`global_stepN/`): read by the deepspeed reader, never
+# taken for a directory's torch weights.
+DEEPSPEED_RANK_FILE = re.compile(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt"
+                                 r"|(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
+
+
+def deepspeed_tag_directory(d: Path) -> bool:
+    """A DeepSpeed tag directory inside its checkpoint directory (the parent holds `latest`), whose
+    model files (config.json, tokenizer) the Hugging Face Trainer leaves in that parent."""
+    try:
+        return (d.parent / "latest").is_file() and any(DEEPSPEED_RANK_FILE.fullmatch(n) for n in os.listdir(d))
+    except OSError:
+        return False
 
 
 def training_state(name: str):
@@ -138,10 +152,13 @@ def model_files(directory: Path, consumed=()) -> list:
 def source_root(path: Path) -> str:
     """The directory every file of the source must resolve into: SRC itself (a file's directory), or
     for a Hugging Face cache snapshot (`.../snapshots/REV/`, whose files link into the repo's
-    `blobs/`), that repo."""
+    `blobs/`), that repo; for a DeepSpeed tag directory (`global_stepN/` beside `latest`), its
+    checkpoint directory."""
     d = path if path.is_dir() else path.parent
     if d.parent.name == "snapshots" and (d.parent.parent / "blobs").is_dir():
         d = d.parent.parent
+    elif path.is_dir() and deepspeed_tag_directory(d):
+        d = d.parent
     return os.path.realpath(d)
 
 

@@ -17,8 +17,8 @@ from ..io.mapped import MappedFile
 from ..tensor import Checkpoint
 from .pickle.numpy_globals import NumpyArray
 from .pickle.torch_globals import TORCH_OWNED, Storage, TorchTensor, flatten, storage_dtype, torch_globals
-from . import (ReadOptions, by_shard, check_listed, inside, model_files, source_root, training_state, wanted,
-               weight_map, weights_file)
+from . import (DEEPSPEED_RANK_FILE, ReadOptions, by_shard, check_listed, inside, model_files, source_root,
+               training_state, wanted, weight_map, weights_file)
 
 NAME = "torch"
 
@@ -51,7 +51,8 @@ def _dir_files(directory: Path) -> list:
         return found
     root = source_root(directory)
     files = [p for p in sorted(directory.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt") and p.is_file()
-             and inside(p, root) and not training_state(p.name)]  # a link leading elsewhere is not even looked at
+             and inside(p, root) and not training_state(p.name)   # a link leading elsewhere is not even looked at
+             and not DEEPSPEED_RANK_FILE.fullmatch(p.name)]        # (a ZeRO checkpoint: readers/deepspeed.py)
     return [p for p in files if _is_torch_file(p)]
 
 
