@@ -1,0 +1,168 @@
+"""Hostile and inconsistent DeepSpeed ZeRO checkpoints: the real DeepSpeed files committed under
+tests/fixtures/data/deepspeed/, with a rank missing or twice, files of another run, a lying shape, a
+truncated file, a `latest` leading elsewhere, pipeline or expert files, or a pickle that would run
+code. Each is converted by the real CLI in a fresh process under a memory cap and a timeout, and
+must be refused with exit 2 and one line naming the file and what is wrong, nothing written."""
+import os
+import re
+import shutil
+import struct
+import zipfile
+import zlib
+
+import pytest
+import torch
+
+from tests.fixtures.attacks import Reduce
+from tests.helpers import DATA, assert_refused, cli
+
+FIXTURES = DATA / "deepspeed"
+
+
+def copy(name, tmp_path):
+    shutil.copytree(FIXTURES / name, tmp_path / name)
+    return tmp_path / name, tmp_path / name / "global_step2"
+
+
+def patch_pickle(path, edit):
+    """Rewrite the data.pkl of a torch zip in place with `edit(bytes) -> bytes` (same length), its
+    CRC-32 fixed in the local header and the central directory, as if the producer had written it."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    start = info.header_offset + 30 + name_len + extra_len
+    old = bytes(data[start:start + info.file_size])
+    new = edit(old)
+    assert len(new) == len(old) and new != old
+    data[start:start + len(new)] = new
+    crc = zlib.crc32(new)
+    struct.pack_into("<I", data, info.header_offset + 14, crc)
+    for m in re.finditer(rb"PK\x01\x02", bytes(data)):
+        at = m.start()
+        n = struct.unpack_from("<H", data, at + 28)[0]
+        if bytes(data[at + 46:at + 46 + n]) == info.filename.encode():
+            struct.pack_into("<I", data, at + 16, crc)
+            break
+    else:
+        raise AssertionError(f"no central directory entry for {info.filename}")
+    path.write_bytes(bytes(data))
+
+
+def convert(src, tmp_path):
+    out = tmp_path / "out"
+    return cli("convert", src, out), out
+
+
+def refused(src, tmp_path, *fragments):
+    r, out = convert(src, tmp_path)
+    assert_refused(r, out, *fragments, src=src)
+    assert not out.exists()
+
+
+def test_a_missing_rank_is_refused(tmp_path):
+    src, tag = copy("z2-fp32-mlp", tmp_path)
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    refused(src, tmp_path, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "partition_count says 2 ranks", "rank 1's", "is missing")
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").rename(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    refused(src, tmp_path, "the optimizer state of rank 0 is missing")
+
+
+def test_a_rank_twice_is_refused(tmp_path):
+    src, tag = copy("z2-fp32-mlp", tmp_path)
+    shutil.copy(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt", tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    refused(src, tmp_path, "holds rank 1's optimizer state", "two runs' files")
+
+
+def test_a_missing_stage3_model_state_is_refused(tmp_path):
+    src, tag = copy("z3-bf16-frozen-tied", tmp_path)
+    (tag / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    refused(src, tmp_path, "the model state of rank 1 is missing")
+
+
+def _stage_1(b):
+    """ZeroStageEnum(2) -> ZeroStageEnum(1): the BININT1 right after the global (and its memo)."""
+    at = b.index(b"ZeroStageEnum\n") + len(b"ZeroStageEnum\n")
+    k = b.index(b"K\x02", at)
+    return b[:k] + b"K\x01" + b[k + 2:]
+
+
+@pytest.mark.parametrize("edit, fragment", [(lambda b: b.replace(b"0.19.8", b"0.19.7"), "ds_version '0.19.7'"),
+                                            (_stage_1, "ZeRO stage 1")])
+def test_files_of_another_run_are_refused(tmp_path, edit, fragment):
+    src, tag = copy("z2-fp32-mlp", tmp_path)
+    target = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    patch_pickle(target, edit)
+    refused(src, tmp_path, "zero_pp_rank_1_mp_rank_00_optim_states.pt", fragment, "different runs")
+
+
+def test_shapes_the_partitions_do_not_hold_are_refused(tmp_path):
+    src, tag = copy("z2-fp32-mlp", tmp_path)
+
+    def edit(b):   # param_shapes: fc1.weight [13, 7] -> [13, 9]
+        at = b.index(b"fc1.weight", b.index(b"param_shapes"))
+        k = b.index(b"K\rK\x07", at)
+        return b[:k] + b"K\rK\x09" + b[k + 4:]
+    patch_pickle(tag / "mp_rank_00_model_states.pt", edit)
+    refused(src, tmp_path, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "parameter group 0", "need 336 elements", "hold 310 (156, 154)")
+
+
+def test_stage3_shapes_the_partitions_do_not_hold_are_refused(tmp_path):
+    src, tag = copy("z3-bf16-frozen-tied", tmp_path)
+    for r in (0, 1):
+        def edit(b):   # embed.weight [11, 7] -> [11, 8]
+            at = b.index(b"embed.weight", b.index(b"param_shapes"))
+            k = b.index(b"K\x0bK\x07", at)
+            return b[:k] + b"K\x0bK\x08" + b[k + 4:]
+        patch_pickle(tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", edit)
+    refused(src, tmp_path, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "ceil(numel / 2)")
+
+
+def test_a_truncated_rank_file_is_refused(tmp_path):
+    src, tag = copy("z3-bf16-frozen-tied", tmp_path)
+    f = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.write_bytes(f.read_bytes()[:3000])
+    refused(src, tmp_path, "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+
+
+@pytest.mark.parametrize("tag", ["../elsewhere", "/etc", "global_step2\nglobal_step3", ".."])
+def test_latest_naming_anything_but_a_tag_is_refused(tmp_path, tag):
+    src, _ = copy("z1-fp32-mlp", tmp_path)
+    (src / "latest").write_text(tag)
+    refused(src, tmp_path, "latest", "not a plain directory name")
+
+
+def test_a_tag_directory_leading_outside_is_refused(tmp_path):
+    src, tag = copy("z1-fp32-mlp", tmp_path)
+    shutil.move(tag, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tag)
+    refused(src, tmp_path, "leads outside the checkpoint")
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "2 model-parallel ranks"),
+    ("mp_rank_01_model_states.pt", "2 model-parallel ranks"),
+    ("layer_01-model_00-model_states.pt", "pipeline-parallel"),
+    ("expp_rank_0_mp_rank_00_optim_states.pt", "mixture-of-experts"),
+])
+def test_pipeline_tensor_and_expert_parallel_files_are_refused(tmp_path, extra, fragment):
+    src, tag = copy("z2-fp32-mlp", tmp_path)
+    shutil.copy(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", tag / extra)
+    refused(src, tmp_path, fragment)
+
+
+def test_a_pickle_that_runs_code_is_refused_and_nothing_runs(tmp_path):
+    src, tag = copy("z2-fp32-mlp", tmp_path)
+    canary = tmp_path / "canary"
+    torch.save({"optimizer_state_dict": Reduce(os.system, (f"touch {canary}",))},
+               tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    refused(src, tmp_path, "zero_pp_rank_1_mp_rank_00_optim_states.pt", "'posix.system'")
+    assert not canary.exists()
+
+
+def test_a_deepspeed_class_off_the_allowlist_is_refused(tmp_path):
+    src, tag = copy("z2-fp32-mlp", tmp_path)
+    # LossScaler -> LossScalerX: same length is not possible; a class name of the same length instead
+    patch_pickle(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                 lambda b: b.replace(b"loss_scaler\nLossScaler", b"loss_scaler\nLossScalar"))
+    refused(src, tmp_path, "deepspeed.runtime.fp16.loss_scaler.LossScalar", "not on the allowlist")
