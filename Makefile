@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-vllm demo bench fuzz clean
+.PHONY: setup test test-vllm test-deepspeed deepspeed-fixtures demo bench fuzz clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,25 @@ $(VLLM_VENV)/.installed:
 test-vllm: setup $(VLLM_VENV)/.installed
 	CKPTCONV_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest tests/vllm -v
 
+# DeepSpeed ZeRO checkpoints made by the real DeepSpeed (CPU, 2 processes with gloo), every variant of
+# tests/fixtures/deepspeed.py, compared bit for bit with DeepSpeed's own merge (not part of `make
+# test`: the venv is about 1 GB; the fixtures take about 20 s). `deepspeed-fixtures` remakes the small
+# ones committed under tests/fixtures/data/deepspeed/. See docs/formats.md#deepspeed.
+DS_VENV ?= .venv-deepspeed
+DS_FIXTURES ?= /tmp/ckptconv-deepspeed-fixtures
+$(DS_VENV)/.installed:
+	python3 -m venv $(DS_VENV)
+	DS_BUILD_OPS=0 $(DS_VENV)/bin/python -m pip install --quiet torch==2.13.0 deepspeed==0.19.8 transformers safetensors
+	touch $@
+
+test-deepspeed: setup $(DS_VENV)/.installed
+	rm -rf $(DS_FIXTURES)
+	DS_ACCELERATOR=cpu $(DS_VENV)/bin/python -m tests.fixtures.deepspeed $(DS_FIXTURES)
+	CKPTCONV_DEEPSPEED_FIXTURES=$(abspath $(DS_FIXTURES)) $(PY) -m pytest tests/deepspeed -v
+
+deepspeed-fixtures: $(DS_VENV)/.installed
+	DS_ACCELERATOR=cpu $(DS_VENV)/bin/python -m tests.fixtures.deepspeed --committed
+
 demo: setup
 	$(PY) scripts/demo.py
 
@@ -42,4 +61,4 @@ fuzz: setup
 	$(PY) -m fuzz.fuzz_parsers fuzz/corpus -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(DS_VENV) build *.egg-info

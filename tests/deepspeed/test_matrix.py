@@ -1,0 +1,55 @@
+"""Every variant tests/fixtures/deepspeed.py makes with the real DeepSpeed (ZeRO stages 1-3; fp32,
+fp16 and bf16 runs; frozen and tied parameters, odd sizes, several parameter groups, a torch
+optimizer passed in, round-robin gradients, tiny Llamas with config.json) converts bit for bit to
+what DeepSpeed's get_fp32_state_dict_from_zero_checkpoint returns for the same files, also cast to
+bf16, also from the tag directory; verify --against the ZeRO directory passes; Llamas reshard.
+
+Run by `make test-deepspeed`, which makes DeepSpeed's venv and the fixtures (about 20 s on two CPUs)
+and points CKPTCONV_DEEPSPEED_FIXTURES at them; skipped otherwise."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import run
+from tests.readers.test_deepspeed import check_output
+
+ROOT = os.environ.get("CKPTCONV_DEEPSPEED_FIXTURES")
+pytestmark = pytest.mark.skipif(not ROOT or not Path(ROOT).is_dir(),
+                                reason="CKPTCONV_DEEPSPEED_FIXTURES is not set (make test-deepspeed sets it)")
+ROOT = Path(ROOT or ".")
+
+
+def variants():
+    from tests.fixtures.deepspeed import VARIANTS
+    return list(VARIANTS)
+
+
+@pytest.mark.parametrize("name", variants())
+def test_bit_for_bit_with_deepspeeds_merge(name, tmp_path):
+    for src in (ROOT / name, ROOT / name / (ROOT / name / "latest").read_text().strip()):
+        out = tmp_path / src.name
+        r = run("convert", src, out, "--quiet")
+        assert r.exit_code == 0, r.stderr
+        check_output(out, name, ROOT)
+        r = run("verify", out, "--against", src)
+        assert r.exit_code == 0 and "matches the source" in r.stdout, r.stdout + r.stderr
+    r = run("convert", ROOT / name, tmp_path / "bf16", "--dtype", "bf16", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    check_output(tmp_path / "bf16", name, ROOT, cast=torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", [n for n in variants() if "llama" in n])
+def test_llamas_reshard_and_verify(name, tmp_path):
+    for target in ("mesh", "vllm"):
+        out = tmp_path / target
+        r = run("reshard", ROOT / name, out, "--tp", 2, "--target", target, "--quiet")
+        assert r.exit_code == 0, r.stderr
+        assert run("verify", out, "--against", ROOT / name).exit_code == 0
+
+
+def test_the_matrix_is_what_the_fixture_script_makes():
+    facts = {n: json.loads((ROOT / f"{n}.reference.json").read_text()) for n in variants()}
+    assert any(f["shared"] for f in facts.values())   # tied weights are among them
