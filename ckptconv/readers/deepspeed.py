@@ -58,12 +58,13 @@ F32 = dtypes.from_code("F32")
 
 # --- Where the files are -------------------------------------------------------------------------
 
-def read_tag(directory: Path) -> str | None:
+def read_tag(directory: Path, root: str) -> str | None:
     """The tag `latest` names (its text, stripped), or None when there is no `latest` file; a tag
-    that is not a plain directory name is refused."""
+    that is not a plain directory name, or a `latest` leading outside the checkpoint, is refused."""
     latest = directory / LATEST
     if not latest.is_file():
         return None
+    confined(latest, root)
     try:
         with open(latest, "rb") as f:
             raw = f.read(MAX_LATEST + 1)
@@ -519,7 +520,7 @@ def _check_names(tensors: list, shared: list, where):
 
 def _tag_directory(path: Path, root: str) -> tuple:
     """(the tag directory, the tag, the directory whose model files are carried)."""
-    tag = read_tag(path)
+    tag = read_tag(path, root)
     if tag is None:
         carry = path.parent if deepspeed_tag_directory(path) else path
         return path, path.name, carry

@@ -132,6 +132,14 @@ def test_latest_naming_anything_but_a_tag_is_refused(tmp_path, tag):
     refused(src, tmp_path, "latest", "not a plain directory name")
 
 
+def test_latest_leading_outside_is_refused_unread(tmp_path):
+    src, _ = copy("z1-fp32-mlp", tmp_path)
+    (tmp_path / "secret").write_text("global_step2")
+    (src / "latest").unlink()
+    os.symlink(tmp_path / "secret", src / "latest")
+    refused(src, tmp_path, "latest: leads outside the checkpoint")
+
+
 def test_a_tag_directory_leading_outside_is_refused(tmp_path):
     src, tag = copy("z1-fp32-mlp", tmp_path)
     shutil.move(tag, tmp_path / "elsewhere")
