@@ -50,7 +50,7 @@ MAX_LATEST = 4096            # bytes of `latest` read (a tag is a directory name
 OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d{1,9})_mp_rank_(\d{1,9})_optim_states\.pt")
 MODEL = re.compile(r"(?:zero_pp_rank_(\d{1,9})_)?mp_rank_(\d{1,9})_model_states\.pt")
 # DeepSpeed files this reader does not merge: pipeline layers, MoE experts and their optimizer state
-PIPELINE = re.compile(r"layer_\d+-model_\d+-model_states\.pt")
+PIPELINE = re.compile(r"layer_\d+(-model_\d+)?-model_states\.pt")
 EXPERT = re.compile(r"(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt|expp_rank_\d+_mp_rank_\d+_optim_states\.pt")
 
 F32 = dtypes.from_code("F32")
@@ -290,8 +290,8 @@ def _layout(directory: Path) -> Layout:
     for n in names:
         o, md = OPTIM.fullmatch(n), MODEL.fullmatch(n)
         if PIPELINE.fullmatch(n):
-            raise BadInput(f"{directory / n}: a pipeline-parallel layer file (DeepSpeed's PipelineModule); "
-                           "pipeline-parallel ZeRO checkpoints are not supported: merge the stages first; refused")
+            raise BadInput(f"{directory / n}: a pipeline-parallel layer file (DeepSpeed's PipelineModule): each "
+                           "pipeline stage's files hold other layers, and merging them is not supported; refused")
         if EXPERT.fullmatch(n):
             raise BadInput(f"{directory / n}: a mixture-of-experts file; ZeRO checkpoints with expert parallelism "
                            "are not supported; refused")

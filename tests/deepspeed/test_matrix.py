@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(not ROOT or not Path(ROOT).is_dir(),
 ROOT = Path(ROOT or ".")
 
 
-def variants():
+def variants(pipeline=False):
     from tests.fixtures.deepspeed import VARIANTS
-    return list(VARIANTS)
+    return [n for n, v in VARIANTS.items() if (v["model"] == "pipe") == pipeline]
 
 
 @pytest.mark.parametrize("name", variants())
@@ -48,6 +48,12 @@ def test_llamas_reshard_and_verify(name, tmp_path):
         r = run("reshard", ROOT / name, out, "--tp", 2, "--target", target, "--quiet")
         assert r.exit_code == 0, r.stderr
         assert run("verify", out, "--against", ROOT / name).exit_code == 0
+
+
+@pytest.mark.parametrize("name", variants(pipeline=True))
+def test_pipeline_stages_are_refused(name, tmp_path):
+    r = run("convert", ROOT / name, tmp_path / "out")
+    assert r.exit_code == 2 and "pipeline-parallel" in r.stderr and not (tmp_path / "out").exists()
 
 
 def test_the_matrix_is_what_the_fixture_script_makes():

@@ -147,6 +147,14 @@ def test_a_tag_directory_leading_outside_is_refused(tmp_path):
     refused(src, tmp_path, "leads outside the checkpoint")
 
 
+def test_a_real_pipeline_parallel_checkpoint_is_refused(tmp_path):
+    """DeepSpeed's PipelineModule, two stages: layer_NN-model_states.pt, mp_rank_00 and mp_rank_01."""
+    src = FIXTURES / "z1-fp32-pipeline"
+    for s in (src, src / "global_step2"):
+        r, out = convert(s, tmp_path)
+        assert_refused(r, out, "layer_00-model_states.pt", "pipeline-parallel", "not supported")
+
+
 @pytest.mark.parametrize("extra, fragment", [
     ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "2 model-parallel ranks"),
     ("mp_rank_01_model_states.pt", "2 model-parallel ranks"),
