@@ -605,8 +605,9 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
               "world_size": world, "ds_version": first.ds_version, "master_dtype": first.groups[0].dtype.code}
     left = [n for n in s0.module_params if n not in by_name]
     if left:   # ZeRO-1 does not save frozen parameters among the fp32 state: DeepSpeed's merge leaves them out
-        source["dropped"] = [{"name": n, "reason": "in the 16-bit module state only (not a trained fp32 master, "
-                                                  "nor saved as a frozen parameter)"} for n in left[:1000]]
+        source["dropped"] = [{"name": n, "reason": "a parameter saved only in the 16-bit module state (a frozen one, "
+                                                  "at ZeRO stage 1), not among the fp32 masters; DeepSpeed's merge "
+                                                  "leaves it out too"} for n in left[:1000]]
     files_beside = model_files(carry, [directory]) if carry.is_dir() else []
     return Checkpoint(kept, {}, source, files_beside, mapped)
 

@@ -41,6 +41,12 @@ def test_bit_for_bit_with_deepspeeds_merge(name, tmp_path):
     check_output(tmp_path / "bf16", name, ROOT, cast=torch.bfloat16)
 
 
+def test_frozen_parameters_stage_1_does_not_save_are_listed(tmp_path):
+    r = run("convert", ROOT / "z1-bf16-frozen", tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert [d["name"] for d in json.loads(r.stdout)["dropped"]] == ["frozen.weight", "frozen.bias"]
+
+
 @pytest.mark.parametrize("name", [n for n in variants() if "llama" in n])
 def test_llamas_reshard_and_verify(name, tmp_path):
     for target in ("mesh", "vllm"):
