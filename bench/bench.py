@@ -570,11 +570,157 @@ def bench_plan():
         sys.stdout.flush()
 
 
+def zero3_dir(path, gigabytes: float):
+    """A ZeRO-3 checkpoint of 2 ranks with `gigabytes` of fp32 masters (and twice that of Adam
+    moments), written with torch.save in the structure DeepSpeed 0.19.8 writes (tests/fixtures/
+    zero_layout.py): 4096 x 4096 matrices and a few odd sizes the ranks pad."""
+    sys.path.insert(0, str(ROOT))
+    from tests.fixtures import zero_layout
+    tmp = Path(str(path) + ".tmp")
+    remove(tmp)
+    zero_layout.write(tmp, _zero3_params(gigabytes), world=2, stage=3, keep=False)
+    os.rename(tmp, path)
+
+
+def _zero3_params(gigabytes: float) -> list:
+    n = max(1, round(gigabytes * 1e9 / (4096 * 4096 * 4)))
+    return [(f"layers.{i}.weight", (4096, 4096)) for i in range(n)] + [("norm.weight", (4097,)),
+                                                                      ("head.bias", (3, 7, 11))]
+
+
+def zero3_pt(path, gigabytes: float):
+    """The same masters (shapes and values) as one torch.save file: what a plain convert reads."""
+    import numpy as np
+    import torch
+    sys.path.insert(0, str(ROOT))
+    from tests.fixtures import zero_layout
+    rng = np.random.default_rng(0)
+    sd = {n: torch.from_numpy(zero_layout.floats(rng, int(np.prod(s)))).reshape(s) for n, s in _zero3_params(gigabytes)}
+    torch.save(sd, str(path) + ".tmp")
+    os.rename(str(path) + ".tmp", path)
+
+
+def _partitions(src: Path) -> list:
+    """(file, offset, length) of each rank's fp32 partition in its optimizer-state file (the largest
+    storage written last: the moments come first)."""
+    import struct
+    import zipfile
+    out = []
+    for f in sorted((src / "global_step1").glob("*_optim_states.pt")):
+        with zipfile.ZipFile(f) as z, open(f, "rb") as fh:
+            entries = []
+            for info in z.infolist():
+                if "/data/" in info.filename:
+                    fh.seek(info.header_offset + 26)
+                    n, extra = struct.unpack("<HH", fh.read(4))
+                    entries.append((info.header_offset + 30 + n + extra, info.file_size))
+        out.append((f, *max(entries, key=lambda e: (e[1], e[0]))))
+    return out
+
+
+def _resident_bytes(path: Path) -> int:
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
+        anchor = ctypes.c_char.from_buffer(m)
+        libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
+        del anchor
+        return sum(b & 1 for b in bytes(vec)) * mmap.PAGESIZE
+    finally:
+        m.close()
+
+
+def _evict(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+DS_PY = Path(os.environ.get("BENCH_DEEPSPEED_PYTHON", ROOT / ".venv-deepspeed" / "bin" / "python"))
+
+
+def bench_deepspeed(sizes=(1.0, 2.0)):
+    """ZeRO-3 (2 ranks) -> safetensors: ckptconv against DeepSpeed's zero_to_fp32.py
+    --safe_serialization (in the DeepSpeed venv `make test-deepspeed` makes) and an O_DIRECT copy of
+    the fp32 partition bytes, warm (the partitions in the page cache) and cold (the rank files evicted
+    from it with posix_fadvise before every run: no root needed, other files untouched); then the
+    bytes ckptconv reads of the rank files, counted with mincore after a cold run."""
+    scratch = scratch_dir()
+    floor = 'out=$1; shift; while [ $# -gt 0 ]; do dd if="$1" of="$out/copy" iflag=skip_bytes,count_bytes ' \
+            'skip=$2 count=$3 bs=16M oflag=direct status=none; shift 3; done'
+    for gb in sizes:
+        src = generate("zero3_dir", DATA / f"zero3-{gb:g}G", str(DATA / f"zero3-{gb:g}G"), gb)
+        parts = _partitions(src)
+        masters = sum(n for _, _, n in parts)
+        files = sorted((src / "global_step1").iterdir())
+        rows = [("copy floor (dd O_DIRECT, the partitions)",
+                 ["sh", "-c", floor, "sh", scratch / "floor", *[str(x) for p in parts for x in p]], scratch / "floor"),
+                ("ckptconv convert", [PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"],
+                 scratch / "out")]
+        pt = generate("zero3_pt", DATA / f"zero3-{gb:g}G.pt", str(DATA / f"zero3-{gb:g}G.pt"), gb)
+        rows.append(("ckptconv convert, the same masters as one .pt (control)",
+                     [PY, "-m", "ckptconv.cli", "convert", pt, scratch / "pt", "--quiet"], scratch / "pt"))
+        if DS_PY.exists():
+            rows.append(("zero_to_fp32.py --safe_serialization",
+                         ["env", "DS_ACCELERATOR=cpu", DS_PY, "-m", "deepspeed.utils.zero_to_fp32", src,
+                          scratch / "naive", "--safe_serialization"], scratch / "naive"))
+        for cold in (False, True):
+            times, rss = {name: [] for name, _, _ in rows}, {name: 0.0 for name, _, _ in rows}
+            for rep in range(REPEAT):
+                for name, cmd, out in rows[rep % len(rows):] + rows[:rep % len(rows)]:
+                    os.sync()
+                    if cold:
+                        _evict(pt)
+                    else:
+                        warm(pt)
+                    for f, off, n in parts:
+                        if cold:
+                            _evict(f)
+                        else:   # warm: the bytes every row reads
+                            subprocess.run(["dd", f"if={f}", "of=/dev/null", "iflag=skip_bytes,count_bytes",
+                                            f"skip={off}", f"count={n}", "bs=16M", "status=none"], check=True)
+                    t, r = _once(cmd, out)
+                    times[name].append(t)
+                    rss[name] = max(rss[name], r)
+            base, ours = times[rows[0][0]], times[rows[1][0]]
+            print(f"\nDeepSpeed ZeRO-3, 2 ranks -> safetensors, {'cold' if cold else 'warm'}: {masters / 1e9:.3f} GB "
+                  f"of fp32 masters in {sum(f.stat().st_size for f in files) / 1e9:.3f} GB of rank files ({REPEAT} "
+                  "rounds; ratios: median of the rounds' ratios (range))")
+            print("| command | median wall s | GB/s (masters) | peak RSS MiB | x copy floor |\n|---|---:|---:|---:|---:|")
+            for name, _, _ in rows:
+                secs = statistics.median(times[name])
+                print(f"| {name} | {secs:.2f} | {masters / secs / 1e9:.2f} | {rss[name]:.0f} | "
+                      f"{paired(times[name], base)} |")
+            if DS_PY.exists():
+                print(f"ckptconv convert: {paired(times[rows[3][0]], ours)}x faster than zero_to_fp32.py; "
+                      f"{paired(ours, times[rows[2][0]])}x the control")
+            else:
+                print(f"zero_to_fp32.py: skipped ({DS_PY} missing: `make test-deepspeed` makes it)")
+            sys.stdout.flush()
+        os.sync()
+        for f in files:
+            _evict(f)
+        before = sum(_resident_bytes(f) for f in files)
+        _once([PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"], scratch / "out")
+        read = sum(_resident_bytes(f) for f in files) - before
+        print(f"bytes of the rank files ckptconv read (page cache emptied of them first): {read / 1e9:.3f} GB, "
+              f"{read / masters:.4f} x the fp32 partitions ({masters / 1e9:.3f} GB); the rank files hold "
+              f"{sum(f.stat().st_size for f in files) / 1e9:.3f} GB")
+        sys.stdout.flush()
+
+
 SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20),
              "dcp": lambda: bench_dcp(18), "reshard": lambda: (bench_reshard(18), bench_reshard(36)),
              "verify": lambda: bench_verify(18), "distributed": lambda: bench_distributed(18),
              "vllm": lambda: bench_vllm(18), "cold": lambda: bench_cold(18), "many": bench_many, "plan": bench_plan,
-             "scale": bench_scale}
+             "scale": bench_scale, "deepspeed": bench_deepspeed}
 
 
 def main():
