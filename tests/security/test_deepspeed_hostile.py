@@ -1,8 +1,10 @@
 """Hostile and inconsistent DeepSpeed ZeRO checkpoints: the real DeepSpeed files committed under
 tests/fixtures/data/deepspeed/, with a rank missing or twice, files of another run, a lying shape, a
 truncated file, a `latest` leading elsewhere, pipeline or expert files, or a pickle that would run
-code. Each is converted by the real CLI in a fresh process under a memory cap and a timeout, and
-must be refused with exit 2 and one line naming the file and what is wrong, nothing written."""
+code. Each must be refused with exit 2 and one line naming the file and what is wrong, nothing
+written. Attacks (code, links leading out, a truncated file, classes off the allowlist) run the real
+CLI in a fresh process under a memory cap and a timeout, with every file it opens recorded;
+inconsistent files run it in this process (`refused_here`: the same line, a second each saved)."""
 import os
 import re
 import shutil
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from tests.fixtures.attacks import Reduce
-from tests.helpers import DATA, assert_refused, cli
+from tests.helpers import DATA, assert_clean, assert_refused, cli, run
 
 FIXTURES = DATA / "deepspeed"
 
@@ -60,24 +62,36 @@ def refused(src, tmp_path, *fragments):
     assert not out.exists()
 
 
+def refused_here(src, tmp_path, *fragments):
+    """The CLI in this process: exit 2, one line holding every fragment, nothing at or beside OUT."""
+    out = tmp_path / "out"
+    r = run("convert", src, out)
+    lines = r.stderr.splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("ckptconv: error: "), r.stderr
+    assert_clean(r.stderr)
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == []
+
+
 def test_a_missing_rank_is_refused(tmp_path):
     src, tag = copy("z2-fp32-mlp", tmp_path)
     (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    refused(src, tmp_path, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "partition_count says 2 ranks", "rank 1's", "is missing")
+    refused_here(src, tmp_path, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "partition_count says 2 ranks", "rank 1's", "is missing")
     (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").rename(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    refused(src, tmp_path, "the optimizer state of rank 0 is missing")
+    refused_here(src, tmp_path, "the optimizer state of rank 0 is missing")
 
 
 def test_a_rank_twice_is_refused(tmp_path):
     src, tag = copy("z2-fp32-mlp", tmp_path)
     shutil.copy(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt", tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    refused(src, tmp_path, "holds rank 1's optimizer state", "two runs' files")
+    refused_here(src, tmp_path, "holds rank 1's optimizer state", "two runs' files")
 
 
 def test_a_missing_stage3_model_state_is_refused(tmp_path):
     src, tag = copy("z3-bf16-frozen-tied", tmp_path)
     (tag / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
-    refused(src, tmp_path, "the model state of rank 1 is missing")
+    refused_here(src, tmp_path, "the model state of rank 1 is missing")
 
 
 def _stage_1(b):
@@ -93,7 +107,7 @@ def test_files_of_another_run_are_refused(tmp_path, edit, fragment):
     src, tag = copy("z2-fp32-mlp", tmp_path)
     target = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     patch_pickle(target, edit)
-    refused(src, tmp_path, "zero_pp_rank_1_mp_rank_00_optim_states.pt", fragment, "different runs")
+    refused_here(src, tmp_path, "zero_pp_rank_1_mp_rank_00_optim_states.pt", fragment, "different runs")
 
 
 def test_shapes_the_partitions_do_not_hold_are_refused(tmp_path):
@@ -104,7 +118,7 @@ def test_shapes_the_partitions_do_not_hold_are_refused(tmp_path):
         k = b.index(b"K\rK\x07", at)
         return b[:k] + b"K\rK\x09" + b[k + 4:]
     patch_pickle(tag / "mp_rank_00_model_states.pt", edit)
-    refused(src, tmp_path, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "parameter group 0", "need 336 elements", "hold 310 (156, 154)")
+    refused_here(src, tmp_path, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "parameter group 0", "need 336 elements", "hold 310 (156, 154)")
 
 
 def test_stage3_shapes_the_partitions_do_not_hold_are_refused(tmp_path):
@@ -115,7 +129,7 @@ def test_stage3_shapes_the_partitions_do_not_hold_are_refused(tmp_path):
             k = b.index(b"K\x0bK\x07", at)
             return b[:k] + b"K\x0bK\x08" + b[k + 4:]
         patch_pickle(tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", edit)
-    refused(src, tmp_path, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "ceil(numel / 2)")
+    refused_here(src, tmp_path, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "ceil(numel / 2)")
 
 
 def test_a_truncated_rank_file_is_refused(tmp_path):
@@ -129,7 +143,7 @@ def test_a_truncated_rank_file_is_refused(tmp_path):
 def test_latest_naming_anything_but_a_tag_is_refused(tmp_path, tag):
     src, _ = copy("z1-fp32-mlp", tmp_path)
     (src / "latest").write_text(tag)
-    refused(src, tmp_path, "latest", "not a plain directory name")
+    refused_here(src, tmp_path, "latest", "not a plain directory name")
 
 
 def test_latest_leading_outside_is_refused_unread(tmp_path):
@@ -164,7 +178,7 @@ def test_a_real_pipeline_parallel_checkpoint_is_refused(tmp_path):
 def test_pipeline_tensor_and_expert_parallel_files_are_refused(tmp_path, extra, fragment):
     src, tag = copy("z2-fp32-mlp", tmp_path)
     shutil.copy(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", tag / extra)
-    refused(src, tmp_path, fragment)
+    refused_here(src, tmp_path, fragment)
 
 
 def test_a_pickle_that_runs_code_is_refused_and_nothing_runs(tmp_path):
