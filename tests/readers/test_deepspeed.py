@@ -90,6 +90,9 @@ def test_single_file_only_and_release_dtype(tmp_path):
     assert r.exit_code == 0, r.stderr   # round to nearest even, as torch casts; the int64 buffer kept
     check_output(tmp_path / "bf16", "z3-bf16-frozen-tied", cast=torch.bfloat16)
     assert load_output(tmp_path / "bf16")["seen"].dtype == torch.int64
+    r = run("convert", FIXTURES / "z2-fp32-mlp", tmp_path / "f16", "--dtype", "f16", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    check_output(tmp_path / "f16", "z2-fp32-mlp", cast=torch.float16)
 
 
 def test_inspect_plan_and_verify_against_the_zero_directory(tmp_path):
