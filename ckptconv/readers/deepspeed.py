@@ -41,7 +41,7 @@ from . import ziparchive
 from .pickle import unpickler
 from .pickle.deepspeed_globals import deepspeed_globals
 from .pickle.torch_globals import TorchTensor
-from .torch_pickle import load_zip
+from .torch_pickle import justified, load_zip
 
 NAME = "deepspeed"
 LATEST = "latest"            # the file naming the newest tag
@@ -224,6 +224,7 @@ def read_optim(m: MappedFile, rank: int, allow) -> OptimRank:
     key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
     raw = _field(osd, key, path, (list, tuple))
     groups = [_flat(t, f"{key}[{i}]", path).source(f"{key}[{i}]") for i, t in enumerate(raw)]
+    justified(m, groups)   # (views of one storage, listed a thousand times, are not a thousand partitions)
     version = _version(osd, path) or _version(top, path)
     rec = OptimRank(path, rank, stage, counts[0], version, groups)
     if stage < 3:
@@ -273,6 +274,7 @@ def read_model(m: MappedFile, allow) -> tuple:
             buffers.append((k, v))
         elif isinstance(k, str) and k not in listed:
             others.append(k)
+    justified(m, [t for _, t in buffers] + [t for n, t in frozen.items() if n in dict(frozen_list)])
     dp = top.get("dp_world_size")
     return ModelStates(path, shapes, frozen_list, frozen, buffers, shared, others, _version(top, path),
                        dp if type(dp) is int else None), top

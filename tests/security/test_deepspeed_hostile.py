@@ -190,6 +190,20 @@ def test_a_pickle_that_runs_code_is_refused_and_nothing_runs(tmp_path):
     assert not canary.exists()
 
 
+def test_partitions_that_repeat_one_storage_are_refused(tmp_path):
+    """2,000 "partitions" that are the same 1 MiB storage would be 2 GiB of masters from a 3 MB file."""
+    from tests.fixtures import zero_layout
+    src = tmp_path / "zero"
+    zero_layout.write(src, [("w", (1024, 512))], stage=3)
+    f = src / "global_step1" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    part = torch.zeros(1 << 18)
+    with zero_layout.deepspeed_names():
+        state = zero_layout.optim_states(3, 2, part, moments=False)
+        state["optimizer_state_dict"]["fp32_flat_groups"] = [part] * 2000
+        torch.save(state, f)
+    refused(src, tmp_path, f.name, "describe", "over 16x")
+
+
 def test_a_deepspeed_class_off_the_allowlist_is_refused(tmp_path):
     src, tag = copy("z2-fp32-mlp", tmp_path)
     # LossScaler -> LossScalerX: same length is not possible; a class name of the same length instead
