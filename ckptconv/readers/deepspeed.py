@@ -40,7 +40,7 @@ from . import DEEPSPEED_RANK_FILE, ReadOptions, confined, deepspeed_tag_director
 from . import ziparchive
 from .pickle import unpickler
 from .pickle.deepspeed_globals import deepspeed_globals
-from .pickle.torch_globals import TorchTensor
+from .pickle.torch_globals import TORCH_OWNED, TorchTensor
 from .torch_pickle import justified, load_zip
 
 NAME = "deepspeed"
@@ -534,8 +534,7 @@ def _tag_directory(path: Path, root: str) -> tuple:
 
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
-    allow = deepspeed_globals()
-    allow.update(unpickler.allow_globals(options.allow_globals))
+    allow = unpickler.allowing(deepspeed_globals(), options.allow_globals, TORCH_OWNED)
     root = source_root(path)
     directory, tag, carry = _tag_directory(path, root)
     layout = _layout(directory)
