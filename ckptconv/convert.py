@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass, field
 
 from . import dtypes, runner, transforms
 from .errors import BadInput, UsageError
+from .recipe import Recipe
 from .formats.identity import identity
 from .readers import Source, open_source, readers
 from .tp.rules import read_config
@@ -79,16 +80,11 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     one_file = single_file(out)
     if one_file and write.resume:
         raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
-    tensors = transforms.strip_prefix(ckpt.tensors, options.strip_prefix, src)
     config = _config(ckpt.model_files)
-    tensors, aliases = transforms.untie(tensors, same_bytes=config.get("tie_word_embeddings") is True)
     target = None if options.dtype == "keep" else dtypes.CAST_TARGETS[options.dtype]
-    tensors = transforms.cast_floats(tensors, target)
-    described = dict(ckpt.source)
-    if target is not None:
-        described["cast"] = target.code
-    if options.strip_prefix:
-        described["strip_prefix"] = options.strip_prefix
+    recipe = Recipe(options.strip_prefix, target)
+    tensors, aliases = recipe.apply(ckpt.tensors, src, untie=True, same_bytes=config.get("tie_word_embeddings") is True)
+    described = {**ckpt.source, **recipe.records()}
     if source.options.only:
         described["only"] = list(source.options.only)   # verify --against compares the same selection
     carry = options.copy_extras and not one_file  # one file carries no model files

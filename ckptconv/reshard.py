@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 from . import dtypes, runner, transforms
 from .errors import BadInput, UsageError, brief
+from .recipe import Recipe
 from .formats.identity import identity
 from .readers import Source, open_source, readers
 from .sizes import format_size
@@ -63,16 +64,13 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
     write = write or WriteOptions()
     started = time.perf_counter()
     ckpt = open_source(source)
-    tensors = transforms.strip_prefix(ckpt.tensors, strip_prefix, source.path)
-    described = dict(ckpt.source, **({"strip_prefix": strip_prefix} if strip_prefix else {}),
-                     **({"only": list(source.options.only)} if source.options.only else {}))
     cast_to = None if dtype == "keep" else dtypes.CAST_TARGETS[dtype]
-    if cast_to is not None:   # before any layout: verify --against casts the source the same way, first
-        tensors = transforms.cast_floats(tensors, cast_to)
-        described["cast"] = cast_to.code
-    if target == vllm.TARGET:
-        tensors, rules, described["target"] = _for_vllm(ckpt, tensors, mesh)
-    else:
+    engine, rules = _for_vllm(ckpt, mesh) if target == vllm.TARGET else (None, None)
+    recipe = Recipe(strip_prefix, cast_to, engine)
+    tensors, _ = recipe.apply(ckpt.tensors, source.path)
+    described = {**ckpt.source, **recipe.records(), **({"only": list(source.options.only)} if source.options.only
+                                                      else {})}
+    if rules is None:
         rules = choose_rules(ckpt if tensors is ckpt.tensors else dataclasses.replace(ckpt, tensors=tensors), mesh)
     plans = plan(tensors, rules, mesh.tp, mesh.ep, mesh.pad_vocab)
     if not any(p.axis is not None for p in plans):
@@ -112,9 +110,9 @@ def replication_refusal(unasked, rules) -> str:
             "--rules that split them, rules that say 'replicate', or --allow-replicate PATTERN")
 
 
-def _for_vllm(ckpt, tensors, mesh: MeshSpec) -> tuple:
-    """(vLLM's global tensors, the rules that split them, what the output records of the target:
-    verify --against applies the same transform to the source)."""
+def _for_vllm(ckpt, mesh: MeshSpec) -> tuple:
+    """(what the output records of the target, as the recipe applies it: vLLM's global tensors;
+    the rules that split them)."""
     if mesh.ep > 1:
         raise UsageError("--target vllm with --ep: vLLM's expert-parallel layout is not written; vLLM's pre-sharded "
                          "files hold every expert on every tp rank (use --tp only)")
@@ -134,5 +132,4 @@ def _for_vllm(ckpt, tensors, mesh: MeshSpec) -> tuple:
     layers = config.get("num_hidden_layers")
     if type(layers) is int and layers > 0:
         params["layers"] = layers   # (vLLM builds that many: every one must be here, tp/vllm._check_layers)
-    recorded = {"engine": vllm.TARGET, "model_type": model_type, "tied": tied, "params": params}
-    return vllm.to_vllm(tensors, model_type, tied, params), vllm.vllm_rules(params), recorded
+    return {"engine": vllm.TARGET, "model_type": model_type, "tied": tied, "params": params}, vllm.vllm_rules(params)

@@ -27,6 +27,7 @@ from .readers import ReadOptions, mesh as mesh_reader, open_checkpoint, readers
 from .formats.safetensors import parse_header
 from .formats.sums import NAME as SUMS, parse_sums
 from .tp import vllm
+from .recipe import Recipe
 from .tp.rules import check_recorded, read_config
 from .tensor import as_bytes, iter_blocks, sha256_of
 from . import dtypes, transforms
@@ -826,40 +827,23 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
     source = open_checkpoint(src, fmt, read)
     if mine("structure", None) and document.get("format") == manifest_format.FORMAT:   # (not a foreign output)
         _compare_facts(recorded, document, manifest, source, report)
-    src_list = source.tensors
-    prefix, cast_to = manifest.get("strip_prefix"), manifest.get("cast")
-    if prefix is not None:  # convert's own transforms, with their own checks (a name clash is refused)
-        try:
-            src_list = transforms.strip_prefix(src_list, prefix if isinstance(prefix, str) and prefix else None, src)
-        except UsageError as e:
-            report.add(recorded, f"source.strip_prefix {brief(prefix)}: {e}", "metadata")
-            return
-        if not isinstance(prefix, str) or not prefix:
-            report.add(recorded, f"source.strip_prefix {brief(prefix)} is not a prefix", "metadata")
-            return
-    target = None
-    if cast_to is not None:
-        target = next((d for d in dtypes.CAST_TARGETS.values() if d.code == cast_to), None)
-        if target is None:
-            report.add(recorded, f"source.cast {brief(cast_to)} is not a --dtype ckptconv casts to", "metadata")
-            return
-    src_list = transforms.cast_floats(src_list, target)   # as convert and reshard cast: before any layout
-    engine = manifest.get("target")
-    if engine is not None:   # reshard --target vllm: the source as that engine holds it
-        params = engine.get("params") if isinstance(engine, dict) else None
-        if not (isinstance(engine, dict) and engine.get("engine") == vllm.TARGET
-                and engine.get("model_type") in vllm.MODEL_TYPES and isinstance(engine.get("tied"), bool)
-                and isinstance(params, dict) and all(type(params.get(k)) is int and params[k] > 0
-                                                     for k in ("heads", "kv_heads", "head_dim"))):
-            report.add(recorded, f"source.target {brief(engine)} is not a layout ckptconv writes", "metadata")
-            return
-        try:
-            src_list = vllm.to_vllm(src_list, engine["model_type"], engine["tied"], params)
-        except CkptError as e:
-            report.add(recorded, f"the source cannot be laid out as vLLM holds it: {e}", "source")
-            return
+    try:
+        recipe = Recipe.recorded(manifest)
+    except BadInput as e:
+        report.add(recorded, str(e), "metadata")
+        return
+    try:   # convert's own steps, with their own checks (a name clash, a layout that does not fit)
+        src_list, _ = recipe.apply(source.tensors, src)
+    except CkptError as e:
+        report.add(recorded, f"the source cannot be made what the output records: {e}", "source")
+        return
     src_tensors = {t.name: t for t in src_list}
     written = {t.name: t for t in out.tensors}
+    if mine("structure", None):
+        prefix = _prefix_between([n for n in written if n not in src_tensors and n not in aliases],
+                                 [n for n in src_tensors if n not in written and n not in aliases])
+        if prefix is not None:
+            report.add(out_path, prefix, "source")
     tied = [(written[aliases[n]], src_tensors.pop(n)) for n in list(src_tensors)
             if n in aliases and aliases[n] in written]   # written once (tied weights): the same bytes
     for t, s in [(t, src_tensors.pop(t.name, None)) for t in out.tensors] + tied:
@@ -875,6 +859,29 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
         _compare(t, s, out_path, report)
     for name in src_tensors if mine("structure", None) else ():
         report.add(out_path, f"tensor {name!r} of the source is missing from the output", "source", tensor=name)
+
+
+def _prefix_between(only_out: list, only_src: list) -> str | None:
+    """When the names on one side are the other side's with a prefix added (9 in 10 or more of them),
+    one line saying so, to read before the details; else None. Bounded: the prefixes tried are those
+    of the first 16 names, at most 200 characters long."""
+    if not only_out or not only_src:
+        return None
+    for longer, shorter, side in ((only_src, only_out, "source"), (only_out, only_src, "output")):
+        held, tried = set(shorter), set()
+        for name in longer[:16]:
+            for cut in range(1, min(len(name), 201)):
+                prefix = name[:cut]
+                if name[cut:] not in held or prefix in tried:
+                    continue
+                tried.add(prefix)
+                hits = sum(n.startswith(prefix) and n[cut:] in held for n in longer)
+                if hits * 10 >= 9 * max(len(longer), len(shorter)):
+                    return (f"the {side}'s names are the {'output' if side == 'source' else 'source'}'s with "
+                            f"the prefix {prefix!r} ({hits} of {len(longer)}): " + (
+                                f"convert with --strip-prefix {prefix!r} gives the output's names"
+                                if side == "source" else "the source lacks it"))
+    return None
 
 
 def _as_recorded(read: ReadOptions, manifest: dict, fmt=None) -> ReadOptions:
@@ -935,8 +942,10 @@ def _compare_facts(recorded: Path, document: dict, manifest: dict, source, repor
     if not isinstance(files, dict) or recorded.name != MANIFEST:
         return   # (a single file carries no model files)
     edited = {}
-    cast_to = manifest.get("cast")
-    target = next((d for d in dtypes.CAST_TARGETS.values() if d.code == cast_to), None)
+    try:
+        target = Recipe.recorded(manifest).cast
+    except BadInput:   # (reported where the tensors are compared)
+        target = None
     if target is not None and manifest.get("config_edits"):
         edited = transforms.config_with_dtype(_config(source.model_files), target, {})
     skipped = {s.get("name") for s in manifest.get("skipped_files", []) if isinstance(s, dict)}

@@ -269,3 +269,31 @@ def test_a_run_of_small_tensors_does_not_stay_mapped(tmp_path, monkeypatch):
     assert len(reads) >= 200
     between = events[reads[0]:reads[-1]].count("release")   # pages let go while tensors are still being read
     assert between >= 200 * 400 // 4096 // 2, events
+
+
+def test_against_replays_the_options_the_reader_recorded(tmp_path):
+    """After --dequantize bf16 (a Grok reader option) verify --against printed 26+ false lines: the
+    source was read without it. The recorded reader options are replayed, unless given again."""
+    from tests.fixtures import grok as gf
+    src = gf.write_dir(tmp_path / "grok", gf.make_params(1, seed=4))
+    out = tmp_path / "out"
+    assert run("convert", src, out, "--dequantize", "bf16", "--quiet").exit_code == 0
+    r = run("verify", out, "--against", src)
+    assert r.exit_code == 0, r.stdout
+    mixtral = tmp_path / "mixtral"
+    assert run("convert", src, mixtral, "--layout", "mixtral", "--quiet").exit_code == 0
+    assert run("verify", mixtral, "--against", src).exit_code == 0
+
+
+def test_names_that_differ_by_a_prefix_are_said_so_first(tmp_path):
+    import torch
+    src = tmp_path / "m.pt"
+    torch.save({f"model.layers.{i}.w": torch.full((2,), float(i)) for i in range(20)}, src)
+    other = tmp_path / "other.pt"
+    torch.save({f"layers.{i}.w": torch.full((2,), float(i)) for i in range(20)}, other)
+    out = tmp_path / "out"
+    assert run("convert", other, out, "--quiet").exit_code == 0
+    r = run("verify", out, "--against", src)
+    lines = [line for line in r.stdout.splitlines() if "tensor" in line or "prefix" in line]
+    assert r.exit_code == 1 and "the source's names are the output's with the prefix 'model.' (20 of 20)" in lines[0]
+    assert "--strip-prefix 'model.'" in lines[0] and "tensor 'layers.0.w'" in r.stdout   # (the details after it)
