@@ -1,6 +1,7 @@
-"""Issue 28's classes (the third outside attack), each as the attack was run: on the real CLI in a
-fresh process (tests/helpers.py) or through the Python API. Every refusal is exit 2 and one line,
-nothing is left beside OUT, and no exception but a CkptError leaves the API."""
+"""Issue 28's classes (the third outside attack), each as the attack was run: on the CLI (in this
+process, or in a fresh one where that is the point: signals) or through the Python API. Every
+refusal is exit 2 and one line, nothing is left beside OUT, and no exception but a CkptError leaves
+the API."""
 import os
 import signal
 import subprocess
@@ -13,7 +14,14 @@ import torch
 
 import ckptconv
 from ckptconv.errors import CkptError
-from tests.helpers import ROOT, assert_refused, cli, split_all_rules
+from tests.helpers import ROOT, Run, assert_refused, cli, run, split_all_rules
+
+
+def inproc(*args, **_) -> Run:
+    """The CLI in this process (fast): a fresh process is kept for what needs one (signals, several
+    processes); the refusals here are bounded by the checks under test, not by a memory cap."""
+    r = run(*args)
+    return Run(r.exit_code, r.stdout, r.stderr)
 
 
 @pytest.fixture
@@ -41,7 +49,7 @@ def test_a_hostile_rules_file_is_one_line_quickly(model, tmp_path, case):
     body = HOSTILE_TOML[case]
     rules.write_bytes(body if isinstance(body, bytes) else body.encode())
     started = time.monotonic()
-    r = cli("reshard", model, tmp_path / "out", "--tp", 2, "--rules", rules, timeout=60)
+    r = inproc("reshard", model, tmp_path / "out", "--tp", 2, "--rules", rules, timeout=60)
     assert_refused(r, tmp_path / "out", f"--rules {rules}")
     assert time.monotonic() - started < 30
 
@@ -64,7 +72,7 @@ def test_a_rules_file_that_is_not_a_small_regular_file_is_refused_without_readin
         rules.mkdir()
     else:
         rules.write_bytes(b"# " + b"x" * (2 << 20) + b"\n")
-    r = cli("reshard", model, tmp_path / "out", "--tp", 2, "--rules", rules, timeout=30)
+    r = inproc("reshard", model, tmp_path / "out", "--tp", 2, "--rules", rules, timeout=30)
     assert_refused(r, tmp_path / "out", str(rules))
 
 
@@ -203,7 +211,7 @@ def test_the_cli_answers_hostile_options_in_one_line(model, tmp_path, case):
         os.mkfifo(tmp_path / "fifo")
     args = [str(model) if a == "M" else str(tmp_path / "out") if a == "OUT" else str(tmp_path / "fifo")
             if a == "FIFO" else a for a in CLI_CASES[case]]
-    r = cli(*args, timeout=60)
+    r = inproc(*args, timeout=60)
     assert r.returncode in (0, 1, 2), (r.returncode, r.stderr[-500:])
     if r.returncode:
         assert_refused(r, tmp_path / "out", code=r.returncode)
@@ -242,7 +250,7 @@ def test_an_unknown_global_of_the_format_is_not_made_a_record_by_a_pattern(tmp_p
     src = torch_file(tmp_path / "m.pt", b"X\x01\x00\x00\x00v" + _global("torch._utils", "_rebuild_wrapper_subclass")
                      + b")R")
     for extra in ([], ["--allow-global", "torch.*"], ["--allow-global", "torch._utils.*"]):
-        r = cli("convert", src, tmp_path / "out", *extra)
+        r = inproc("convert", src, tmp_path / "out", *extra)
         assert_refused(r, tmp_path / "out", "torch._utils._rebuild_wrapper_subclass", "part of the format")
         assert "--allow-global" not in r.stderr
 
@@ -260,7 +268,7 @@ def test_allow_global_refuses_code_running_globals_in_every_spelling(model, tmp_
 def test_code_running_globals_are_refused_in_every_spelling_even_in_dropped_state(tmp_path, module, name):
     src = torch_file(tmp_path / "m.pt", b"X\x01\x00\x00\x00v" + b"\x8c" + bytes([len(module)]) + module.encode()
                      + b"\x8c" + bytes([len(name)]) + name.encode() + b"\x93")
-    r = cli("convert", src, tmp_path / "out", "--only", "w")
+    r = inproc("convert", src, tmp_path / "out", "--only", "w")
     assert_refused(r, tmp_path / "out", "can run code")
 
 
@@ -306,7 +314,7 @@ def test_out_inside_the_source_directory_is_refused(tmp_path, command, out):
     for given in (src / out, tmp_path / "link" / out):   # also through a link to SRC: resolved paths
         if not (tmp_path / "link").exists():
             (tmp_path / "link").symlink_to(src)
-        r = cli(command[0], src, given, *[split_all_rules(tmp_path) if a == "RULES" else a for a in command[1:]])
+        r = inproc(command[0], src, given, *[split_all_rules(tmp_path) if a == "RULES" else a for a in command[1:]])
         assert_refused(r, given, "lies inside the source directory")
         assert _listing(src) == before
 
@@ -318,11 +326,11 @@ def test_out_beside_an_index_file_is_inside_its_checkpoint(tmp_path):
     save_file({"a": torch.ones(2)}, src / "model-00001-of-00001.safetensors")
     (src / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {"a": '
                                                       '"model-00001-of-00001.safetensors"}}')
-    r = cli("convert", src / "model.safetensors.index.json", src / "again")
+    r = inproc("convert", src / "model.safetensors.index.json", src / "again")
     assert_refused(r, src / "again", "lies inside the source directory")
     # a file read alone may have its output beside it
     torch.save({"w": torch.ones(2)}, tmp_path / "one.pt")
-    assert cli("convert", tmp_path / "one.pt", tmp_path / "one.safetensors").returncode == 0
+    assert inproc("convert", tmp_path / "one.pt", tmp_path / "one.safetensors").returncode == 0
 
 
 # --- class 6: verify --against compares everything the output says of its source
@@ -449,11 +457,11 @@ def test_expect_takes_only_an_identity(trained, value):
 
 
 def test_the_cli_prints_and_checks_the_identity(trained, tmp_path):
-    r = cli("convert", trained, tmp_path / "out", "--json")
+    r = inproc("convert", trained, tmp_path / "out", "--json")
     digest = json.loads(r.stdout)["identity"]
-    r = cli("verify", tmp_path / "out", "--expect", digest)
+    r = inproc("verify", tmp_path / "out", "--expect", digest)
     assert r.returncode == 0 and f"is the expected output {digest}" in r.stdout
-    r = cli("verify", tmp_path / "out", "--expect", "sha256:" + "0" * 64)
+    r = inproc("verify", tmp_path / "out", "--expect", "sha256:" + "0" * 64)
     assert r.returncode == 1 and "is not the expected output" in r.stdout
 
 
@@ -470,7 +478,7 @@ def test_a_byteorder_other_than_little_or_big_is_refused(tmp_path):
     with zipfile.ZipFile(src, "w", zipfile.ZIP_STORED) as z:
         for n, data in items.items():
             z.writestr(n, data)
-    assert_refused(cli("convert", src, tmp_path / "out"), tmp_path / "out", "byteorder says b'middle'")
+    assert_refused(inproc("convert", src, tmp_path / "out"), tmp_path / "out", "byteorder says b'middle'")
 
 
 @pytest.mark.parametrize("leftover", ["tmp", "old"])
@@ -480,7 +488,7 @@ def test_a_leftover_that_is_a_link_is_refused_naming_it(model, tmp_path, leftove
     (target / "keep").write_text("x")
     link = tmp_path / f".out.ckptconv-{leftover}"
     link.symlink_to(target)
-    r = cli("convert", model, tmp_path / "out")
+    r = inproc("convert", model, tmp_path / "out")
     assert r.returncode == 2 and f"{link}: is a symbolic link (to {target})" in r.stderr, r.stderr
     assert (target / "keep").read_text() == "x" and link.is_symlink() and not (tmp_path / "out").exists()
 
@@ -495,5 +503,5 @@ def test_the_sources_own_output_metadata_is_listed_as_not_carried(trained, tmp_p
 def test_a_prefix_that_makes_a_reserved_name_is_refused_naming_the_source(tmp_path):
     src = tmp_path / "m.pt"
     torch.save({"x.__metadata__": torch.ones(2), "x.w": torch.ones(2)}, src)
-    r = cli("convert", src, tmp_path / "out", "--strip-prefix", "x.")
+    r = inproc("convert", src, tmp_path / "out", "--strip-prefix", "x.")
     assert_refused(r, tmp_path / "out", f"{src}: --strip-prefix 'x.' makes 'x.__metadata__' '__metadata__'")
