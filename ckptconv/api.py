@@ -6,6 +6,7 @@ project's exceptions (docs/api.md). The command line is a thin layer over the sa
     report = ckptconv.verify("model.safetensors", against="model.ckpt")
     assert report.ok
 """
+import functools
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 from . import convert as _convert, reshard as _reshard, verify as _verify
 from .dtypes import CAST_TARGETS
-from .errors import UsageError, brief
+from .errors import BadInput, UsageError, brief, printable
 from .formats.manifest import stem_problem
 from .readers import ReadOptions, Source, open_source
 from .rowview import RowView
@@ -48,7 +49,28 @@ def _flag(value, what) -> bool:
 def _path(value, what) -> str:
     if not isinstance(value, (str, os.PathLike)):
         raise UsageError(f"{what}: expected a path, not {type(value).__name__}")
-    return os.fspath(value)
+    path = os.fspath(value)
+    if not isinstance(path, str) or "\0" in path:
+        raise UsageError(f"{what}: {brief(path, 100)} is not a path (a NUL byte, or bytes)")
+    return path
+
+
+def _progress(value, what="progress"):
+    if value is not None and not callable(value):
+        raise UsageError(f"{what}: expected a callable or None, not {type(value).__name__}")
+    return value
+
+
+def _ours(fn):
+    """Only CkptError leaves the API: an OSError from the system (a name too long, a disk that
+    fails) becomes a BadInput naming the file, as the command line says it."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OSError as e:
+            raise BadInput(f"{printable(e.filename or '', 300)}: {e.strerror or e}".lstrip(": ")) from None
+    return wrapper
 
 
 def _source(src, format, only, allow_globals, state_dict, skip_unsupported, workers, reader_options) -> Source:
@@ -79,6 +101,7 @@ def _write(max_shard_size, name, overwrite, fsync, buffered_io, resume=False) ->
                         _flag(overwrite, "overwrite"), _flag(resume, "resume"), name)
 
 
+@_ours
 def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", state_dict="auto",
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name="model", overwrite=False,
             resume=False, fsync=False, buffered_io=False, copy_extras=True, workers=2, reader_options=None,
@@ -93,9 +116,11 @@ def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", 
                                     reader_options),
                             _path(out, "out"), _convert.ConvertOptions(strip_prefix, dtype, _flag(copy_extras,
                                                                                                   "copy_extras")),
-                            _write(max_shard_size, name, overwrite, fsync, buffered_io, resume), progress=progress)
+                            _write(max_shard_size, name, overwrite, fsync, buffered_io, resume),
+                            progress=_progress(progress))
 
 
+@_ours
 def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads=None, head_dim=None,
             pad_vocab=False, dry_run=False, format=None, only=(), strip_prefix=None, state_dict="auto",
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name="model", overwrite=False,
@@ -105,6 +130,8 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
     be None). `target="vllm"`: vLLM's pre-sharded layout as well."""
     if any(type(v) is not int or v < 1 for v in (tp, ep)):
         raise UsageError(f"tp and ep: expected whole numbers of at least 1, not {tp!r}, {ep!r}")
+    if strip_prefix is not None and not isinstance(strip_prefix, str):
+        raise UsageError(f"strip_prefix: expected a string, not {type(strip_prefix).__name__}")
     if target not in _reshard.TARGETS or dtype not in ("keep", "bf16", "f16", "f32"):
         raise UsageError(f"target: one of {', '.join(_reshard.TARGETS)}; dtype: keep, bf16, f16 or f32 "
                          f"(not {target!r}, {dtype!r})")
@@ -115,10 +142,12 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
                     tuple(_texts(allow_replicate, "allow_replicate")))
     return _reshard.reshard(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
                                     reader_options),
-                            out, mesh, _write(max_shard_size, name, overwrite, fsync, buffered_io), dry_run,
-                            progress=progress, strip_prefix=strip_prefix, target=target, dtype=dtype)
+                            None if out is None else _path(out, "out"), mesh,
+                            _write(max_shard_size, name, overwrite, fsync, buffered_io), dry_run,
+                            progress=_progress(progress), strip_prefix=strip_prefix, target=target, dtype=dtype)
 
 
+@_ours
 def verify(path, against=None, *, device=None, allow_fewer_devices=False, format=None, allow_globals=(),
            state_dict="auto", workers=2, reader_options=None, progress=None, expect=None) -> _verify.Report:
     """`ckptconv verify PATH [--against SRC] [--device ...]` (docs/verify.md). The report lists every
@@ -130,7 +159,7 @@ def verify(path, against=None, *, device=None, allow_fewer_devices=False, format
     if device not in (None, "cpu", "cuda", "tpu"):
         raise UsageError(f"device: one of cpu, cuda, tpu, not {device!r}")
     return _verify.verify(_path(path, "path"), None if against is None else _path(against, "against"), read, format,
-                          device, _flag(allow_fewer_devices, "allow_fewer_devices"), progress,
+                          device, _flag(allow_fewer_devices, "allow_fewer_devices"), _progress(progress),
                           expect=expected_identity(expect))
 
 
@@ -166,6 +195,7 @@ def _tensor_row(fact) -> dict:
     return {"name": name, "dtype": dtype, "shape": list(shape), "bytes": nbytes}
 
 
+@_ours
 def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=2,
             reader_options=None) -> Inspection:
     """`ckptconv inspect PATH` (docs/inspect.md): reads headers and pickles, never tensor data."""

@@ -22,7 +22,8 @@ if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
 
 import click
 
-from .cluster import join
+from .cluster import MAX_PROCESSES, join
+from .tp.layout import MAX_RANKS
 from . import __version__
 from .api import expected_identity, inspect
 from .convert import ConvertOptions, convert, single_file
@@ -168,7 +169,7 @@ def cluster_options(fn):
                   "JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID or a multi-task SLURM job).")
     @click.option("--coordinator", metavar="HOST:PORT", help="Address where process 0 serves the job's messages "
                   "(verify --device also uses PORT+1 for JAX's runtime).")
-    @click.option("--num-processes", type=click.IntRange(1), help="Processes in the job.")
+    @click.option("--num-processes", type=click.IntRange(1, MAX_PROCESSES), help="Processes in the job.")
     @click.option("--process-id", type=click.IntRange(0), help="This process's index.")
     @click.option("--cluster-timeout", type=click.IntRange(1), default=60, show_default=True,
                   help="Seconds to wait for the coordinator, for every process to join and for other processes' "
@@ -231,10 +232,10 @@ def write_options(resume: bool):
 def mesh_options(tp_required: bool):
     """The target mesh and its rules (reshard, plan --tp): a MeshSpec as `mesh` (None without --tp)."""
     def decorate(fn):
-        @click.option("--tp", type=click.IntRange(1), required=tp_required,
+        @click.option("--tp", type=click.IntRange(1, MAX_RANKS), required=tp_required,
                       help="Tensor-parallel size of the target mesh." + ("" if tp_required else
                                                                         " Without it: plan a convert."))
-        @click.option("--ep", type=click.IntRange(1), default=1, show_default=True,
+        @click.option("--ep", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True,
                       help="Expert-parallel groups for MoE models (ranks = tp x ep, rank = group x tp + tp rank).")
         @click.option("--preset", type=click.Choice(sorted(PRESETS)),
                       help="Partition preset (default: from config.json model_type, else from tensor names).")
@@ -331,6 +332,8 @@ def _convert_command(name, pickle_only, help_text):
         elif result.process is not None:
             say(f"process {result.process} of {result.processes}: wrote {len(result.files)} shard "
                 f"files of {result.out} in {result.seconds:.2f} s")
+            if result.identity:
+                say(f"identity: {result.identity} (check with: ckptconv verify {result.out} --expect {result.identity})")
         else:
             say(f"wrote {result.out}: {result.tensors} tensors, {format_size(result.bytes)} "
                 f"in {len(result.files)} files, {result.seconds:.2f} s ({result.gb_per_s or 0:.2f} GB/s)"
@@ -513,7 +516,8 @@ def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cl
 @main.command("plan")
 @click.argument("src", type=click.Path(path_type=str))
 @mesh_options(tp_required=False)
-@click.option("--hosts", type=click.IntRange(1), default=1, show_default=True, help="Processes sharing the work.")
+@click.option("--hosts", type=click.IntRange(1, MAX_PROCESSES), default=1, show_default=True,
+              help="Processes sharing the work.")
 @click.option("--disk-gbps", type=float, default=2.0, show_default=True, help="Disk bandwidth of one host, GB/s.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file.")
 @read_options

@@ -26,6 +26,7 @@ from .formats import not_ours
 from .io.output import atomic_output
 
 JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+MAX_PROCESSES = 4096   # processes in one job (a connection and a thread each on process 0)
 POLL_S = 0.05   # between two looks for a value that has not come
 
 
@@ -114,7 +115,7 @@ class Main(Cluster):
 
     def _look(self, key: str) -> tuple:
         text = self.service.value(key)
-        return (False, None) if text is None else (True, _parse(text, "process 0"))
+        return (False, None) if text is None else (True, _parse(text, f"the message {key!r}"))
 
     def _gone(self, process: int) -> str | None:
         return self.service.gone(process, self.heartbeat_s) if process else None
@@ -195,13 +196,15 @@ def _detected(coordinator, num_processes, process_id, timeout_s) -> tuple:
     if coordinator is None or num_processes is None or process_id is None:
         raise UsageError("--distributed needs --coordinator HOST:PORT, --num-processes and --process-id (or "
                          "JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or a multi-task SLURM job)")
+    if not 0 < num_processes <= MAX_PROCESSES:
+        raise UsageError(f"--num-processes {brief(num_processes, 40)}: from 1 to {MAX_PROCESSES}")
     if not 0 <= process_id < num_processes:
         raise UsageError(f"--process-id {process_id}: must be below --num-processes {num_processes}")
     return coordinator, num_processes, process_id
 
 
 def _int(text: str, what: str) -> int:
-    if not text.isdigit() or len(text) > 9:
+    if not (text.isascii() and text.isdigit()) or len(text) > 9:
         raise UsageError(f"{what}={brief(text, 40)}: expected a whole number")
     return int(text)
 
@@ -215,12 +218,12 @@ def join(distributed=False, coordinator=None, num_processes=None, process_id=Non
         return None
     coordinator, n, me = _detected(coordinator, num_processes, process_id, timeout_s)
     host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
         raise UsageError(f"--coordinator {brief(coordinator, 100)}: expected HOST:PORT")
     common = {"timeout_s": timeout_s, "heartbeat_s": heartbeat_s, "coordinator": coordinator}
     try:
         if me == 0:
-            service = Service(int(port), n)
+            service = Service(int(port), n, loopback=_is_loopback(host))
             cluster = Main(service, **common)
             atexit.register(cluster.close)
             service.wait_for_all(timeout_s, signals.check)
@@ -231,6 +234,18 @@ def join(distributed=False, coordinator=None, num_processes=None, process_id=Non
     except WireError as e:
         raise OutputError(str(e)) from None
     return cluster
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `--coordinator` names this host's loopback (then process 0 listens there only)."""
+    import ipaddress
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def gather(cluster: Cluster, key: str, mine):
@@ -268,13 +283,15 @@ def _difference(mine: dict, theirs) -> str | None:
     """What differs between two jobs, as a user would put it (the first difference), or None."""
     if not isinstance(theirs, dict):
         return "it sent no job description"
-    for part in mine:
-        if mine[part] == theirs.get(part):
+    for part in [*mine, *(p for p in theirs if p not in mine)]:
+        if mine.get(part) == theirs.get(part):
             continue
-        a, b = mine[part], theirs.get(part)
+        a, b = mine.get(part), theirs.get(part)
         if isinstance(a, dict) and isinstance(b, dict):
-            key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
-            return f"its {part} {key} is {brief(b.get(key), 120)}, process 0's {brief(a.get(key), 120)}"
+            key = next((k for k in sorted(set(a) | set(b), key=str) if a.get(k) != b.get(k) or (k in a) != (k in b)),
+                       None)
+            if key is not None:
+                return f"its {part} {key} is {brief(b.get(key), 120)}, process 0's {brief(a.get(key), 120)}"
         return f"its {part} differs ({brief(b, 120)} against process 0's {brief(a, 120)})"
     return None
 

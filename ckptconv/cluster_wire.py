@@ -21,6 +21,8 @@ from . import safejson
 from .errors import BadInput
 
 MAX_MESSAGE = 1 << 30   # bytes: a million tensors' digests in hex are 64 MB
+MAX_HELLO = 1 << 12     # bytes of a hello, before a connection is known to be a process of the job
+HELLO_S = 10            # seconds a connection may take to say hello
 _LENGTH = struct.Struct(">Q")
 
 
@@ -33,11 +35,11 @@ def _send(sock, obj):
     sock.sendall(_LENGTH.pack(len(data)) + data)
 
 
-def _receive(sock, where: str):
+def _receive(sock, where: str, limit: int = MAX_MESSAGE):
     head = _exactly(sock, _LENGTH.size)
     (length,) = _LENGTH.unpack(head)
-    if length > MAX_MESSAGE:
-        raise WireError(f"{where} sent a message of {length} bytes, more than the {MAX_MESSAGE} accepted")
+    if length > limit:
+        raise WireError(f"{where} sent a message of {length} bytes, more than the {limit} accepted")
     try:
         return safejson.loads(_exactly(sock, length), where, "a message")
     except BadInput as e:
@@ -58,13 +60,18 @@ def _exactly(sock, n: int) -> bytes:
 class Service:
     """Process 0's side: values by key, and when each process was last heard from."""
 
-    def __init__(self, port: int, processes: int):
+    def __init__(self, port: int, processes: int, loopback: bool = False):
         self.processes = processes
         self._values, self._heard, self._left, self._closed = {}, {}, set(), {}
         self._closing = False   # process 0 is ending: a value not there now never comes
         self._lock = threading.Condition()
+        # connections that have not said hello yet: a few per process of the job, each with its own
+        # thread for at most HELLO_S seconds and MAX_HELLO bytes; more are closed at once
+        self._greeting = threading.BoundedSemaphore(max(8, 2 * processes))
         try:
-            if socket.has_dualstack_ipv6():
+            if loopback:   # (a job on one host: not reachable from the network)
+                self._server = socket.create_server(("127.0.0.1", port))
+            elif socket.has_dualstack_ipv6():
                 self._server = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
             else:
                 self._server = socket.create_server(("", port))
@@ -78,17 +85,27 @@ class Service:
                 sock, _ = self._server.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(sock,), name="ckptconv-peer", daemon=True).start()
+            if not self._greeting.acquire(blocking=False):
+                sock.close()   # (too many connections waiting to say hello: not the job's processes)
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(sock,), name="ckptconv-peer", daemon=True).start()
+            except RuntimeError:   # (no thread to be had)
+                self._greeting.release()
+                sock.close()
 
     def _serve(self, sock):
-        me = None
+        me, greeting = None, True
         try:
-            sock.settimeout(None)   # (a peer that says nothing is the heartbeat's to judge)
-            hello = _receive(sock, "a process connecting")
+            sock.settimeout(HELLO_S)
+            hello = _receive(sock, "a process connecting", MAX_HELLO)
             me = self._hello(hello)
             _send(sock, {"ok": me is not None} if me is not None else {"error": self._refusal(hello)})
+            self._greeting.release()
+            greeting = False
             if me is None:
                 return
+            sock.settimeout(None)   # (a peer that says nothing is the heartbeat's to judge)
             while True:
                 request = _receive(sock, f"process {me}")
                 self._heard_from(me)
@@ -101,6 +118,8 @@ class Service:
         except (OSError, ConnectionError, WireError, ValueError):
             pass
         finally:
+            if greeting:
+                self._greeting.release()
             sock.close()
             if me is not None:
                 with self._lock:
@@ -131,6 +150,8 @@ class Service:
     def _answer(self, me: int, request) -> dict:
         op = request.get("op") if isinstance(request, dict) else None
         if op == "put" and isinstance(request.get("key"), str) and isinstance(request.get("value"), str):
+            if not request["key"].endswith(f"/{me}"):   # (a process puts only its own: KEY/ITS_ID)
+                return {"error": f"process {me} may not put {request['key'][:100]!r}"}
             self.put(request["key"], request["value"])
             return {"ok": True}
         if op == "get" and isinstance(request.get("key"), str):
@@ -206,26 +227,26 @@ class Connection:
 
     @classmethod
     def open(cls, host: str, port: int, process: int, processes: int, timeout_s: float, heartbeat_s: float, check):
-        """Connect to process 0 (waiting up to `timeout_s` for it to listen) and say hello."""
-        deadline = time.monotonic() + timeout_s
+        """Connect to process 0 and say hello, trying again (a connection closed before its hello was
+        answered: process 0 not ready, or busy with strangers) until `timeout_s` has passed."""
+        deadline, why = time.monotonic() + timeout_s, "is process 0 running?"
         while True:
+            sock = None
             try:
                 sock = socket.create_connection((host, port), timeout=1)
+                sock.settimeout(max(heartbeat_s, 1))
+                _send(sock, {"op": "hello", "process": process, "processes": processes})
+                reply = _receive(sock, "process 0", MAX_HELLO)
                 break
-            except OSError:
+            except (OSError, ConnectionError, WireError) as e:
+                if sock is not None:
+                    sock.close()
+                    why = f"it closed the connection ({e}): is it a ckptconv job's process 0?"
                 if time.monotonic() > deadline:
-                    raise WireError(f"the coordinator {host}:{port} did not answer within {timeout_s} s (is process "
-                                    "0 running?)") from None
+                    raise WireError(f"the coordinator {host}:{port} did not answer within {timeout_s} s ({why})") \
+                        from None
                 check()
                 time.sleep(0.2)
-        sock.settimeout(max(heartbeat_s, 1))
-        try:
-            _send(sock, {"op": "hello", "process": process, "processes": processes})
-            reply = _receive(sock, "process 0")
-        except (OSError, ConnectionError) as e:
-            sock.close()
-            raise WireError(f"the coordinator {host}:{port} closed the connection ({e}): is it a ckptconv job's "
-                            "process 0?") from None
         if not (isinstance(reply, dict) and reply.get("ok") is True):
             sock.close()
             why = reply.get("error") if isinstance(reply, dict) else None

@@ -80,6 +80,8 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     one_file = single_file(out)
     if one_file and write.resume:
         raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
+    if write.resume and cluster is not None and cluster.num_processes > 1:
+        raise UsageError("--resume applies to a run of one process (each process would need its own journal)")
     config = _config(ckpt.model_files)
     target = None if options.dtype == "keep" else dtypes.CAST_TARGETS[options.dtype]
     recipe = Recipe(options.strip_prefix, target)

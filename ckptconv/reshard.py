@@ -86,7 +86,7 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
         raise UsageError(result.refusal)
     if not readers()[ckpt.format].holds_data:
         raise UsageError(f"{source.path}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
-    content = Content(described, ckpt.extras, {}, ckpt.model_files, ckpt.skipped_files)
+    content = Content(described, ckpt.extras, ckpt.manifest, ckpt.model_files, ckpt.skipped_files)
     if cast_to is not None:
         content.edited = transforms.config_with_dtype(read_config(ckpt.model_files) or {}, cast_to, described)
     writer = WRITERS[target](write, content, out, plans, rules, mesh.tp, mesh.ep, list(tensors))   # (plans' order)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from .cluster import Solo, on_cluster, run_guarded
+from .errors import OutputError
 from .writers.base import assign
 from .io.output import Inputs, temp_path
 
@@ -39,6 +40,11 @@ def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, 
 
     def publish(tmp):  # process 0, inside the atomic output: its share, everyone's results, the metadata
         results = run_guarded(cluster, "units", lambda: work(tmp))
+        owner = assign([u.size for u in units], cluster.num_processes)
+        for p, result in enumerate(results[1:], 1):
+            why = writer.accepts(result, [u for u, o in zip(units, owner) if o == p], tmp)
+            if why:
+                raise OutputError(f"process {p} sent a result that does not fit its share: {why}")
         facts.update(writer.finish(tmp, results) or {})
 
     def contribute():  # the other processes: their share, into process 0's temporary directory

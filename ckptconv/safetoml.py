@@ -18,9 +18,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-# strings (multi-line first) and comments; what they hold is no structure
-_NOT_STRUCTURE = re.compile(r'"""(?:[^"\\]|\\.|"(?!""))*"""|\'\'\'(?:[^\']|\'(?!\'\'))*\'\'\'|"(?:[^"\\\n]|\\.)*"'
-                            r"|'[^'\n]*'|#[^\n]*", re.S)
+# strings (multi-line first) and comments; what they hold is no structure. A multi-line string may end
+# in one or two quotes of its own before its closing three (`'''q''''` holds `q'`): the closing run
+# is three to five quotes, taken whole.
+_NOT_STRUCTURE = re.compile(r'"""(?:[^"\\]|\\.|"{1,2}(?!"))*"{3,5}|\'\'\'(?:[^\']|\'{1,2}(?!\'))*\'{3,5}'
+                            r'|"(?:[^"\\\n]|\\.)*"' r"|'[^'\n]*'|#[^\n]*", re.S)
 _KEY = re.compile(r"[^=\[\]{},\n]*[=\]]")   # a key: what stands before '=' (or inside a [table] header)
 _BRACKETS = bytes(range(256)).translate(None, b"[]{}")
 

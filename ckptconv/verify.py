@@ -659,6 +659,10 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
             verify_dir(path / name, report, progress)
     if vllm_parts is not None and sums is not None:
         _verify_vllm_files(path, vllm_parts, entries, sums, found)
+    elif sums is not None and mesh is not None:   # a mesh output holds mesh.json and rank directories only
+        for name in sorted(set(sums) - {MESH}):
+            if rank_number(name) is None:
+                found.add(path / name, "is listed in SHA256SUMS, but reshard writes no such file here", "unlisted")
     return mesh
 
 
@@ -710,13 +714,45 @@ def _verify_vllm_files(path: Path, expected: dict, entries: dict, sums: dict, re
         if name in rank0 and not name.endswith(".safetensors") and isinstance(rank0[name], dict) \
                 and sums[name] != rank0[name].get("sha256"):
             report.add(path / name, f"differs from {rank_dir(0)}/{name}", "digest")
+        elif name != MESH and name not in expected and name not in rank0 and rank_number(name) is None:
+            report.add(path / name, f"is listed in SHA256SUMS, but is neither a part vLLM loads nor a model file of "
+                                    f"{rank_dir(0)}", "unlisted")
+
+
+def _ranks_agree(path: Path, mesh: dict, documents: list, report: Report):
+    """Every rank's manifest says what rank 0's says of the source (its description but the rank it
+    holds, its extras and other facts) and carries the same model files, and mesh.json's target is
+    the one they record: verify --against compares rank 0's with the source, so none may differ."""
+    def facts(doc):
+        source = {k: v for k, v in doc.get("source", {}).items() if k != "resharded"} \
+            if isinstance(doc.get("source"), dict) else doc.get("source")
+        files = doc.get("files") if isinstance(doc.get("files"), dict) else {}
+        carried = {n: f for n, f in files.items() if not n.endswith((".safetensors", manifest_format.INDEX_SUFFIX))}
+        rest = {k: v for k, v in doc.items() if k not in ("source", "files", "tensors")}
+        return {"source": source, "model files": carried, **rest}
+    first = facts(documents[0])
+    for r, doc in enumerate(documents[1:], 1):
+        mine = facts(doc)
+        differs = next((k for k in sorted(set(first) | set(mine)) if first.get(k) != mine.get(k)), None)
+        if differs is not None:
+            report.add(path / rank_dir(r) / MANIFEST, f"{differs}: not what {rank_dir(0)}'s manifest records (every "
+                                                      "rank records the same source)", "mesh")
+    target = mesh.get("source", {}).get("target")
+    recorded = first["source"].get("target") if isinstance(first["source"], dict) else None
+    if target != recorded:
+        report.add(path / MESH, f"its source.target is {brief(target, 80)}, the ranks' manifests record "
+                                f"{brief(recorded, 80)}", "mesh")
 
 
 def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind, key: True):
     """With every rank dir intact: the same tensors as mesh.json, replicas equal, shared intervals
     equal, pieces where mesh.json puts them, reassembled digests right."""
     ranks = mesh["ranks"]
-    per_rank = [_checked_manifest(path / rank_dir(r))["tensors"] for r in range(ranks)]
+    documents = [_checked_manifest(path / rank_dir(r)) for r in range(ranks)]
+    per_rank = [d["tensors"] for d in documents]
+    if mine("structure", None):
+        _ranks_agree(path, mesh, documents, report)
+    del documents   # (their tensors stay, in per_rank)
     held = {}
     for r, tensors in enumerate(per_rank):
         for name in tensors:
@@ -926,7 +962,9 @@ def _compare_facts(recorded: Path, document: dict, manifest: dict, source, repor
                             f"{brief(fresh.get('format'), 40)} one: its tensors and model files are compared, not "
                             "its extras or what its reader recorded")
         fresh = kept = {}
-        document = {**document, "extras": source.extras}
+        document = {**source.manifest, **{
+            k: document[k] for k in ("format", "source", "files", "tensors", "aliases") if k in document},
+            "extras": source.extras}
     for key in sorted(set(fresh) | set(kept)):
         if key in fresh and fresh.get(key) != kept.get(key):
             report.add(recorded, f"source.{key} is {brief(kept.get(key), 120)}, the source gives "
@@ -938,6 +976,12 @@ def _compare_facts(recorded: Path, document: dict, manifest: dict, source, repor
         if extras.get(key) != theirs.get(key):
             report.add(recorded, f"extras {key!r} is {brief(extras.get(key), 120)}, the source's is "
                                  f"{brief(theirs.get(key), 120)}", "source")
+    others = _plain({k: v for k, v in document.items() if k not in _OWN_KEYS})   # (not its million tensors)
+    theirs_top = _plain(source.manifest)
+    for key in sorted(set(others) | set(theirs_top)) if others != theirs_top else ():
+        if others.get(key) != theirs_top.get(key):
+            report.add(recorded, f"{key} is {brief(others.get(key), 120)}, the source's reader gives "
+                                 f"{brief(theirs_top.get(key), 120)}", "source")
     files = document.get("files")
     if not isinstance(files, dict) or recorded.name != MANIFEST:
         return   # (a single file carries no model files)
@@ -963,6 +1007,10 @@ def _compare_facts(recorded: Path, document: dict, manifest: dict, source, repor
         if not isinstance(info, dict) or info.get("sha256") != digest:
             report.add(recorded.parent / rel, f"is not the source's {rel}" + (" as --dtype edits it" if rel in edited
                                                                               else ""), "source")
+
+
+# What a manifest holds beside what its reader recorded of the source (the rest: `quantization` …)
+_OWN_KEYS = ("format", "source", "extras", "files", "tensors", "aliases")
 
 
 def _plain(value):

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import OutputError
+from .. import safejson
+from ..errors import BadInput, OutputError
 from ..signals import check, deferred, on_escape, published
 
 
@@ -104,11 +105,14 @@ def _take_lock(out: Path) -> Path:
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
     for _ in range(2):
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except FileExistsError:
-            try:
-                holder = json.loads(lock.read_text() or "{}")
-            except (OSError, ValueError):
+            try:   # (what is there may be anything: read as a file we do not trust, never waited on)
+                holder = json.loads(safejson.read(lock, "lock", limit=1 << 12, follow=False) or b"{}")
+            except BadInput as e:
+                raise OutputError(f"{lock}: {str(e).split(': ', 1)[-1]}: not a lock of ckptconv's; remove it if "
+                                  "no run is active") from None
+            except ValueError:
                 holder = {}
             holder = holder if isinstance(holder, dict) else {}
             pid, host = holder.get("pid"), holder.get("host")
@@ -135,10 +139,14 @@ def _leftover(path: Path):
         raise OutputError(f"{path}: is {what}, not what a ckptconv run leaves there; remove it yourself")
 
 
-def _recover(out: Path):
-    """A run killed while publishing left the previous OUT at `.OUT.ckptconv-old`: put it back."""
+def _recover(out: Path, single_file: bool, not_ours):
+    """A run killed while publishing left the previous OUT at `.OUT.ckptconv-old`: put it back, if
+    it is one (a previous ckptconv output: `not_ours` says so); anything else there is refused."""
     old = _old_path(out)
     _leftover(old)
+    why = not_ours(old, single_file) if os.path.lexists(old) and not os.path.lexists(out) else None
+    if why:
+        raise OutputError(f"{old}: left beside OUT, but not a previous ckptconv output ({why}); remove it yourself")
     if os.path.lexists(old):
         if os.path.lexists(out):
             old.unlink() if old.is_file() else shutil.rmtree(old, ignore_errors=True)
@@ -159,7 +167,7 @@ def atomic_output(out, overwrite=False, resume=False, inputs=(), single_file=Fal
     try:
         with deferred():  # a signal that arrives meanwhile is raised at the end: the lock is ours by then
             lock = _take_lock(out)
-            _recover(out)
+            _recover(out, single_file, not_ours)
             check_target(out, inputs, overwrite, single_file, not_ours)  # again, now that we hold the lock
             _leftover(tmp)
             if tmp.is_file():

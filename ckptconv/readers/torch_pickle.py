@@ -182,7 +182,7 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
     entries = entries if entries is not None else ziparchive.read_entries(m, base, length)
     prefix = archive_prefix(m, entries)
     order = entries.get(prefix + "byteorder")
-    said = bytes(ziparchive.read_small(m, order, 16)).strip() if order is not None else b"little"
+    said = bytes(ziparchive.read_small(m, order, 16)) if order is not None else b"little"   # (as torch.save wrote it)
     if said not in (b"little", b"big"):   # (torch.load refuses it too)
         raise BadInput(f"{m.path}: {prefix}byteorder says {brief(said, 20)}, not 'little' or 'big'")
     big = said == b"big"

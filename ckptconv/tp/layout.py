@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import BadInput, UsageError
+from ..errors import BadInput, UsageError, brief
 from ..rowview import RowView
 from ..formats.mesh import recorded_cut
 from .rules import RuleSet
@@ -189,7 +189,7 @@ def split(name, shape, rule, layout, tp):
     return axis, _even(name, n, tp, axis)
 
 
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.([0-9]+)\.")   # (ASCII digits: \d takes every script's)
 
 
 def expert_numbers(names, where="") -> dict:
@@ -201,8 +201,9 @@ def expert_numbers(names, where="") -> dict:
     for name in names:
         m = _EXPERT.search(name)
         if m:
-            if str(int(m.group(1))) != m.group(1):
-                raise BadInput(f"{where}tensor {name!r}: expert number {m.group(1)!r} is not written canonically")
+            if len(m.group(1)) > 9 or str(int(m.group(1))) != m.group(1):
+                raise BadInput(f"{where}tensor {brief(name, 120)}: expert number {brief(m.group(1), 20)} is not written "
+                               "canonically")
             found.setdefault(name[:m.start()], set()).add(int(m.group(1)))
     for prefix, numbers in found.items():
         if numbers != set(range(len(numbers))):
@@ -213,11 +214,16 @@ def expert_numbers(names, where="") -> dict:
     return {prefix: len(numbers) for prefix, numbers in found.items()}
 
 
+MAX_RANKS = 65536   # ranks of one mesh (tp x ep): a rank directory and intervals each
+
+
 def plan(tensors, rules: RuleSet, tp: int, ep: int = 1, pad_vocab: bool = False) -> list:
     """The whole layout as data: one TensorPlan per tensor, ranks = ep groups x tp (rank = g * tp + t).
     Quantization scales (`X.scales` beside `X.weight`) follow their weight's plan."""
     if tp < 1 or ep < 1:
         raise UsageError("--tp and --ep must be at least 1")
+    if tp * ep > MAX_RANKS:
+        raise UsageError(f"--tp {tp} x --ep {ep}: more than the {MAX_RANKS} ranks one mesh may have")
     names = {t.name for t in tensors}
     experts_named = expert_numbers(names) if ep > 1 else {}
     by_name = {t.name: _tensor_plan(t, rules, tp, ep, experts_named, pad_vocab)

@@ -40,9 +40,9 @@ MOE = {"mixtral": ("block_sparse_moe", "block_sparse_moe.gate.weight"),   # vLLM
        "qwen3_moe": ("mlp", "mlp.experts.gate.weight")}
 MODEL_TYPES = DENSE + tuple(MOE)
 
-_LAYER = re.compile(r"(model\.layers\.\d+\.)(.+)")
+_LAYER = re.compile(r"(model\.layers\.([0-9]+)\.)(.+)")   # (ASCII digits: \d takes every script's)
 _QKV = re.compile(r"self_attn\.[qkv]_proj\.(?:weight|bias)")
-_EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+_EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.([0-9]+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 _GATE, _UP, _DOWN = ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
 
 
@@ -78,7 +78,7 @@ def to_vllm(tensors, model_type: str, tied: bool, params: dict) -> list:
         if t.name in used:
             continue
         m = _LAYER.fullmatch(t.name)
-        prefix, rest = (m.group(1), m.group(2)) if m else ("", t.name)
+        prefix, rest = (m.group(1), m.group(3)) if m else ("", t.name)
         if _QKV.fullmatch(rest):   # whichever of q, k, v comes first (save_pretrained sorts names)
             kind = rest.rsplit(".", 1)[1]
             q, k, v = (take(f"{prefix}self_attn.{p}_proj.{kind}") for p in "qkv")
@@ -125,7 +125,10 @@ def _check_layers(by_name, layers):
     for name in by_name:
         m = _LAYER.fullmatch(name)
         if m:
-            layer, rest = int(m.group(1).split(".")[2]), m.group(2)
+            if len(m.group(2)) > 9 or str(int(m.group(2))) != m.group(2):
+                raise BadInput(f"--target vllm: tensor {name[:200]!r}: layer number {m.group(2)[:20]!r} is not written "
+                               "canonically (vLLM names layers 0, 1, …)")
+            layer, rest = int(m.group(2)), m.group(3)
             if rest.startswith(("mlp.", "block_sparse_moe.")):
                 mlp.add(layer)
             elif not rest.endswith("rotary_emb.inv_freq"):
@@ -184,7 +187,7 @@ def _experts_by_layer(by_name) -> dict:
     out = {}
     for name in by_name:
         m = _LAYER.fullmatch(name)
-        e = m and _EXPERT.fullmatch(m.group(2))
+        e = m and _EXPERT.fullmatch(m.group(3))
         if not e:
             continue
         layer = out.setdefault(m.group(1), {"all": set()})

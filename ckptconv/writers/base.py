@@ -14,8 +14,10 @@ several:
 
 A writer is one module with one registration (`@register("name")`).
 """
+import os
 from dataclasses import dataclass, field
 
+from ..errors import brief
 from ..formats.manifest import STEM
 
 WRITERS = {}
@@ -91,6 +93,30 @@ class Writer:
 
     def finish(self, tmp, results) -> dict:
         raise NotImplementedError
+
+    def accepts(self, result, units, tmp) -> str | None:
+        """Why another process's `result` does not fit the `units` it was given (None when it does):
+        its files are exactly those units, each on disk with the size the plan says, and a digest
+        row of 32 bytes per tensor. A result crossed a network: it is read, not trusted."""
+        if not (isinstance(result, dict) and isinstance(result.get("files"), dict)
+                and isinstance(result.get("digests"), dict)):
+            return "not {files, digests}"
+        planned = {u.name: u for u in units}
+        if set(result["files"]) != set(planned) or set(result["digests"]) != set(planned):
+            return f"it names files {sorted(result['files'])[:4]}, not its share {sorted(planned)[:4]}"
+        for name, unit in planned.items():
+            info, row = result["files"][name], result["digests"][name]
+            if not (isinstance(info, dict) and info.get("size") == unit.size and isinstance(info.get("sha256"), str)):
+                return f"{name}: {brief(info, 80)} is not {{sha256, size {unit.size}}}"
+            if not isinstance(row, str) or len(row) != 64 * len(unit.tensors):
+                return f"{name}: not one digest per tensor"
+            try:
+                size = os.stat(os.path.join(tmp, name), follow_symlinks=False).st_size
+            except OSError:
+                size = None
+            if size != unit.size:
+                return f"{name}: not on disk with its {unit.size} bytes"
+        return None
 
     def job(self) -> dict:
         """The options of this writer that change the bytes it writes, as a user gave them (the

@@ -10,6 +10,7 @@ as taps of the bytes it streams; the rest are one bounded pass over the source, 
 processes by bytes.
 """
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,26 @@ class MeshWriter(Writer):
     def job(self) -> dict:
         return {**super().job(), "--tp": self.tp, "--ep": self.ep, "rules": self.rules.to_json()}
 
+    def accepts(self, result, units, tmp) -> str | None:
+        """(see Writer.accepts) Its rank directories are exactly its share, each written; its global
+        digests a bit per tensor of the layout and 32 bytes for each bit set."""
+        if not (isinstance(result, dict) and isinstance(result.get("shards"), dict)
+                and isinstance(result.get("global"), str) and isinstance(result.get("global_at"), str)):
+            return "not {global, global_at, shards}"
+        if set(result["shards"]) != {str(u.rank) for u in units}:
+            return f"it names ranks {sorted(result['shards'])[:4]}, not its share {[u.rank for u in units][:4]}"
+        if any(not os.path.isdir(os.path.join(tmp, u.name)) or os.path.islink(os.path.join(tmp, u.name)) for u in units):
+            return "a rank directory of its share is not there"
+        try:
+            at = np.unpackbits(np.frombuffer(bytes.fromhex(result["global_at"]), np.uint8), count=len(self.layout))
+            rows = len(result["global"]) // 64
+        except ValueError:
+            return "its global digests are not hex"
+        if len(result["global_at"]) != 2 * -(-len(self.layout) // 8) or len(result["global"]) != 64 * int(at.sum()) \
+                or rows != int(at.sum()):
+            return "its global digests do not fit the layout"
+        return None
+
     def write(self, units, tmp, progress=None, share=(0, 1)):
         mine = [u.rank for u in units]
         check_space(tmp, sum(u.size for u in units), self.content.model_files, len(units))
@@ -100,7 +121,7 @@ class MeshWriter(Writer):
                       **self.content.skipped()}
             copy_files(stream.out_dir, self.content.model_files, stream.written, self.content.edited)
             finish_dir(stream.out_dir, stream.shards, stream.written, source, self.content.extras,
-                       stem=self.options.stem)
+                       self.content.manifest, stem=self.options.stem)
         shards = {rank: [[s.name, stream.written.files[s.name]["sha256"]] for s in stream.shards]
                   for rank, stream in streams.items()}
         have, found = self._global_digests(streams, taps, tapped, share)

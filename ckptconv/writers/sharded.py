@@ -5,6 +5,7 @@ journal after every shard so that `--resume` can reuse what a killed run finishe
 import hashlib
 import json
 import os
+import shutil
 import stat
 
 from ..formats import manifest as fmt
@@ -88,6 +89,18 @@ def _rehash(path, shard, progress=None) -> tuple:
     return file_h.hexdigest(), bytes(done) if h is None and next(tensors, None) is None else None
 
 
+def _keep_only(tmp, reused: set):
+    """What a killed run left in the temporary directory, but the shards reused: a shard of another
+    plan, a half-copied model file, must not be published beside the new ones."""
+    for entry in os.scandir(tmp):
+        if entry.name in reused:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
 @register("sharded")
 class ShardedWriter(Writer):
     def __init__(self, options: WriteOptions, content: Content, out=None):
@@ -103,6 +116,7 @@ class ShardedWriter(Writer):
         reuse, note = Written(), None
         if solo and self.options.resume and self.content.identity:
             reuse, note = reusable(tmp, self.shards, self.content.identity)
+            _keep_only(tmp, set(reuse.files))
         check_space(tmp, sum(s.size for s in units if s.name not in reuse.files),
                     self.content.model_files if share[0] == 0 else ())
         journal = {"plan": _plan_id(self.shards), "source": self.content.identity} if solo and self.content.identity \

@@ -9,11 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import ckptconv
 from ckptconv.errors import CkptError
+from tests.fixtures import values
 from tests.helpers import ROOT, Run, assert_refused, cli, run, split_all_rules
 
 
@@ -40,6 +42,8 @@ HOSTILE_TOML = {
     "table header": "[" + ".".join(["a"] * 20_000) + "]\nx = 1\n",
     "huge integer": "layout = 'torch'\n[[rule]]\npattern = '.*'\naxis = " + "9" * 5000 + "\n",
     "not utf-8": b"layout = '\xff'\n",
+    # a multi-line literal string that ends in a quote of its own must not hide what follows (outsider)
+    "quote run": "x = ['''q'''', {a" + ".a" * 120_000 + " = 1}, 'b']\n",
 }
 
 
@@ -505,3 +509,231 @@ def test_a_prefix_that_makes_a_reserved_name_is_refused_naming_the_source(tmp_pa
     torch.save({"x.__metadata__": torch.ones(2), "x.w": torch.ones(2)}, src)
     r = inproc("convert", src, tmp_path / "out", "--strip-prefix", "x.")
     assert_refused(r, tmp_path / "out", f"{src}: --strip-prefix 'x.' makes 'x.__metadata__' '__metadata__'")
+
+
+# --- what the outside attack on this round found (issue 28's closing review), each fixed
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_lock_that_is_no_file_is_refused_without_waiting(model, tmp_path, kind):
+    lock = tmp_path / ".out.ckptconv-lock"
+    os.mkfifo(lock) if kind == "fifo" else lock.symlink_to("/dev/zero")
+    r = inproc("convert", model, tmp_path / "out")
+    assert r.returncode == 2 and str(lock) in r.stderr and "not a lock of ckptconv's" in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_resume_publishes_only_what_the_new_plan_wrote(model, tmp_path):
+    """A killed run of another plan left its shards (and a model file) in the temporary directory:
+    --resume started over, and published them beside the new ones."""
+    tmp = tmp_path / ".out.ckptconv-tmp"
+    tmp.mkdir()
+    (tmp / "model-00001-of-00012.safetensors").write_bytes(b"stale")
+    (tmp / "config.json").write_text("{}")
+    assert inproc("convert", model, tmp_path / "out", "--resume").returncode == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "SHA256SUMS", "manifest.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert ckptconv.verify(tmp_path / "out").ok
+
+
+def test_resume_is_refused_with_several_processes(model, tmp_path):
+    from ckptconv.convert import convert
+    from ckptconv.readers import Source
+    from ckptconv.writers.base import WriteOptions
+
+    class Two:
+        num_processes, process_id, is_main = 2, 0, True
+
+    with pytest.raises(UsageError, match="--resume applies to a run of one process"):
+        convert(Source(str(model)), tmp_path / "out", write=WriteOptions(resume=True), cluster=Two())
+
+
+def test_a_planted_old_output_does_not_become_out(model, tmp_path):
+    old = tmp_path / ".out.ckptconv-old"
+    old.mkdir()
+    (old / "planted.txt").write_text("hi")
+    r = inproc("convert", model, tmp_path / "out")
+    assert r.returncode == 2 and "not a previous ckptconv output" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists() and (old / "planted.txt").exists()
+
+
+@pytest.fixture
+def llama_dir(tmp_path) -> Path:
+    d = tmp_path / "llama"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    sd = {"model.embed_tokens.weight": values.floats(rng, 64, 32), "lm_head.weight": values.floats(rng, 64, 32),
+          "model.norm.weight": values.floats(rng, 32)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for n, shape in [("self_attn.q_proj", (32, 32)), ("self_attn.k_proj", (16, 32)), ("self_attn.v_proj", (16, 32)),
+                         ("self_attn.o_proj", (32, 32)), ("mlp.gate_proj", (48, 32)), ("mlp.up_proj", (48, 32)),
+                         ("mlp.down_proj", (32, 48))]:
+            sd[p + n + ".weight"] = values.floats(rng, *shape)
+        sd[p + "input_layernorm.weight"] = values.floats(rng, 32)
+        sd[p + "post_attention_layernorm.weight"] = values.floats(rng, 32)
+    torch.save(sd, d / "pytorch_model.bin")
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
+                                               "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
+                                               "vocab_size": 64, "num_hidden_layers": 2}))
+    return d
+
+
+def _resign_rank(d: Path):
+    manifest = json.loads((d / "manifest.json").read_text())
+    for name in manifest["files"]:
+        data = (d / name).read_bytes()
+        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (d / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _resum(d, "manifest.json")
+
+
+def test_every_rank_records_the_same_source_and_model_files(llama_dir, tmp_path):
+    out = tmp_path / "tp2"
+    ckptconv.reshard(llama_dir, out, 2)
+    rank1 = out / "rank-00001"
+    (rank1 / "config.json").write_text((rank1 / "config.json").read_text()[:-1] + ', "auto_map": {"x": "evil.M"}}')
+    manifest = json.loads((rank1 / "manifest.json").read_text())
+    manifest["extras"]["epoch"] = 999
+    (rank1 / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _resign_rank(rank1)
+    report = ckptconv.verify(out)
+    assert not report.ok and any("rank-00001/manifest.json" in p.file and "not what rank-00000's manifest records"
+                                 in p.detail for p in report.problems), [str(p) for p in report.problems]
+
+
+def test_the_vllm_target_recorded_in_mesh_json_and_the_ranks_must_agree(llama_dir, tmp_path):
+    out = tmp_path / "vl"
+    ckptconv.reshard(llama_dir, out, 2, target="vllm")
+    mesh = json.loads((out / "mesh.json").read_text())
+    del mesh["source"]["target"]
+    (out / "mesh.json").write_text(json.dumps(mesh, indent=1))
+    (out / "modeling_evil.py").write_text("x = 1\n")
+    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}" for p in sorted(out.iterdir())
+             if p.is_file() and p.name != "SHA256SUMS"]
+    (out / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+    problems = [str(p) for p in ckptconv.verify(out).problems]   # (read as a plain mesh output: vLLM's files stand out)
+    assert any("config.json: is listed in SHA256SUMS, but reshard writes no such file" in p for p in problems)
+    assert any("modeling_evil.py: is listed in SHA256SUMS, but reshard writes no such file" in p for p in problems)
+    mesh["source"]["target"] = json.loads((out / "rank-00000" / "manifest.json").read_text())["source"]["target"]
+    mesh["source"]["target"]["tied"] = not mesh["source"]["target"]["tied"]   # another target than the ranks'
+    (out / "mesh.json").write_text(json.dumps(mesh, indent=1))
+    (out / "modeling_evil.py").unlink()
+    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}" for p in sorted(out.iterdir())
+             if p.is_file() and p.name != "SHA256SUMS"]
+    (out / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+    problems = [str(p) for p in ckptconv.verify(out).problems]
+    assert any("mesh.json: its source.target is" in p and "the ranks' manifests record" in p for p in problems), \
+        problems
+
+
+def test_against_compares_the_other_facts_a_manifest_records(trained, tmp_path):
+    out = tmp_path / "out"
+    ckptconv.convert(trained, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["quantization"] = {"method": "int8"}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _resum(out, "manifest.json")
+    problems = [str(p) for p in ckptconv.verify(out, against=trained).problems]
+    assert any("quantization is {'method': 'int8'}, the source's reader gives None" in p for p in problems), problems
+
+
+def test_jobs_that_differ_by_a_missing_key_are_named():
+    from ckptconv.cluster import _difference
+    assert _difference({"options": {"--dtype": None}}, {"options": {}}) == \
+        "its options --dtype is None, process 0's None"
+    assert _difference({"a": 1}, {"a": 1, "b": 2}) == "its b differs (2 against process 0's None)"
+
+
+def test_a_result_that_does_not_fit_its_share_is_refused(tmp_path):
+    from ckptconv.writers.base import Writer
+    from ckptconv.writers.files import ShardFile
+    unit = ShardFile("model-00002-of-00002.safetensors", [object(), object()], 100, 28)
+    (tmp_path / unit.name).write_bytes(b"x" * 128)
+    good = {"files": {unit.name: {"sha256": "a" * 64, "size": 128}}, "digests": {unit.name: "ab" * 64}}
+    w = Writer.__new__(Writer)
+    assert w.accepts(good, [unit], tmp_path) is None
+    for bad in (5, [1, 2], {"files": {}, "digests": {}}, {**good, "files": {unit.name: {"sha256": "a", "size": 1}}},
+                {**good, "digests": {unit.name: "ab"}},
+                {"files": {"model-00001-of-00002.safetensors": {"sha256": "a" * 64, "size": 128}},
+                 "digests": {"model-00001-of-00002.safetensors": "ab" * 64}}):
+        assert w.accepts(bad, [unit], tmp_path) is not None, bad
+
+
+def test_the_service_takes_only_a_process_own_keys_and_bounds_strangers():
+    import socket as socketlib
+    from ckptconv.cluster_wire import Connection, Service, WireError
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service = Service(port, 2, loopback=True)
+    assert service._server.getsockname()[0] == "127.0.0.1"
+    strangers = [socketlib.create_connection(("127.0.0.1", port)) for _ in range(40)]   # never say hello
+    try:
+        peer = Connection.open("127.0.0.1", port, 1, 2, 20, 5, lambda: None)   # still gets in
+        assert peer.request({"op": "put", "key": "job/1", "value": "{}"}) == {"ok": True}
+        with pytest.raises(WireError, match="may not put 'agreed'"):
+            peer.request({"op": "put", "key": "agreed", "value": "{}"})
+    finally:
+        for s in strangers:
+            s.close()
+        service.drain(0, 1)
+
+
+@pytest.mark.parametrize("name", ["doctest.run_docstring_examples", "logging.config.dictConfig", "pandas.read_pickle",
+                                  "numpy.ctypeslib.load_library", "torch.fx.graph_module.reduce_graph_module",
+                                  "torch.package.package_importer.PackageImporter", "operator.call", "_operator.call",
+                                  "uuid._get_command_stdout", "platform._syscmd_file", "_winapi.CreateProcess",
+                                  "ensurepip._run_pip", "sympy.sympify", "numexpr.evaluate",
+                                  "torch.jit._load_for_lite_interpreter"])
+def test_more_code_running_globals_are_known(name):
+    module, _, attr = name.rpartition(".")
+    assert unpickler.runs_code(module, attr)
+    with pytest.raises(UsageError, match="can run code"):
+        unpickler.allow_globals([name])
+
+
+def test_a_hint_never_suggests_a_pattern_that_would_cover_a_known_gadget():
+    unlisted = unpickler.Unlisted("f.pt")
+    for q in ("torch.nn.modules.linear.Linear", "numpy.random._pickle.Ctor", "doctest_tools.Thing"):
+        unlisted.placeholder(q, 0)
+    line = str(unlisted.refusal())
+    assert "'torch.*'" not in line and "'numpy.*'" not in line and "'torch.nn.modules.linear.Linear'" in line
+
+
+@pytest.mark.parametrize("spelling", ["01", "\u0661"])
+def test_layer_numbers_must_be_written_canonically_for_vllm(llama_dir, tmp_path, spelling):
+    sd = torch.load(llama_dir / "pytorch_model.bin")
+    sd = {k.replace("model.layers.1.", f"model.layers.{spelling}."): v for k, v in sd.items()}
+    torch.save(sd, llama_dir / "pytorch_model.bin")
+    r = inproc("reshard", llama_dir, tmp_path / "out", "--tp", "2", "--target", "vllm")
+    assert r.returncode == 2 and ("not written canonically" in r.stderr or "lacks layer" in r.stderr), r.stderr
+
+
+def test_a_number_of_5000_digits_in_a_name_is_one_line(tmp_path):
+    from safetensors.numpy import save_file
+    src = tmp_path / "m.safetensors"
+    save_file({"model.layers.0.mlp.experts." + "9" * 5000 + ".w1.weight": np.ones((2, 2), np.float32)}, src)
+    r = inproc("reshard", src, tmp_path / "out", "--tp", "1", "--ep", "2", "--rules", split_all_rules(tmp_path))
+    assert r.returncode == 2 and "not written canonically" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("args", [["convert", "M", "OUT", "--coordinator", "127.0.0.1:1", "--num-processes",
+                                   "1000000000", "--process-id", "0"],
+                                  ["plan", "M", "--hosts", "1000000000"],
+                                  ["reshard", "M", "OUT", "--tp", "1", "--ep", "1000000000"],
+                                  ["reshard", "M", "OUT", "--tp", "300", "--ep", "300"],
+                                  ["convert", "M", "OUT", "--coordinator", "localhost:\u00b2", "--num-processes", "2",
+                                   "--process-id", "1"]])
+def test_counts_from_options_are_bounded(model, tmp_path, args):
+    args = [str(model) if a == "M" else str(tmp_path / "out") if a == "OUT" else a for a in args]
+    r = inproc(*args)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "unexpected" not in r.stderr, r.stderr
+
+
+def test_the_api_turns_system_errors_into_ckpt_errors(model, tmp_path):
+    for call in (lambda: ckptconv.verify("x" * 300), lambda: ckptconv.inspect("x" * 300),
+                 lambda: ckptconv.convert(model, tmp_path / ("x" * 300)), lambda: ckptconv.convert(model, "a\0b"),
+                 lambda: ckptconv.reshard(model, tmp_path / "o", 1, strip_prefix=5),
+                 lambda: ckptconv.convert(model, tmp_path / "p", progress=5)):
+        with pytest.raises(CkptError):
+            call()

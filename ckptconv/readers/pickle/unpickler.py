@@ -186,14 +186,18 @@ def _reconstructor(ctx, cls, base, state=None):
 CODE_MODULES = ("os", "posix", "nt", "subprocess", "sys", "importlib", "runpy", "marshal", "pickle", "_pickle",
                 "cPickle", "types", "shutil", "socket", "ctypes", "code", "codeop", "pty", "commands", "popen2",
                 "multiprocessing", "threading", "_thread", "asyncio", "signal", "webbrowser", "pdb", "timeit",
-                "inspect", "gc", "io", "_io", "tempfile", "glob", "zipimport", "pkgutil")
+                "inspect", "gc", "io", "_io", "tempfile", "glob", "zipimport", "pkgutil", "doctest", "logging.config",
+                "numpy.ctypeslib", "torch.fx", "torch.package", "_winapi", "ensurepip", "pandas.io.pickle")
 CODE_NAMES = {(b, n) for b in ("builtins", "__builtin__") for n in (
     "eval", "exec", "execfile", "compile", "getattr", "setattr", "delattr", "__import__", "open", "file", "input",
     "raw_input", "globals", "locals", "vars", "breakpoint", "apply", "reload")} | {
     ("operator", "attrgetter"), ("operator", "methodcaller"), ("functools", "partial"), ("functools", "reduce"),
     ("numpy.testing._private.utils", "runstring"), ("numpy.testing.utils", "runstring"),
     ("numpy", "load"), ("numpy.lib.npyio", "load"), ("numpy", "fromfile"), ("numpy", "memmap"),
-    ("torch", "load"), ("torch.serialization", "load"), ("torch.jit", "load"), ("torch", "_load_global_deps")}
+    ("torch", "load"), ("torch.serialization", "load"), ("torch.jit", "load"), ("torch", "_load_global_deps"),
+    ("operator", "call"), ("_operator", "call"), ("uuid", "_get_command_stdout"), ("platform", "_syscmd_file"),
+    ("pandas", "read_pickle"), ("sympy", "sympify"), ("numexpr", "evaluate"),
+    ("torch.jit", "_load_for_lite_interpreter")}
 
 
 # Reached through other spellings too: a dotted name (protocol 4 resolves `pathlib` + `os.system`),
@@ -203,8 +207,10 @@ CODE_PARTS = {m.lstrip("_").lower() for m in CODE_MODULES} | {
     "posixsubprocess", "imp", "frozen_importlib", "frozen_importlib_external", "thread", "stringio", "cstringio",
     "urllib", "urllib2", "http", "httplib", "ftplib", "smtplib", "telnetlib", "pydoc", "cprofile", "profile",
     "hub", "cpp_extension", "f2py", "distutils", "setuptools", "pip", "site", "builtins", "__builtin__"}
-CODE_LAST = {n for _, n in CODE_NAMES} | {"system", "popen", "spawn", "fork_exec", "load_inline", "urlopen",
-                                          "locate", "exit", "quit", "loads", "attrgetter", "methodcaller", "partial"}
+CODE_LAST = {n for _, n in CODE_NAMES if n != "call"} | {
+    "system", "popen", "spawn", "fork_exec", "load_inline", "urlopen", "locate", "exit", "quit", "loads", "attrgetter",
+    "methodcaller", "partial", "read_pickle", "sympify", "_load_for_lite_interpreter", "run_docstring_examples",
+    "load_library", "_forward_from_src", "reduce_graph_module"}
 SAFE_BUILTINS = {"set", "frozenset", "bytearray", "object", "list", "dict", "tuple", "int", "long", "float", "str",
                  "unicode", "bytes", "bool"}
 _CODE_BARE = {_p.strip("_").lower() for _p in CODE_PARTS}
@@ -277,7 +283,9 @@ def hint(qualnames) -> str:
         if not all(part.isidentifier() and part.isascii() for part in q.split(".")):
             continue   # (never a command to paste: a name with quotes or spaces is not suggested)
         top = q.split(".", 1)[0]
-        pattern = f"{top}.*" if not runs_code(top, "x") else q
+        broad = runs_code(top, "x") or any(m == top or m.startswith(top + ".") for m, _ in CODE_NAMES) \
+            or any(m.startswith(top + ".") for m in CODE_MODULES)   # (a pattern there would cover one of them)
+        pattern = q if broad else f"{top}.*"
         if pattern not in shown:
             shown.append(pattern)
     return " ".join(f"--allow-global '{p}'" for p in shown[:4]) or "--allow-global MODULE.NAME"
