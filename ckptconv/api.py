@@ -188,6 +188,7 @@ class Inspection:
     model_files: list = field(default_factory=list)
     skipped_files: list = field(default_factory=list)
     also: list = field(default_factory=list)
+    placeholders: list = field(default_factory=list)   # classes on no allowlist, recorded as inert data
 
 
 def _tensor_row(fact) -> dict:
@@ -208,4 +209,5 @@ def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", 
     facts = [(t.name, t.dtype.code, t.shape, t.nbytes) for t in ckpt.tensors]
     return Inspection(str(path), ckpt.format, RowView(facts, _tensor_row),
                       ckpt.total_bytes, dict(sorted(hist.items())), ckpt.extras, ckpt.source,
-                      [rel for rel, _ in ckpt.model_files], ckpt.skipped_files, ckpt.also)
+                      [rel for rel, _ in ckpt.model_files], ckpt.skipped_files, ckpt.also,
+                      ckpt.source.get("placeholders", []))

@@ -306,6 +306,12 @@ def _allow_many_open_files():
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def placeholder_line(placeholders) -> str:
+    """The classes on no allowlist a pickle named, recorded as inert data, each with its count."""
+    return ("classes on no allowlist, recorded as inert data (never imported or called): "
+            + ", ".join(f"{p['global']} (x{p['count']})" for p in placeholders))
+
+
 def _convert_command(name, pickle_only, help_text):
     @main.command(name, help=help_text)
     @click.argument("src", type=click.Path(path_type=str))
@@ -356,8 +362,7 @@ def _convert_command(name, pickle_only, help_text):
             if result.dropped:
                 say("left out: " + "; ".join(f"{d['name']} ({d['reason']})" for d in result.dropped))
             if result.placeholders:
-                say("left out, built as inert placeholders: " + ", ".join(
-                    f"{p['global']} (x{p['count']})" for p in result.placeholders))
+                say(placeholder_line(result.placeholders))
         if result.also and not as_json:
             say(f"read the {result.format} weights; {src} also holds {' and '.join(result.also)} weights "
                 f"(--from {result.also[0]} reads those)")
@@ -562,7 +567,8 @@ def inspect_cmd(path, fmt, read, quiet, as_json):
                          "tensor_count": len(found.tensors), "total_bytes": found.total_bytes, "dtypes": found.dtypes,
                          "tensors": list(found.tensors), "extras": found.extras, "model_files": found.model_files,
                          **({"skipped_files": found.skipped_files} if found.skipped_files else {}),
-                         **({"also": found.also} if found.also else {})})
+                         **({"also": found.also} if found.also else {}),
+                         **({"placeholders": found.placeholders} if found.placeholders else {})})
         return
     say(f"{path}: {found.format}, {len(found.tensors)} tensors, {format_size(found.total_bytes)}")
     say("dtypes: " + ", ".join(f"{k} {format_size(v)}" for k, v in found.dtypes.items()))
@@ -571,6 +577,10 @@ def inspect_cmd(path, fmt, read, quiet, as_json):
         say(f"  {t['name']:<{width}}  {t['dtype']:<7} {str(t['shape']):<20} {format_size(t['bytes'])}")
     if found.extras:
         click.echo("extras: " + json.dumps(found.extras, sort_keys=True)[:2000])
+    if found.source.get("dropped"):
+        say("left out: " + "; ".join(f"{d['name']} ({d['reason']})" for d in found.source["dropped"]))
+    if found.placeholders:
+        say(placeholder_line(found.placeholders))
     if found.source.get("skipped"):
         say("skipped: " + ", ".join(s["name"] for s in found.source["skipped"]))
     if found.model_files:

@@ -38,7 +38,7 @@ class ConvertResult:
     also: list = field(default_factory=list)        # other formats the source directory holds, not read
     state_dict: str | None = None                   # the training wrapper's key unwrapped (--state-dict)
     dropped: list = field(default_factory=list)     # parts of the wrapper not written: {"name", "reason"}
-    placeholders: list = field(default_factory=list)  # classes on no allowlist, in state left out
+    placeholders: list = field(default_factory=list)  # classes on no allowlist, recorded as inert data
     process: int | None = None                      # on several processes: this one, and how many
     processes: int | None = None
     identity: str | None = None                     # sha256:… naming exactly this output (formats/identity.py)

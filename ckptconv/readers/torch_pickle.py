@@ -95,10 +95,11 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         for key, value in rest.items():  # the rest of a training wrapper: kept as extras, or dropped
             key = unpickler.key_text(key)
             wt, we, ws = flatten(value, shard, prefix=key, budget=budget)
+            unread = unpickler.unread_in(value)
             if wt or ws:
                 dropped.append({"name": key, "reason": "tensors outside the state dict"})
-            elif unpickler.holds_placeholder(value):
-                dropped.append({"name": key, "reason": "classes not on the allowlist"})
+            elif unread is not None:
+                dropped.append({"name": key, "reason": f"{unread.qualname} builds something ckptconv does not read"})
             else:
                 extras.update(unpickler.extras_json({k: v for k, v in we.items() if wanted(k, options.only)}, budget))
         placeholders += unlisted.listing()

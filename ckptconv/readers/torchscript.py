@@ -93,6 +93,8 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         source["skipped"] = tree.skipped
     if tree.dropped:
         source["dropped"] = tree.dropped
+    if unlisted.found:
+        source["placeholders"] = unlisted.listing()
     return Checkpoint(tensors, extras, source, [], [m])
 
 

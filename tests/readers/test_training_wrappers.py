@@ -6,11 +6,12 @@ import json
 import os
 import typing
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.fixtures import lightning
+from tests.fixtures import lightning, values
 from tests.fixtures.attacks import Reduce
 from tests.fixtures.models import training_state
 from tests.helpers import assert_refused, assert_same, cli, load_output, run
@@ -20,62 +21,133 @@ from tests.helpers import assert_refused, assert_same, cli, load_output, run
 def ckpts(tmp_path_factory):
     d = tmp_path_factory.mktemp("wrappers")
     return {"lightning": (d / "lightning.ckpt", lightning.lightning(d / "lightning.ckpt")),
-            "sd": (d / "sd.ckpt", lightning.stable_diffusion(d / "sd.ckpt"))}
+            "sd": (d / "sd.ckpt", lightning.stable_diffusion(d / "sd.ckpt")),
+            "sd1": (d / "sd1.ckpt", lightning.stable_diffusion_v1(d / "sd1.ckpt")),
+            "admet": (d / "admet.ckpt", lightning.admet_ai(d / "admet.ckpt"))}
 
 
 def manifest(out):
     return json.loads((out / "manifest.json").read_text())
 
 
-@pytest.mark.parametrize("kind", ["lightning", "sd"])
+PLACEHOLDERS = {"lightning": {"omegaconf.base.ContainerMetadata", "omegaconf.base.Metadata",
+                              "omegaconf.dictconfig.DictConfig", "omegaconf.listconfig.ListConfig",
+                              "omegaconf.nodes.AnyNode"},
+                "sd": {"tests.fixtures.lightning.ModelCheckpoint"}, "sd1": {"tests.fixtures.lightning.ModelCheckpoint"},
+                "admet": {"tests.fixtures.lightning.AttributeDict"}}
+DROPPED = {"lightning": {"callbacks", "optimizer_states"}, "sd": {"callbacks"}, "sd1": set(),
+           "admet": {"optimizer_states"}}
+
+
+@pytest.mark.parametrize("kind", sorted(PLACEHOLDERS))
 def test_a_training_wrapper_converts_in_one_command_under_the_bare_names(ckpts, tmp_path, kind):
+    """Issue 30, failures 1-2: classes on no allowlist anywhere in the state (OmegaConf nodes, a callback
+    object, SD 1.x's callbacks keyed by the ModelCheckpoint class itself, Lightning's AttributeDict) are
+    recorded as inert data; none stops the run, and the summary lists each with its count."""
     src, state = ckpts[kind]
     out = tmp_path / "out"
-    r = run("convert", src, out)          # no --allow-global: OmegaConf and the callback are left out
+    r = run("convert", src, out)          # no --allow-global
     assert r.exit_code == 0, r.stderr
     got = load_output(out)
     assert sorted(got) == sorted(state)
     for name, tensor in state.items():
         assert_same(got[name], tensor, name)
-    source = manifest(out)["source"]
+    source, extras = manifest(out)["source"], manifest(out)["extras"]
     assert source["state_dict"] == "state_dict"
-    assert "left out" in r.stdout and "inert placeholders" in r.stdout
+    assert {d["name"] for d in source.get("dropped", [])} == DROPPED[kind]
+    assert {p["global"] for p in source["placeholders"]} == PLACEHOLDERS[kind]
+    assert "classes on no allowlist, recorded as inert data (never imported or called): " in r.stdout
+    assert all(f"{p['global']} (x{p['count']})" in r.stdout for p in source["placeholders"])
+    raw = torch.load(src, weights_only=False)
     if kind == "lightning":
-        assert {d["name"] for d in source["dropped"]} == {"callbacks", "optimizer_states", "hyper_parameters"}
-        assert {p["global"] for p in source["placeholders"]} >= {"omegaconf.dictconfig.DictConfig",
-                                                                  "omegaconf.listconfig.ListConfig"}
-        extras = manifest(out)["extras"]
         assert extras["epoch"] == 3 and extras["global_step"] == 100 and extras["hparams_name"] == "kwargs"
-    else:
-        assert source["placeholders"] == [{"global": "tests.fixtures.lightning.ModelCheckpoint", "count": 1}]
+        assert extras["hyper_parameters"]["__class__"] == "omegaconf.dictconfig.DictConfig"
+    elif kind == "sd1":   # the class used as a key names the entry; its plain state follows
+        key = "callbacks.tests.fixtures.lightning.ModelCheckpoint"
+        assert {k: v for k, v in extras.items() if k.startswith(key)} == {
+            f"{key}.{k}": v for k, v in raw["callbacks"][lightning.ModelCheckpoint].items()}
+        assert extras["pytorch-lightning_version"] == "1.4.2"
+    elif kind == "admet":   # a dict subclass keeps its items, each as torch.load gives it
+        hp = extras["hyper_parameters"]
+        assert hp.pop("__class__") == "tests.fixtures.lightning.AttributeDict"
+        assert hp.pop("scheduler") == {"__class__": "tests.fixtures.lightning.AttributeDict", "warmup": 2}
+        assert hp == {k: v for k, v in raw["hyper_parameters"].items() if k != "scheduler"}
     assert run("verify", out, "--against", src).exit_code == 0
 
 
-def test_everything_kept_names_every_class_in_one_line(ckpts, tmp_path):
-    src, _ = ckpts["lightning"]
-    out = tmp_path / "out"
-    r = cli("convert", src, out, "--state-dict", "none")
-    assert_refused(r, out, "omegaconf.dictconfig.DictConfig", "omegaconf.listconfig.ListConfig",
-                   "omegaconf.nodes.AnyNode", "first at pickle offset", "--allow-global 'omegaconf.*'")
-
-
-def test_everything_kept_with_a_module_pattern(ckpts, tmp_path):
+def test_everything_kept_records_every_class_with_or_without_allow_global(ckpts, tmp_path):
+    """The whole wrapper kept: OmegaConf's classes are records in the extras (nodes that point back to
+    their parents as references); `--allow-global 'omegaconf.*'` vouches for them, which gives the same
+    output and lists them no more as placeholders."""
     src, state = ckpts["lightning"]
-    out = tmp_path / "out"
-    r = run("convert", src, out, "--state-dict", "none", "--allow-global", "omegaconf.*")
-    assert r.exit_code == 0, r.stderr
     raw = torch.load(src, weights_only=False)
-    got = load_output(out)
-    for name, tensor in state.items():
-        assert_same(got["state_dict." + name], tensor, name)
-    assert_same(got["optimizer_states.0.state.0.exp_avg"], raw["optimizer_states"][0]["state"][0]["exp_avg"])
-    hp = manifest(out)["extras"]["hyper_parameters"]
+    outputs = {}
+    for extra in ([], ["--allow-global", "omegaconf.*"]):
+        out = tmp_path / f"out{len(extra)}"
+        r = run("convert", src, out, "--state-dict", "none", *extra)
+        assert r.exit_code == 0, r.stderr
+        got = load_output(out)
+        for name, tensor in state.items():
+            assert_same(got["state_dict." + name], tensor, name)
+        assert_same(got["optimizer_states.0.state.0.exp_avg"], raw["optimizer_states"][0]["state"][0]["exp_avg"])
+        outputs[bool(extra)] = manifest(out)
+        r = run("verify", out, "--against", src, *extra)
+        assert r.exit_code == 0, r.stdout
+    hp = outputs[False]["extras"]["hyper_parameters"]
     assert hp["__class__"] == "omegaconf.dictconfig.DictConfig"
     text = json.dumps(hp)
     assert '"__ref__": "hyper_parameters' in text          # nodes point back to their parents
     assert '"typing.Any"' in text and '"_val": 3' in text
-    r = run("verify", out, "--against", src, "--allow-global", "omegaconf.*")
-    assert r.exit_code == 0, r.stdout
+    assert outputs[True]["extras"] == outputs[False]["extras"]
+    assert "placeholders" not in outputs[True]["source"]
+    assert {p["global"] for p in outputs[False]["source"]["placeholders"]} == PLACEHOLDERS["lightning"]
+
+
+@pytest.mark.parametrize("protocol", [1, 2, 5])
+def test_dict_and_list_subclasses_classes_and_states_are_records_in_every_protocol(tmp_path, protocol):
+    """Issue 30's two lines (`class AttributeDict(dict)` beside a tensor) and their kin: a list
+    subclass, a state that is not a dict (BUILD), an instance as a dict key, a class as a value."""
+    src = tmp_path / "m.pt"
+    t = torch.arange(6.0).reshape(2, 3)
+    torch.save({"w": t, "hp": lightning.AttributeDict(a=1, b=[1, 2], c={"d": "e"}), "steps": lightning.Steps([3, 4]),
+                "tracker": lightning.Tracker(), "by_object": {lightning.Tracker(0.25): "x"},
+                "cls": lightning.ModelCheckpoint}, src, pickle_protocol=protocol)
+    raw = torch.load(src, weights_only=False)
+    out = tmp_path / "out"
+    r = run("convert", src, out)
+    assert r.exit_code == 0, r.stderr
+    assert_same(load_output(out)["w"], t)
+    extras = manifest(out)["extras"]
+    q = "tests.fixtures.lightning."
+    assert extras["hp"] == {"__class__": q + "AttributeDict", **raw["hp"]}
+    assert extras["steps"] == {"__class__": q + "Steps", "__items__": list(raw["steps"])}
+    assert extras["tracker"] == {"__class__": q + "Tracker", "__state__": [0.5, "/ckpts/best.ckpt"]}
+    assert extras["by_object.<tests.fixtures.lightning.Tracker>"] == "x"
+    assert extras["cls"] == {"__global__": q + "ModelCheckpoint"}
+    assert {p["global"] for p in manifest(out)["source"]["placeholders"]} == {
+        q + n for n in ("AttributeDict", "Steps", "Tracker", "ModelCheckpoint")}
+    assert run("verify", out, "--against", src).exit_code == 0
+
+
+def test_tensors_inside_records_are_written_not_lost(ckpts, tmp_path):
+    """A record that holds tensors (a callback object's score, a pickled nn.Module) is walked as a dict
+    of its parts: each tensor under its path, the class under NAME.__class__."""
+    src, _ = ckpts["sd"]
+    raw = torch.load(src, weights_only=False)
+    out = tmp_path / "out"
+    assert run("convert", src, out, "--state-dict", "none").exit_code == 0
+    got, extras = load_output(out), manifest(out)["extras"]
+    cb = "callbacks.ModelCheckpoint"
+    assert_same(got[f"{cb}.best_model_score"], raw["callbacks"]["ModelCheckpoint"].best_model_score)
+    assert_same(got[f"{cb}.best_k_models./ckpts/epoch=3.ckpt"], torch.tensor(0.25))
+    assert extras[f"{cb}.__class__"] == "tests.fixtures.lightning.ModelCheckpoint" and extras[f"{cb}.save_top_k"] == 3
+    net = values.set_weights(torch.nn.Linear(3, 2), np.random.default_rng(0))
+    torch.save({"net": net, "epoch": 1}, tmp_path / "module.pt")
+    assert run("convert", tmp_path / "module.pt", tmp_path / "m").exit_code == 0
+    got = load_output(tmp_path / "m")
+    assert sorted(got) == ["net._parameters.bias", "net._parameters.weight"]
+    assert_same(got["net._parameters.weight"], net.weight.detach())
+    assert manifest(tmp_path / "m")["extras"]["net.__class__"] == "torch.nn.modules.linear.Linear"
 
 
 def test_another_key_unwrapped_on_request(tmp_path):

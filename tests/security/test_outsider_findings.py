@@ -174,18 +174,26 @@ def test_other_spellings_of_code_are_refused_even_in_dropped_state(tmp_path, mod
 
 
 def test_a_class_on_no_allowlist_cannot_hide_in_a_key(tmp_path):
+    """An instance as a dict key is an inert record like any other (issue 30): it is named, in the key
+    and in the summary's placeholders, never hidden and never called."""
     from tests.fixtures.lightning import ModelCheckpoint
     src = tmp_path / "key.pt"
     torch.save({"w": torch.ones(1), "meta": {ModelCheckpoint(): 1}}, src)
     out = tmp_path / "out"
-    assert_refused(cli("convert", src, out, "--quiet"), out, "tests.fixtures.lightning.ModelCheckpoint")
+    r = cli("convert", src, out, "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "tests.fixtures.lightning.ModelCheckpoint (x1)" in r.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["extras"] == {"meta.<tests.fixtures.lightning.ModelCheckpoint>": 1}
+    assert manifest["source"]["placeholders"] == [{"global": "tests.fixtures.lightning.ModelCheckpoint", "count": 1}]
 
 
 def test_the_suggested_allow_global_is_never_a_command_to_paste(tmp_path):
-    from tests.fixtures.attacks import _u, torch_zip
+    """(A reader that refuses classes on no allowlist, Grok-1's, suggests --allow-global: never the
+    file's text as a command; a torch.save file records such a class as data instead.)"""
+    from tests.fixtures.attacks import _u, write_container
     evil = "x';touch /tmp/never;'"
-    src = tmp_path / "quote.pt"
-    src.write_bytes(torch_zip(b"\x80\x04}" + _u("meta") + _u(evil) + _u("C") + b"\x93)\x81s."))
+    src = write_container("grok", b"\x80\x04" + _u(evil) + _u("C") + b"\x93)\x81.", tmp_path / "src")
     out = tmp_path / "out"
     r = cli("convert", src, out, "--quiet")
     assert_refused(r, out, "--allow-global MODULE.NAME")

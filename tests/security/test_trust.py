@@ -184,12 +184,20 @@ def test_a_header_of_80000_tensors_parses_in_linear_time(tmp_path):
 
 
 def test_file_content_in_messages_is_escaped_and_bounded(tmp_path):
+    """A global whose name forges a summary line: refused by a reader that refuses classes on no
+    allowlist (Grok-1's), in one escaped, bounded line; recorded by the torch reader (issue 30), its
+    name escaped on the one summary line that lists it."""
+    from tests.fixtures.attacks import write_container
     forged = "os\nwrote out/: 4 tensors in 2 files"
-    src = torch_file(tmp_path / "m.pt", _u("x") + b"\x8c" + bytes([len(forged)]) + forged.encode()
-                     + _u("system" + "x" * 10_000) + b"\x93")
+    glob = b"\x8c" + bytes([len(forged)]) + forged.encode() + _u("system" + "x" * 10_000) + b"\x93"
+    src = write_container("grok", b"\x80\x04" + glob + b".", tmp_path / "grok")
     r = cli("convert", src, tmp_path / "out")
     assert_refused(r, tmp_path / "out", "refused", "os\\nwrote out/", "more characters)")
     assert len(r.stderr) < 2200
+    r = cli("convert", torch_file(tmp_path / "m.pt", _u("x") + glob), tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stdout.splitlines() if "os\\nwrote out/" in line][0].startswith("classes on no")
+    assert not any(line.startswith("wrote out/") for line in r.stdout.splitlines())
 
 
 def test_names_with_control_characters_stay_on_one_line(tmp_path):

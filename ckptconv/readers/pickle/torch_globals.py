@@ -240,11 +240,15 @@ def flatten(obj, path, prefix="", skip_unsupported=False, budget: Budget = None)
     """Flatten nested containers with `.` (docs/output.md#names): tensors become sources, the rest extras.
     Returns (tensors, extras, skipped). A container reached a second time (shared, or a cycle) is
     walked again only if it holds tensors (each needs its name); otherwise it is recorded as a Ref to
-    its first name. Every step is charged to `budget` (the pickle's), so shared structure cannot
-    expand beyond what the file's size justifies."""
+    its first name. A record (an instance of a class, as data: unpickler.InertObject) that holds
+    tensors is walked as a dict of its parts (`unpickler.record_parts`; its class under `NAME.__class__`),
+    so a pickled module or a dict subclass of tensors loses none; one that holds none is one extras
+    value. Every step is charged to `budget` (the pickle's), so shared structure cannot expand beyond
+    what the file's size justifies."""
     budget = budget or Budget(path)
     tensors, extras, skipped = {}, {}, []
-    seen = {}  # id -> [container, first name, holds tensors (None while being walked)]
+    seen = {}  # id -> [container, first name, holds tensors (None while being walked), depth]
+    aside = []  # [depth, reaches out] of each record being walked aside, innermost last
 
     def leaf(value, name):
         if isinstance(value, (TorchTensor, TorchTensorUnsupported)) and value.unsupported:
@@ -266,22 +270,41 @@ def flatten(obj, path, prefix="", skip_unsupported=False, budget: Budget = None)
         return True
 
     def walk(value, name, depth):
+        nonlocal extras
         budget.spend(1 + (len(value) if isinstance(value, (dict, list, tuple)) else 0), "its non-tensor state")
-        if not (isinstance(value, dict) or (isinstance(value, (list, tuple)) and any(
-                _is_tensorlike(v) or isinstance(v, (dict, list, tuple)) for v in value))):
+        record = isinstance(value, unpickler.InertObject) and not value.unread
+        if not (record or isinstance(value, dict) or (isinstance(value, (list, tuple)) and any(
+                _is_tensorlike(v) or isinstance(v, (dict, list, tuple, unpickler.InertObject)) for v in value))):
             return leaf(value, name or "tensor")
         if depth >= MAX_DEPTH:
             raise BadInput(f"{path}: containers nested more than {MAX_DEPTH} deep")
         entry = seen.get(id(value))
         if entry is not None and not entry[2]:
+            if entry[2] is None:   # a container being walked: records inside it reach out of themselves
+                for a in reversed(aside):
+                    if a[0] <= entry[3]:
+                        break
+                    a[1] = True
             return leaf(unpickler.Ref(entry[1]), name or "tensor")
         if entry is None:
-            seen[id(value)] = entry = [value, name, None]
+            seen[id(value)] = entry = [value, name, None, depth]
+        if record:   # walked aside: kept as one value if it holds no tensor and reaches nothing outside it
+            outer, extras = extras, {}
+            aside.append([depth, False])
         found = False
-        items = value.items() if isinstance(value, dict) else enumerate(value)
+        items = unpickler.record_parts(value) if record else value.items() if isinstance(value, dict) \
+            else enumerate(value)
         for k, v in items:
             k = unpickler.key_text(k)
             found = walk(v, f"{name}.{k}" if name else k, depth + 1) or found
+        if record:
+            inner, extras = extras, outer
+            reaches_out = aside.pop()[1]   # (written whole, it would write again what lies outside it)
+            if found or reaches_out:
+                for key, v in [(f"{name}.__class__" if name else "__class__", value.qualname), *inner.items()]:
+                    leaf(v, key)
+            else:
+                leaf(value, name or "tensor")
         entry[2] = entry[2] or found
         return found
 

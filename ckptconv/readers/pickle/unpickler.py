@@ -90,35 +90,73 @@ class InertClass(StandIn):
         return InertClass(qualname)
 
     def call(self, args, ctx):
-        return InertObject(self.qualname, list(_args(ctx, args, self.qualname)))
+        return InertObject(self.qualname, _args(ctx, args, self.qualname))
 
     def new(self, args, kwargs, ctx):
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise ctx.bad(f"{self.qualname} instantiated with keyword arguments in a {type(kwargs).__name__}")
-        return InertObject(self.qualname, list(_args(ctx, args, self.qualname)), dict(kwargs or {}))
+        return InertObject(self.qualname, _args(ctx, args, self.qualname), _kwargs(ctx, kwargs, self.qualname))
 
 
-def _args(ctx, args, qualname):
-    """Constructor arguments are a tuple (a string would become one record field per character)."""
+def _args(ctx, args, qualname) -> list:
+    """Constructor arguments are a tuple (a string would become one record field per character),
+    copied into the record: charged, as one memoized tuple may be passed to any number of calls."""
     if not isinstance(args, tuple):
         raise ctx.bad(f"{qualname} called with a {type(args).__name__} instead of a tuple of arguments")
-    return args
+    ctx.copying(len(args))
+    return list(args)
+
+
+def _kwargs(ctx, kwargs, qualname) -> dict:
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ctx.bad(f"{qualname} instantiated with keyword arguments in a {type(kwargs).__name__}")
+    ctx.copying(len(kwargs or ()))
+    return dict(kwargs or {})
 
 
 class InertObject:
-    """An instance of an inert class: its constructor arguments and state, as data."""
+    """An instance of a class, as data: its qualified name, constructor arguments, the items a dict
+    or list subclass was filled with (SETITEMS, APPENDS: `items`, a dict or a list) and the state
+    BUILD gave it. Nothing of the class is ever imported or called (docs/security.md)."""
 
     def __init__(self, qualname, args=None, state=None, placeholder=None):
         self.qualname, self.args, self.state = qualname, args or [], state or {}
+        self.items = None                # a dict or list subclass's own items
         self.placeholder = placeholder   # the Placeholder that built it: a class on no allowlist
 
     def build(self, state, ctx):
-        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if isinstance(state, dict):
-            self.state.update(state)
+        """BUILD (setstate): a dict of attributes (or Python's (dict, slots) pair) is merged into the
+        state, copied and charged; any other state is kept as `__state__`."""
+        if isinstance(state, tuple) and len(state) == 2 and all(s is None or isinstance(s, dict) for s in state):
+            parts = [s for s in state if s]
+        elif isinstance(state, dict):
+            parts = [state]
         else:
             self.state["__state__"] = state
+            return
+        for part in parts:
+            ctx.copying(len(part))
+            self.state.update(part)   # (a dict's stored hashes: no key is hashed again)
+
+    def mapping(self, ctx, opname) -> dict:
+        """The items of a dict subclass (SETITEM, SETITEMS, or copyreg._reconstructor with base dict)."""
+        if self.items is None:
+            self.items = {}
+        if not isinstance(self.items, dict):
+            raise ctx.unsafe(f"{opname} on a {printable(self.qualname, 200)} that holds list items")
+        return self.items
+
+    def sequence(self, ctx, opname) -> list:
+        """The items of a list subclass (APPEND, APPENDS, or copyreg._reconstructor with base list)."""
+        if self.items is None:
+            self.items = []
+        if not isinstance(self.items, list):
+            raise ctx.unsafe(f"{opname} on a {printable(self.qualname, 200)} that holds dict items")
+        return self.items
+
+    @property
+    def unread(self) -> bool:
+        """Built by a global of a module the format reads itself (`Allowlist.owned`): a tensor kind
+        ckptconv does not read, never walked into nor written as a record."""
+        return self.placeholder is not None and self.placeholder.owned
 
 
 class StateDict(dict):
@@ -175,10 +213,29 @@ def _frozenset(ctx, items=()):
 
 
 def _reconstructor(ctx, cls, base, state=None):
-    """copyreg._reconstructor: protocol 0/1 spelling of `object.__new__(cls)`, inert classes only."""
-    if not isinstance(cls, (InertClass, Placeholder)) or not isinstance(base, Marker) or base.value is not object:
+    """copyreg._reconstructor: protocol 0/1 spelling of `object.__new__(cls)`, inert classes only;
+    with base `dict` or `list` (a subclass of one), the record holds a copy of `state` as its items."""
+    if not isinstance(cls, (InertClass, Placeholder)):
         raise ctx.unsafe(f"copyreg._reconstructor of {getattr(cls, 'qualname', type(cls).__name__)}")
-    return cls.new((), {}, ctx)
+    kind = _BASES.get(base.qualname) if isinstance(base, Function) else None
+    if kind is None and not (isinstance(base, Marker) and base.value is object):
+        raise ctx.unsafe(f"copyreg._reconstructor of {cls.qualname} on the base "
+                         f"{printable(getattr(base, 'qualname', type(base).__name__), 200)}")
+    obj = cls.new((), {}, ctx)
+    if kind is dict:
+        if not isinstance(state, dict):
+            raise ctx.bad(f"copyreg._reconstructor of the dict subclass {cls.qualname} with a {type(state).__name__}")
+        ctx.copying(len(state))
+        obj.mapping(ctx, "copyreg._reconstructor").update(state)
+    elif kind is list:
+        if not isinstance(state, list):
+            raise ctx.bad(f"copyreg._reconstructor of the list subclass {cls.qualname} with a {type(state).__name__}")
+        ctx.copying(len(state))
+        obj.sequence(ctx, "copyreg._reconstructor").extend(state)
+    return obj
+
+
+_BASES = {"builtins.dict": dict, "builtins.list": list}   # the bases a record may be built on, beside object
 
 
 # Modules and names that can run code, load more pickles or reach the system. A checkpoint that
@@ -236,8 +293,10 @@ def runs_code(module: str, name: str) -> bool:
 
 class Unlisted:
     """Globals of one file that are on no allowlist (and run no code): each becomes a `Placeholder`,
-    an inert class whose instances are records, and is counted here with its first offset. What a
-    run keeps may hold none of them (`check`); state that is dropped may."""
+    an inert class whose instances are records naming it (never imported or called), and is counted
+    here with its first offset. Records are data wherever they are, kept or dropped; only what a
+    global of a module the format reads itself builds (`owned`: a tensor kind ckptconv does not
+    read) refuses the run when it is to be written (`refusal`)."""
 
     SHOWN = 8   # globals named in the refusal
 
@@ -250,17 +309,18 @@ class Unlisted:
         entry[0] += 1
         if owned:
             self.owned.add(qualname)
-        return Placeholder(qualname, self)
+        return Placeholder(qualname, self, owned)
 
     def refusal(self) -> UnsafePickle:
-        """One line naming every such global of the file (count, first offset) and the way out: for
-        a global of a module the format reads itself, none (ckptconv does not read that kind of
-        object); else `--allow-global` patterns that admit nothing that runs code."""
+        """One line naming the globals of a module the format reads itself (count, first offset),
+        none of which ckptconv reads; without such a global, every one with the `--allow-global`
+        patterns that admit it and nothing that runs code."""
         names = sorted(self.found, key=lambda q: self.found[q][1])
-        listed = ", ".join(f"{q} (x{self.found[q][0]}, first at pickle offset {self.found[q][1]})"
-                           for q in names[:self.SHOWN])
-        more = f" and {len(names) - self.SHOWN} more" if len(names) > self.SHOWN else ""
         owned = [q for q in names if q in self.owned]
+        shown = owned or names
+        listed = ", ".join(f"{q} (x{self.found[q][0]}, first at pickle offset {self.found[q][1]})"
+                           for q in shown[:self.SHOWN])
+        more = f" and {len(shown) - self.SHOWN} more" if len(shown) > self.SHOWN else ""
         if owned:
             return UnsafePickle(f"{self.path}: refused: {printable(listed, 1000)}{more} in the state to be written: "
                                 f"{printable(owned[0], 200)} is part of the format but builds something ckptconv "
@@ -271,7 +331,8 @@ class Unlisted:
                             "state out (--state-dict, --only)")
 
     def listing(self) -> list:
-        """The placeholders of state that was dropped, for the summary and the manifest."""
+        """Every such global of the file, with how often the file names it: for the summary and the
+        manifest's `source.placeholders`."""
         return [{"global": q, "count": c} for q, (c, _) in sorted(self.found.items())]
 
 
@@ -291,20 +352,14 @@ def hint(qualnames) -> str:
     return " ".join(f"--allow-global '{p}'" for p in shown[:4]) or "--allow-global MODULE.NAME"
 
 
-def holds_placeholder(value) -> bool:
-    """Whether `value` reaches a Placeholder (a class on no allowlist) through containers and
-    records; each object is looked at once."""
-    return _placeholder_in(value) is not None
-
-
-def _placeholder_in(value):
-    """The first Placeholder `value` reaches, or None."""
+def unread_in(value):
+    """The Placeholder of the first record `value` reaches (through containers, records and keys)
+    that a global of the format's own modules built (`InertObject.unread`), or None; each object
+    is looked at once."""
     todo, seen = [value], set()
     while todo:
         v = todo.pop()
-        if isinstance(v, Placeholder):
-            return v
-        if isinstance(v, InertObject) and v.placeholder is not None:
+        if isinstance(v, InertObject) and v.unread:
             return v.placeholder
         if id(v) in seen or not isinstance(v, (dict, list, tuple, set, frozenset, InertObject)):
             continue
@@ -314,25 +369,43 @@ def _placeholder_in(value):
             todo.extend(v.values())
         elif isinstance(v, InertObject):
             todo.extend(v.args)
+            todo.extend(v.state.keys())
             todo.extend(v.state.values())
+            if isinstance(v.items, dict):
+                todo.extend(v.items.keys())
+                todo.extend(v.items.values())
+            elif v.items is not None:
+                todo.extend(v.items)
         else:
             todo.extend(v)
     return None
 
 
-class Placeholder(StandIn):
-    """A global on no allowlist, as an inert class: built and never called; refuses to be written."""
+def record_parts(obj: InertObject) -> list:
+    """A record's parts as (key, value), in the order they are written and named: its constructor
+    arguments (`args`), a dict subclass's items under their own keys or a list subclass's under
+    `__items__`, then the attributes BUILD gave it. Keys are pickled objects (`key_text` names them)."""
+    parts = [("args", obj.args)] if obj.args else []
+    if isinstance(obj.items, dict):
+        parts.extend(obj.items.items())
+    elif obj.items is not None:
+        parts.append(("__items__", obj.items))
+    parts.extend(obj.state.items())
+    return parts
 
-    def __init__(self, qualname, unlisted: Unlisted):
-        self.qualname, self.unlisted = qualname, unlisted
+
+class Placeholder(StandIn):
+    """A global on no allowlist, as an inert class: instances are records naming it; never called.
+    `owned`: in a module the format reads itself (its records refuse to be written)."""
+
+    def __init__(self, qualname, unlisted: Unlisted, owned=False):
+        self.qualname, self.unlisted, self.owned = qualname, unlisted, owned
 
     def call(self, args, ctx):
-        return InertObject(self.qualname, list(_args(ctx, args, self.qualname)), placeholder=self)
+        return InertObject(self.qualname, _args(ctx, args, self.qualname), placeholder=self)
 
     def new(self, args, kwargs, ctx):
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise ctx.bad(f"{self.qualname} instantiated with keyword arguments in a {type(kwargs).__name__}")
-        return InertObject(self.qualname, list(_args(ctx, args, self.qualname)), dict(kwargs or {}), self)
+        return InertObject(self.qualname, _args(ctx, args, self.qualname), _kwargs(ctx, kwargs, self.qualname), self)
 
 
 _NOTHING = object()
@@ -571,7 +644,8 @@ def load(data, allowlist: dict, path, base_offset=0, persistent_load=None, budge
     `allowlist` maps (module, name) to StandIns, and (module, "*") accepts a module and those below it
     as inert classes. A global that can run code (`runs_code`) stops the run wherever it appears. Any
     other global outside the allowlist stops it too, unless `unlisted` (an `Unlisted`) is given: then
-    it becomes an inert placeholder, and the file is refused only if what is kept holds one.
+    it becomes an inert placeholder whose instances are records naming it (`extras_json` writes them),
+    and only a record that a global of the format's own modules built refuses to be written.
     `persistent_load(pid, ctx)` resolves PERSID ids.
     `budget` (default: one sized by `data`) is charged here and by whoever walks the result next
     (`flatten`, `extras_json`), so the whole reading of one pickle stays bounded by its size.
@@ -1089,8 +1163,9 @@ def _resolve(vm, module, name):
     if pattern is not None:
         standin = pattern.named(f"{module}.{name}")
     if standin is None:
-        if vm.ctx.unlisted is None:
-            raise vm.ctx.unsafe(f"global '{module}.{name}' is not on the allowlist")
+        if vm.ctx.unlisted is None:   # (a format whose every object is read: DCP, Grok-1, DeepSpeed)
+            way = "" if owned else f"; to read it as inert data (never imported or called): {hint([module + '.' + name])}"
+            raise vm.ctx.unsafe(f"global '{module}.{name}' is not on the allowlist{printable(way, 300)}")
         standin = vm.ctx.unlisted.placeholder(f"{module}.{name}", vm.ctx.base_offset + vm.ctx.pos, owned)
     return standin
 
@@ -1192,9 +1267,14 @@ def _underflow(ctx):
 
 
 def _as(obj, kind, ctx, opname):
-    if type(obj) is not kind and not (kind is dict and isinstance(obj, StateDict)):
-        raise ctx.unsafe(f"{opname} on a {type(obj).__name__}")
-    return obj
+    """The container an item opcode fills: a plain one, or the items of a record (an instance of a
+    dict or list subclass: Lightning's AttributeDict)."""
+    if type(obj) is kind or (kind is dict and isinstance(obj, StateDict)):
+        return obj
+    if isinstance(obj, InertObject) and kind in (dict, list):
+        return obj.mapping(ctx, opname) if kind is dict else obj.sequence(ctx, opname)
+    what = f"the global {printable(obj.qualname, 200)}" if isinstance(obj, StandIn) else f"a {type(obj).__name__}"
+    raise ctx.unsafe(f"{opname} on {what}")
 
 
 def _persistent(hook, pid, ctx):
@@ -1216,12 +1296,20 @@ class Ref:
 
 
 def key_text(key) -> str:
-    """A dict key as a name part: scalars as str(), anything else as a short, deterministic repr. A
-    key built from a class on no allowlist would carry it into a name: refused."""
+    """A dict key as a name part: scalars as str(), a class used as a key (Lightning 1.x keys its
+    `callbacks` by the callback's class) as its qualified name, an instance of a class `<pkg.Name>`,
+    anything else as a short, deterministic repr. A key holding something ckptconv does not read
+    (a record a global of the format's own modules built) is refused."""
     if isinstance(key, str):
         return key
-    if isinstance(key, (Placeholder, InertObject, tuple, frozenset)) and holds_placeholder(key):
-        raise _placeholder_in(key).unlisted.refusal()
+    if isinstance(key, (InertObject, tuple, frozenset)):
+        unread = unread_in(key)
+        if unread is not None:
+            raise unread.unlisted.refusal()
+    if isinstance(key, StandIn):
+        return key.qualname
+    if isinstance(key, InertObject):
+        return f"<{key.qualname}>"
     if isinstance(key, int) and key.bit_length() > 1024:
         return hex(key)  # str() of a 40,000-digit number is refused by Python itself
     if key is None or isinstance(key, (bool, int, float)):
@@ -1275,11 +1363,9 @@ class _Extras:
         if isinstance(value, Ref):
             self.spend(len(value.path))
             return {"__ref__": value.path}
-        if isinstance(value, Placeholder):
-            raise value.unlisted.refusal()
-        if isinstance(value, InertObject) and value.placeholder is not None:
+        if isinstance(value, InertObject) and value.unread:
             raise value.placeholder.unlisted.refusal()
-        if isinstance(value, StandIn):
+        if isinstance(value, StandIn):   # a class (or function) used as a value, never called
             self.spend(len(value.qualname))
             return {"__global__": value.qualname}
         if not isinstance(value, (dict, list, tuple, set, frozenset, InertObject)):
@@ -1309,9 +1395,12 @@ class _Extras:
             return sorted(members, key=lambda m: json.dumps(m, sort_keys=True))
         out = {"__class__": value.qualname}
         self.spend(len(value.qualname))
-        if value.args:
-            out["args"] = self.value(value.args, (path, "args"), depth + 1)
-        out.update({key: self.value(v, (path, key), depth + 1) for key, v in self.keyed(value.state.items())})
+        for key, v in self.keyed(record_parts(value)):
+            if key in out:
+                raise BadInput(f"{self.budget.path}: non-tensor state {printable(self.text(path), 200)!r}, a "
+                               f"{printable(value.qualname, 200)} record, has two parts named "
+                               f"{printable(key, 100)!r}")
+            out[key] = self.value(v, (path, key), depth + 1)
         return out
 
     def keyed(self, items):
