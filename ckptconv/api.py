@@ -17,6 +17,7 @@ from .dtypes import CAST_TARGETS
 from .errors import BadInput, UsageError, brief, printable
 from .formats.manifest import stem_problem
 from .readers import ReadOptions, Source, open_source
+from .readers.wrappers import Layout
 from .rowview import RowView
 from .sizes import parse_size
 from .tp.presets import MeshSpec
@@ -188,6 +189,7 @@ class Inspection:
     model_files: list = field(default_factory=list)
     skipped_files: list = field(default_factory=list)
     also: list = field(default_factory=list)
+    layout: Layout | None = None   # a training checkpoint's parts and which convert writes (readers/wrappers.py)
     placeholders: list = field(default_factory=list)   # classes on no allowlist, recorded as inert data
 
 
@@ -209,5 +211,5 @@ def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", 
     facts = [(t.name, t.dtype.code, t.shape, t.nbytes) for t in ckpt.tensors]
     return Inspection(str(path), ckpt.format, RowView(facts, _tensor_row),
                       ckpt.total_bytes, dict(sorted(hist.items())), ckpt.extras, ckpt.source,
-                      [rel for rel, _ in ckpt.model_files], ckpt.skipped_files, ckpt.also,
+                      [rel for rel, _ in ckpt.model_files], ckpt.skipped_files, ckpt.also, ckpt.layout,
                       ckpt.source.get("placeholders", []))

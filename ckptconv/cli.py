@@ -144,9 +144,10 @@ def read_options(fn):
     @click.option("--skip-unsupported", is_flag=True,
                   help="Leave out tensors safetensors cannot store (complex, quantized) and list them.")
     @click.option("--state-dict", default="auto", show_default=True, metavar="auto|KEY|none",
-                  help="Training wrappers (PyTorch Lightning, Stable Diffusion): auto writes the tensors of a "
-                  "top-level 'state_dict' under their bare names, KEY unwraps another key (model, module, ema), "
-                  "none keeps every tensor under its flattened name.")
+                  help="Training checkpoints: auto writes the model's tensors under their bare names when it "
+                  "finds them (a top-level 'state_dict', or the one of model, model_state_dict, module, net, ema ... "
+                  "beside optimizer, scheduler and scaler state; inspect says which); KEY or a dotted path "
+                  "(model.state_dict) unwraps that entry; none keeps every tensor under its flattened name.")
     @click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True,
                   help="Files parsed in parallel.")
     @click.option("--max-extra-size", default="256MB", show_default=True, metavar="SIZE",
@@ -356,7 +357,10 @@ def _convert_command(name, pickle_only, help_text):
             if result.skipped_files:
                 say("not carried into OUT: " + "; ".join(f"{s['name']} ({s['reason']})"
                                                          for s in result.skipped_files))
-            if result.state_dict:
+            if result.layout is not None:
+                say(f"training checkpoint: {result.layout.found()}")
+                say(f"wrote {result.layout.choice()}")
+            elif result.state_dict:
                 say(f"wrote the tensors of {result.state_dict!r} under their own names (--state-dict none keeps "
                     "everything)")
             if result.dropped:
@@ -559,7 +563,11 @@ def plan_cmd(src, mesh, hosts, disk_gbps, max_shard_size, fmt, read, quiet, as_j
 @read_options
 @command
 def inspect_cmd(path, fmt, read, quiet, as_json):
-    """Show what a checkpoint holds (format, tensors, dtypes, bytes, extras) without converting it."""
+    """Show what a checkpoint holds (format, tensors, dtypes, bytes, extras) without converting it.
+
+    For a training checkpoint it also says where the model's weights are beside the optimizer's state
+    and which --state-dict picks them; classes in the pickle are listed with their counts.
+    """
     found = inspect(path, format=fmt, only=read.only, allow_globals=read.allow_globals, state_dict=read.state_dict,
                     skip_unsupported=read.skip_unsupported, workers=read.workers, reader_options=read.declared)
     if as_json:
@@ -568,6 +576,7 @@ def inspect_cmd(path, fmt, read, quiet, as_json):
                          "tensors": list(found.tensors), "extras": found.extras, "model_files": found.model_files,
                          **({"skipped_files": found.skipped_files} if found.skipped_files else {}),
                          **({"also": found.also} if found.also else {}),
+                         **({"layout": found.layout.to_json()} if found.layout is not None else {}),
                          **({"placeholders": found.placeholders} if found.placeholders else {})})
         return
     say(f"{path}: {found.format}, {len(found.tensors)} tensors, {format_size(found.total_bytes)}")
@@ -577,6 +586,9 @@ def inspect_cmd(path, fmt, read, quiet, as_json):
         say(f"  {t['name']:<{width}}  {t['dtype']:<7} {str(t['shape']):<20} {format_size(t['bytes'])}")
     if found.extras:
         click.echo("extras: " + json.dumps(found.extras, sort_keys=True)[:2000])
+    if found.layout is not None:
+        say(f"training checkpoint: {found.layout.found()}")
+        say(f"converts {found.layout.choice()}")
     if found.source.get("dropped"):
         say("left out: " + "; ".join(f"{d['name']} ({d['reason']})" for d in found.source["dropped"]))
     if found.placeholders:

@@ -8,6 +8,7 @@ from .errors import BadInput, UsageError
 from .recipe import Recipe
 from .formats.identity import identity
 from .readers import Source, open_source, readers
+from .readers.wrappers import Layout
 from .tp.rules import read_config
 from .writers import WRITERS
 from .writers.base import Content, WriteOptions
@@ -39,6 +40,7 @@ class ConvertResult:
     state_dict: str | None = None                   # the training wrapper's key unwrapped (--state-dict)
     dropped: list = field(default_factory=list)     # parts of the wrapper not written: {"name", "reason"}
     placeholders: list = field(default_factory=list)  # classes on no allowlist, recorded as inert data
+    layout: Layout | None = None                    # a training checkpoint's parts, and which were written
     process: int | None = None                      # on several processes: this one, and how many
     processes: int | None = None
     identity: str | None = None                     # sha256:… naming exactly this output (formats/identity.py)
@@ -46,9 +48,12 @@ class ConvertResult:
     def to_json(self) -> dict:
         """The `--json` summary: the fields that apply to this run."""
         optional = ("resume_note", "skipped_files", "also", "process", "processes", "state_dict", "dropped",
-                    "placeholders", "identity")
-        return {"tensor_count" if k == "tensors" else k: v for k, v in asdict(self).items()
-                if k not in optional or v not in (None, [])}
+                    "placeholders", "identity", "layout")
+        out = {"tensor_count" if k == "tensors" else k: v for k, v in asdict(self).items()
+               if k not in optional or v not in (None, [])}
+        if self.layout is not None:
+            out["layout"] = self.layout.to_json()
+        return out
 
 
 def _config(model_files) -> dict:
@@ -106,7 +111,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
                            round(total / seconds / 1e9, 3) if seconds else None, facts.get("resumed_bytes", 0),
                            facts.get("resume_note"), content.skipped_files, ckpt.also,
                            None if ckpt.source.get("state_dict") in (None, "none") else ckpt.source["state_dict"],
-                           ckpt.source.get("dropped", []), ckpt.source.get("placeholders", []))
+                           ckpt.source.get("dropped", []), ckpt.source.get("placeholders", []), ckpt.layout)
     if cluster is None or cluster.is_main:
         result.identity = identity(out)
     if cluster is not None:

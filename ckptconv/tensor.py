@@ -360,6 +360,7 @@ class Checkpoint:
     config: dict | None = None                       # a model config the source describes (shapes JSON)
     recorded_rules: dict | None = None               # partition rules a reshard output records (mesh.json)
     also: list = field(default_factory=list)         # other formats the same directory holds, not read
+    layout: object = None                            # readers/wrappers.Layout: a training checkpoint's parts
 
     def __post_init__(self):
         """Every reader's tensors meet the same rules before anything is planned or written: distinct

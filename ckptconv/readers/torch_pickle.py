@@ -9,14 +9,13 @@ from array import array
 from pathlib import Path
 
 from .pickle import unpickler
-from . import ziparchive
+from . import wrappers, ziparchive
 from .base import Reader, register
-from ..errors import BadInput, UsageError, brief, printable
+from ..errors import BadInput, brief
 from ..limits import Budget
 from ..io.mapped import MappedFile
 from ..tensor import Checkpoint
-from .pickle.numpy_globals import NumpyArray
-from .pickle.torch_globals import TORCH_OWNED, Storage, TorchTensor, flatten, storage_dtype, torch_globals
+from .pickle.torch_globals import TORCH_OWNED, Storage, flatten, storage_dtype, torch_globals
 from . import (DEEPSPEED_RANK_FILE, ReadOptions, by_shard, check_listed, inside, model_files, source_root,
                training_state, wanted, weight_map, weights_file)
 
@@ -77,24 +76,26 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     if target.name.endswith(".index.json"):
         listed = by_shard(weight_map(target, options.only))
         shards = [weights_file(target.parent / f, source_root(target)) for f in sorted(listed)]
-    tensors, extras, skipped, mapped, dropped, placeholders, unwrapped = [], {}, [], [], [], [], None
+    tensors, extras, skipped, mapped, dropped, placeholders, unwrapped, layouts = [], {}, [], [], [], [], None, []
     for shard in shards:
         m = MappedFile(shard)
         mapped.append(m)
         budget, unlisted = Budget(shard), unpickler.Unlisted(shard)
-        obj, rest, unwrapped = unwrap(_load_file(m, allow, budget, unlisted), options.state_dict, shard)
-        t, e, s = flatten(obj, shard, skip_unsupported=options.skip_unsupported, budget=budget)
-        obj = None   # the pickle's records (tensor, storage, its key, per tensor): the sources replace them
+        found = wrappers.unwrap(_load_file(m, allow, budget, unlisted), options.state_dict, shard, budget)
+        unwrapped = found.key
+        t, e, s = flatten(found.kept, shard, skip_unsupported=options.skip_unsupported, budget=budget)
+        written = list(t) + [x["name"] for x in s]
         if listed is not None:
-            check_listed(target, shard.name, listed[shard.name], set(t) | {x["name"] for x in s})
+            check_listed(target, shard.name, listed[shard.name], set(written))
         justified(m, t.values())
         tensors += [src for name, src in t.items() if wanted(name, options.only)]
         t = None
         extras.update(unpickler.extras_json({k: v for k, v in e.items() if wanted(k, options.only)}, budget))
         skipped += s
-        for key, value in rest.items():  # the rest of a training wrapper: kept as extras, or dropped
-            key = unpickler.key_text(key)
+        rest_counts = {}
+        for key, value in found.rest.items():  # the rest of a training wrapper: kept as extras, or dropped
             wt, we, ws = flatten(value, shard, prefix=key, budget=budget)
+            rest_counts[key] = len(wt) + len(ws)
             unread = unpickler.unread_in(value)
             if wt or ws:
                 dropped.append({"name": key, "reason": "tensors outside the state dict"})
@@ -102,6 +103,8 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
                 dropped.append({"name": key, "reason": f"{unread.qualname} builds something ckptconv does not read"})
             else:
                 extras.update(unpickler.extras_json({k: v for k, v in we.items() if wanted(k, options.only)}, budget))
+        layouts.append(wrappers.layout(found, options.state_dict, written, rest_counts))
+        found = None   # (the pickle's records: the sources replace them)
         placeholders += unlisted.listing()
     source = {"format": NAME, "path": str(path), "files": [str(p.relative_to(path) if path.is_dir() else p.name)
                                                             for p in shards]}
@@ -115,7 +118,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         source["placeholders"] = placeholders
     consumed = shards + ([target] if target not in shards else [])
     files = model_files(path, consumed) if path.is_dir() else []
-    return Checkpoint(tensors, extras, source, files, mapped)
+    return Checkpoint(tensors, extras, source, files, mapped, layout=layouts[0] if len(layouts) == 1 else None)
 
 
 def justified(m: MappedFile, tensors):
@@ -138,35 +141,6 @@ def _load_file(m: MappedFile, allow, budget, unlisted):
         raise BadInput(f"{m.path}: is a TorchScript archive (torch.jit.save), read by the torchscript reader: give "
                        "the file itself as SRC, or --from torchscript")
     return load_zip(m, allow, budget=budget, unlisted=unlisted, entries=entries)
-
-
-WRAPPER_KEY = "state_dict"   # PyTorch Lightning, Stable Diffusion: the model's tensors beside training state
-
-
-def unwrap(obj, how: str, path):
-    """(the object whose tensors are the output, the rest of a training wrapper {key: value}, the key
-    unwrapped or None). `how` is --state-dict: "auto" unwraps `state_dict` when it holds tensors,
-    "none" nothing, any other value that key (refused if the top level has no such entry)."""
-    if how == "none":
-        return obj, {}, None
-    key = WRAPPER_KEY if how == "auto" else how
-    if not isinstance(obj, dict) or key not in obj or not isinstance(obj[key], dict):
-        if how == "auto":
-            return obj, {}, None
-        keys = ", ".join(repr(k) for k in list(obj)[:12]) if isinstance(obj, dict) else f"a {type(obj).__name__}"
-        raise UsageError(f"--state-dict {how!r}: {path} has no dict under that key at its top level "
-                         f"(it holds {printable(keys, 300)})")
-    if how == "auto" and not any(_holds_tensor(v) for v in obj[key].values()):
-        return obj, {}, None
-    return obj[key], {k: v for k, v in obj.items() if k != key}, key
-
-
-def _holds_tensor(value, depth=0) -> bool:
-    if isinstance(value, (TorchTensor, NumpyArray)):
-        return True
-    if depth < 3 and isinstance(value, dict):
-        return any(_holds_tensor(v, depth + 1) for v in list(value.values())[:64])
-    return False
 
 
 def archive_prefix(m: MappedFile, entries) -> str:

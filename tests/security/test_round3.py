@@ -447,7 +447,7 @@ def test_a_single_files_identity_covers_its_header(trained, tmp_path):
     out = tmp_path / "one.safetensors"
     result = ckptconv.convert(trained / "train.pt", out)
     header, body = _single_header(out)
-    header["model.w"]["dtype"] = "I32"
+    header["w"]["dtype"] = "I32"   # (--state-dict auto unwraps `model`: issue 30)
     _rewrite(out, header, body)
     assert ckptconv.verify(out).ok
     report = ckptconv.verify(out, expect=result.identity)

@@ -358,15 +358,16 @@ def test_pad_vocab(tmp_path):
 
 
 def test_reshard_takes_convert_selection_flags(tmp_path):
-    """docs/dcp.md's example: a training state whose model names carry the wrapper's prefix."""
+    """docs/dcp.md's example: a training state whose model names carry the wrapper's prefix (kept whole:
+    `--state-dict auto` would unwrap `model` itself)."""
     g = torch.Generator().manual_seed(3)
     model = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 4, generator=g),
              "model.layers.0.mlp.down_proj.weight": torch.randn(4, 8, generator=g)}
     src = tmp_path / "train.pt"
     torch.save({"model": model, "optim": {"state": {0: {"exp_avg": torch.zeros(3)}}}}, src)
     out = tmp_path / "tp2"
-    r = run("reshard", src, out, "--tp", "2", "--only", "model.", "--strip-prefix", "model", "--preset", "llama",
-            "--heads", "2", "--kv-heads", "2", "--head-dim", "2", "--quiet")
+    r = run("reshard", src, out, "--tp", "2", "--state-dict", "none", "--only", "model.", "--strip-prefix", "model",
+            "--preset", "llama", "--heads", "2", "--kv-heads", "2", "--head-dim", "2", "--quiet")
     assert r.exit_code == 0, r.stderr
     mesh = json.loads((out / "mesh.json").read_text())
     assert sorted(mesh["tensors"]) == sorted(model)          # "model." once, the optimizer left out
