@@ -53,8 +53,9 @@ def detect(path) -> list:
             if p.name.endswith(WEIGHT_SUFFIXES) and p.is_symlink():
                 confined(p, root)
     if not found:
-        raise BadInput(f"{path}: not a checkpoint format ckptconv knows "
-                       f"(known: {', '.join(readers())}; use --from to force one)")
+        looked = "; ".join(f"{r.name}: {r.looks_for}" for r in readers().values() if r.looks_for)
+        raise BadInput(f"{path}: not a checkpoint format ckptconv knows; looked for {looked} (use --from to force "
+                       "one)")
     return found
 
 
@@ -95,7 +96,8 @@ def open_checkpoint(path, fmt=None, options=None):
     return ckpt
 
 
-WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".safetensors", ".distcp", ".index.json", ".msgpack", ".h5")
+WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pth.tar", ".pt.tar", ".safetensors", ".distcp", ".index.json",
+                   ".msgpack", ".h5")
 OUTPUT_METADATA = (MANIFEST, SUMS, MESH)
 
 

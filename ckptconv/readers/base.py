@@ -3,8 +3,8 @@
 A reader is one module that registers one `Reader`: its name (`--from NAME`, the manifest's
 `source.format`), what it reads, `detect(path)`, `load(path, options) -> Checkpoint`, whether it
 parses pickles (`pickle-to-safetensors` takes only those) or holds data at all (a shapes
-description does not), the command-line options it declares for itself, and its place in the
-detection order. Adding a format is one module that calls `register(...)`: every module of the
+description does not), the command-line options it declares for itself, its place in the
+detection order and what it looks for (named when no reader recognises a path). Adding a format is one module that calls `register(...)`: every module of the
 package is imported when the readers are first listed.
 """
 from dataclasses import dataclass, field
@@ -59,6 +59,7 @@ class Reader:
     parses_pickles: bool = False
     holds_data: bool = True
     options: tuple = ()         # ReaderOption
+    looks_for: str = ""         # the names and contents detect recognises, for "found nothing" (docs/formats.md)
 
 
 READERS = {}

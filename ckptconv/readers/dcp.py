@@ -698,4 +698,5 @@ def _bytes_item(reader, fqn, loc, tensors, extras, options):
 
 
 READER = register(Reader(NAME, "PyTorch Distributed Checkpoint directories (.metadata + *.distcp)",
-                         detect, load, priority=20, parses_pickles=True))
+                         detect, load, priority=20, parses_pickles=True,
+                         looks_for="a directory holding .metadata"))

@@ -640,4 +640,6 @@ def _parallelism(top, path):
 
 
 READER = register(Reader(NAME, "DeepSpeed ZeRO checkpoint directories (latest + global_stepN/, stages 1-3): the fp32 "
-                               "master weights", detect, load, priority=38, parses_pickles=True))
+                               "master weights", detect, load, priority=38, parses_pickles=True,
+                               looks_for="a directory holding latest, or *_optim_states.pt and *_model_states.pt rank "
+                               "files"))

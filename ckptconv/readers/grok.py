@@ -366,4 +366,5 @@ OPTIONS = (
     ReaderOption("--host-axis", "host_axis", "Axis to join several hosts' files on, for unknown layouts.", type=int),
 )
 READER = register(Reader(NAME, "Grok-1-style pickle shard directories (ckpt-0/tensor00000_000 ...)",
-                         detect, load, priority=50, parses_pickles=True, options=OPTIONS))
+                         detect, load, priority=50, parses_pickles=True, options=OPTIONS,
+                         looks_for="a directory of tensorNNNNN_HHH pickle shards, or one holding ckpt-0/"))

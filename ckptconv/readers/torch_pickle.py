@@ -22,6 +22,7 @@ from . import (DEEPSPEED_RANK_FILE, ReadOptions, by_shard, check_listed, inside,
 NAME = "torch"
 
 AMPLIFICATION = 16  # the most bytes of tensors a file's bytes may describe (beyond 64 MiB)
+TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pth.tar", ".pt.tar")   # torch files a directory may hold
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_HEAD = b"\x80\x02\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little")
 
@@ -39,7 +40,7 @@ def _is_torch_file(path: Path) -> bool:
     try:
         return any(n.endswith("data.pkl") for n in ziparchive.names(MappedFile(path)))
     except BadInput:
-        return path.suffix in (".pt", ".pth", ".bin", ".ckpt")  # let open() give the precise error
+        return path.name.endswith(TORCH_SUFFIXES)  # let open() give the precise error
 
 
 def _dir_files(directory: Path) -> list:
@@ -49,7 +50,7 @@ def _dir_files(directory: Path) -> list:
     if found:
         return found
     root = source_root(directory)
-    files = [p for p in sorted(directory.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt") and p.is_file()
+    files = [p for p in sorted(directory.iterdir()) if p.name.endswith(TORCH_SUFFIXES) and p.is_file()
              and inside(p, root) and not training_state(p.name)   # a link leading elsewhere is not even looked at
              and not DEEPSPEED_RANK_FILE.fullmatch(p.name)]        # (a ZeRO checkpoint: readers/deepspeed.py)
     return [p for p in files if _is_torch_file(p)]
@@ -270,4 +271,7 @@ def _itemsize(dtype) -> int:
 
 
 READER = register(Reader(NAME, "torch.save files (.pt/.pth/.bin/.ckpt, zip or legacy) and HF .bin shard directories",
-                         detect, load, priority=40, parses_pickles=True))
+                         detect, load, priority=40, parses_pickles=True,
+                         looks_for="a torch.save file (a zip holding data.pkl, or the legacy magic number), "
+                         "*.bin.index.json, *.pt.index.json, or a directory holding one, or one torch file named "
+                         + ", ".join("*" + s for s in TORCH_SUFFIXES)))

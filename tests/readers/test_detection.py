@@ -42,3 +42,38 @@ def test_one_format_alone_says_nothing_more(tmp_path):
     assert reader.name == "torch" and also == []
     r = run("convert", d, tmp_path / "out", "--quiet")
     assert r.exit_code == 0 and "also holds" not in r.stdout
+
+
+def test_a_directory_of_pth_tar_files_is_a_torch_checkpoint(tmp_path):
+    """Issue 30, failure 6: the PyTorch ImageNet example's `checkpoint.pth.tar` (a torch.save zip
+    whatever its name) converts as a file and, alone, in its directory; beside `model_best.pth.tar`
+    ckptconv does not guess which one is the model."""
+    d = tmp_path / "run"
+    d.mkdir()
+    state = {"fc.weight": torch.arange(6.0).reshape(2, 3), "fc.bias": torch.ones(2)}
+    torch.save({"epoch": 90, "arch": "resnet18", "state_dict": state, "best_acc1": 69.7,
+                "optimizer": {"state": {0: {"momentum_buffer": torch.zeros(2, 3)}}, "param_groups": []}},
+               d / "checkpoint.pth.tar")
+    (d / "config.json").write_text("{}")
+    r = run("convert", d, tmp_path / "out", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    got = load_output(tmp_path / "out")
+    assert sorted(got) == sorted(state) and all(assert_same(got[k], v) is None for k, v in state.items())
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "SHA256SUMS", "config.json", "manifest.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    torch.save({"state_dict": state}, d / "model_best.pth.tar")
+    r = run("convert", d, tmp_path / "two", "--quiet")
+    assert r.exit_code == 2 and "2 torch files and no index (checkpoint.pth.tar, model_best.pth.tar)" in r.stderr
+
+
+def test_finding_nothing_names_what_was_looked_for(tmp_path):
+    d = tmp_path / "notes"
+    d.mkdir()
+    (d / "weights.tar").write_bytes(b"not a checkpoint")
+    r = run("inspect", d)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1
+    line = r.stderr
+    assert "not a checkpoint format ckptconv knows; looked for " in line and "(use --from to force one)" in line
+    for reader in readers().values():
+        assert f"{reader.name}: {reader.looks_for}" in line
+    assert "*.pth.tar" in line and "mesh.json" in line and ".metadata" in line
