@@ -142,7 +142,8 @@ def read_options(fn):
                   help="Accept one more pickled class as inert data (never imported or called); MODULE.* accepts "
                   "a module and those below it. Globals that can run code are refused all the same.")
     @click.option("--skip-unsupported", is_flag=True,
-                  help="Leave out tensors safetensors cannot store (complex, quantized) and list them.")
+                  help="Leave out tensors safetensors cannot store (complex, quantized; numpy object arrays, "
+                  "never unpickled) and list them.")
     @click.option("--state-dict", default="auto", show_default=True, metavar="auto|KEY|none",
                   help="Training checkpoints: auto writes the model's tensors under their bare names when it "
                   "finds them (a top-level 'state_dict', or the one of model, model_state_dict, module, net, ema ... "
@@ -375,6 +376,10 @@ def _convert_command(name, pickle_only, help_text):
 
 
 _convert_command("convert", False, """Convert SRC (any supported format) to sharded safetensors in OUT.
+
+SRC: torch .pt/.bin/.pth/.ckpt/.pth.tar files and .bin directories, TorchScript, safetensors, DCP,
+DeepSpeed ZeRO, Grok-1 shards, numpy .npy/.npz (docs/formats.md); training checkpoints give the
+model's weights (--state-dict), classes in their state are inert records.
 
 OUT gets model-0000k-of-0000n.safetensors shards (--name renames them), model.safetensors.index.json,
 manifest.json (file and per-tensor SHA-256) and SHA256SUMS; OUT ending in .safetensors is one file

@@ -1,7 +1,7 @@
 """Coverage-guided fuzzing of the parsers that face untrusted bytes (`make fuzz`, not in CI).
 
 Every input goes through the unpickler (torch, numpy and DCP allowlists), the torch zip and legacy
-readers, the safetensors header parser and the Grok-1 reader. The only acceptable failure is the
+readers, the safetensors header parser, the Grok-1 reader and the numpy reader (.npy, .npz). The only acceptable failure is the
 project's own CkptError; anything else is a bug, and atheris reports the input that caused it.
 """
 import sys
@@ -11,7 +11,7 @@ from pathlib import Path
 from ckptconv.readers.pickle import unpickler
 from ckptconv.errors import CkptError
 from ckptconv.io.mapped import MemoryFile
-from ckptconv.readers import ReadOptions, dcp, grok, torch_pickle
+from ckptconv.readers import ReadOptions, dcp, grok, npy, torch_pickle
 from ckptconv.formats.safetensors import parse_header
 from ckptconv.readers.pickle.torch_globals import torch_globals
 
@@ -41,6 +41,13 @@ def parse_any(data: bytes):
                 t.region()
         except CkptError:
             pass
+    path = _DIR / "input.array"   # (no suffix: an .npy by its magic, else an .npz)
+    path.write_bytes(data)
+    try:
+        for t in npy.load(path, ReadOptions()).tensors:   # (a deflated member is inflated here)
+            t.region()
+    except CkptError:
+        pass
     grok_dir = _DIR / "ckpt-0"
     grok_dir.mkdir(exist_ok=True)
     (grok_dir / "tensor00000_000").write_bytes(data)

@@ -97,7 +97,7 @@ def open_checkpoint(path, fmt=None, options=None):
 
 
 WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pth.tar", ".pt.tar", ".safetensors", ".distcp", ".index.json",
-                   ".msgpack", ".h5")
+                   ".msgpack", ".h5", ".npz", ".npy")
 OUTPUT_METADATA = (MANIFEST, SUMS, MESH)
 
 

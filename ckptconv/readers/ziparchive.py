@@ -44,10 +44,10 @@ def is_zip(mapped) -> bool:
     return mapped.size >= 4 and bytes(mapped.view[:4]) == b"PK\x03\x04"
 
 
-def read_entries(mapped, base=0, length=None) -> "Entries":
+def read_entries(mapped, base=0, length=None, kind="torch zip archive") -> "Entries":
     """Parse the archive in [base, base+length) of `mapped`; returns its Entries (name -> Entry, in
-    file order)."""
-    d = _central(mapped, base, length)
+    file order). `kind` names the archive in errors."""
+    d = _central(mapped, base, length, kind)
     with mapped.reader() as fill_at:
         entries = _directory(d, fill_at)
     first = min(d.tail_start, d.cd_offset)
@@ -153,7 +153,7 @@ class _Directory(NamedTuple):
     bad: object        # message -> the BadInput that names the file
 
 
-def _central(mapped, base, length) -> _Directory:
+def _central(mapped, base, length, kind="torch zip archive") -> _Directory:
     """Where the central directory of the archive in [base, base+length) of `mapped` lies, checked."""
     length = mapped.size - base if length is None else length
     path = mapped.path
@@ -162,7 +162,7 @@ def _central(mapped, base, length) -> _Directory:
     view = mapped.view[base:base + length]
 
     def bad(msg):
-        return BadInput(f"{path}: not a valid torch zip archive: {msg}")
+        return BadInput(f"{path}: not a valid {kind}: {msg}")
 
     tail_start = max(0, length - 22 - 65535)
     tail = bytes(view[tail_start:])
@@ -190,11 +190,11 @@ def _central(mapped, base, length) -> _Directory:
     return _Directory(view, base, length, tail_start, count, cd_size, cd_offset, bad)
 
 
-def names(mapped):
+def names(mapped, kind="torch zip archive"):
     """The entry names of a zip archive in `mapped`, from its central directory alone, in order: for
     telling formats apart (a torch.save archive from a TorchScript one) without the per-entry checks
     and records of `read_entries` (a million-tensor archive: a second each). BadInput if malformed."""
-    d = _central(mapped, 0, None)
+    d = _central(mapped, 0, None, kind)
     for record in _records(d):
         yield _name(record, d.bad)
 

@@ -24,6 +24,21 @@ def _torch_bytes():
     return buf.getvalue()
 
 
+def _npz_bytes():
+    """np.save'd arrays in a zip, one member stored and one deflated (np.savez, np.savez_compressed)."""
+    import zipfile
+    members = {}
+    for name, array in (("a", np.arange(6, dtype=">f4").reshape(2, 3)), ("b", np.asfortranarray(np.eye(3)))):
+        buf = io.BytesIO()
+        np.save(buf, array)
+        members[name] = buf.getvalue()
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        z.writestr("a.npy", members["a"], zipfile.ZIP_STORED)
+        z.writestr("b.npy", members["b"], zipfile.ZIP_DEFLATED)
+    return out.getvalue()
+
+
 def _safetensors_bytes():
     from safetensors.numpy import save
     return save({"a": np.arange(6, dtype=np.float32), "b": np.ones((2, 2), np.int8)})
@@ -37,6 +52,7 @@ SEEDS = {
     "pickle": pickle.dumps({"a": [1, 2.5, "x", b"y", (None, True)], "b": {1, 2}}, protocol=4),
     "torch-zip": _torch_bytes(),
     "safetensors": _safetensors_bytes(),
+    "npz": _npz_bytes(),
     "torch-legacy": attacks.torch_legacy(pickle.dumps({"x": 1.5, "y": [1, 2]}, protocol=2)),
     "grok": grok_fixtures.dumps(grok_fixtures.QuantizedWeight8bit(np.ones((4, 4), np.int8),
                                                                   np.ones((1, 4), ml_dtypes.bfloat16))),
