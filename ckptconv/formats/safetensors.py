@@ -14,7 +14,8 @@ from .. import dtypes, safejson
 from ..errors import BadInput, brief
 from ..limits import shape_problem
 
-MAX_HEADER = 100 * 1000 * 1000  # the safetensors library's own limit
+MAX_HEADER = 100 * 1000 * 1000  # the safetensors library's own limit (what is read)
+SHARD_HEADER = 8 << 20          # what a shard of ours holds at most: ~100,000 tensors, ~100 MB in any reader
 _json_string = json.encoder.encode_basestring   # json.dumps(s, ensure_ascii=False) for a str, without the
 #                                                 encoder's set-up (every header entry is made three times)
 
@@ -120,9 +121,10 @@ def header_length(json_bytes: int) -> int:
     return json_bytes + 1 + (-(json_bytes + 1) % 8)
 
 
-def fits(json_bytes: int) -> bool:
-    """Whether a header's JSON of `json_bytes` bytes, closed and padded, is one safetensors readers open."""
-    return header_length(json_bytes) <= MAX_HEADER
+def fits(json_bytes: int, limit: int | None = None) -> bool:
+    """Whether a header's JSON of `json_bytes` bytes, closed and padded, is one safetensors readers open
+    (MAX_HEADER), or with `limit`, at most that long."""
+    return header_length(json_bytes) <= (MAX_HEADER if limit is None else limit)
 
 
 def _json(entries, metadata):

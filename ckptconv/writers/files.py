@@ -18,6 +18,7 @@ from .. import signals
 from ..io import sha256
 from ..errors import BadInput, OutputError, brief
 from ..formats import manifest as fmt
+from ..formats import safetensors as st_format
 from ..formats.safetensors import fits, header_entry, header_length, header_pieces, header_start, too_long
 from ..formats.sums import write_sums
 from ..io.hashing import CHUNK, GATHERED, SMALL, Digests, Pipeline, write_all
@@ -50,12 +51,15 @@ class ShardFile:
 def plan_shards(tensors: Sequence, max_shard_size: int, stem: str = fmt.STEM) -> list:
     """Hugging Face's rule: fill shards in order up to `max_shard_size`; a tensor never spans files
     (one larger than the limit gets a shard of its own). A shard is also closed before its header
-    would pass the MAX_HEADER bytes safetensors readers accept (many tensors, long names). Always
+    would pass SHARD_HEADER (8 MiB: about 100,000 tensors), whatever the size allows, so any reader
+    opens any shard of ours in bounded memory (the safetensors library holds ~1 KB per entry: ~100
+    MB); a tensor whose entry alone passes what readers accept (MAX_HEADER) is refused. Always
     `STEM-0000k-of-0000n` names."""
     groups, begin, size, head = [], 0, 0, len(header_start())   # head: the open shard's header JSON
+    closes = min(st_format.SHARD_HEADER, st_format.MAX_HEADER)
     for k, t in enumerate(tensors):
         entry = len(header_entry(t.name, t.dtype, t.shape, size, t.nbytes))
-        if k > begin and (size + t.nbytes > max_shard_size or not fits(head + entry)):
+        if k > begin and (size + t.nbytes > max_shard_size or not fits(head + entry, closes)):
             groups.append((begin, k, head, size))
             begin, size, head = k, 0, len(header_start())
             entry = len(header_entry(t.name, t.dtype, t.shape, 0, t.nbytes))

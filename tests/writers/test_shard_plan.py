@@ -33,6 +33,19 @@ def dumped_header(entries, metadata=None) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+def test_a_shard_closes_before_its_header_passes_8_mib():
+    """Issue 33: whatever --max-shard-size allows, a shard of ours holds at most an 8 MiB header
+    (about 100,000 tensors), so the safetensors library (~1 KB per entry) opens any of them in about
+    100 MB; 300,000 one-byte tensors make 3 or 4 shards, each under the bound, in name order."""
+    from ckptconv.formats import safetensors
+    many = [SimpleNamespace(name=f"model.layers.{i:06d}.w", dtype=U8, shape=(1,), nbytes=1) for i in range(300_000)]
+    shards = plan_shards(many, 10**12)
+    assert 3 <= len(shards) <= 4
+    assert all(s.header_size <= safetensors.SHARD_HEADER + 8 for s in shards)
+    assert shards[0].header_size > safetensors.SHARD_HEADER - 200   # (filled up to the bound)
+    assert [t.name for s in shards for t in s.tensors] == [t.name for t in many]
+
+
 def test_filled_in_order_up_to_the_limit():
     assert layout(plan_shards(tensors(3, 3, 3), 6)) == [("model-00001-of-00002.safetensors", ["t0", "t1"]),
                                                          ("model-00002-of-00002.safetensors", ["t2"])]
@@ -52,7 +65,8 @@ def test_one_shard_is_still_numbered_and_the_stem_names_it():
 
 def test_a_shard_is_closed_before_its_header_passes_what_readers_accept(monkeypatch):
     """A million small tensors with long names do not fit one safetensors header (the library's
-    100 MB): the plan starts another shard, where a too-long header used to stop the run."""
+    100 MB): the plan starts another shard, where a too-long header used to stop the run. (The plan
+    closes at SHARD_HEADER, 8 MiB, below what readers accept: the next test.)"""
     from ckptconv.errors import BadInput
     from ckptconv.formats import safetensors
     many = tensors(*[1] * 10)
@@ -60,6 +74,7 @@ def test_a_shard_is_closed_before_its_header_passes_what_readers_accept(monkeypa
     empty = len(dumped_header([]))
     per_entry = (one.header_size - empty) // 10 + 8
     monkeypatch.setattr(safetensors, "MAX_HEADER", empty + 4 * per_entry - 8)
+    monkeypatch.setattr(safetensors, "SHARD_HEADER", 1 << 30)
     split = plan_shards(many, 100)
     assert [len(s.tensors) for s in split] in ([3, 3, 3, 1], [4, 4, 2])
     for s in split:   # every shard's header within the bound, and the bytes json.dumps gives
