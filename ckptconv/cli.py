@@ -204,8 +204,9 @@ def write_options(resume: bool):
         @click.option("--max-shard-size", default="5GB", show_default=True,
                       help="Largest shard file, e.g. 500MB, 5GB, 1GiB. A tensor never spans files.")
         @click.option("--name", "stem", callback=_stem, metavar="STEM",
-                      help=f"Name the files of a sharded output STEM-00001-of-0000N.safetensors and "
-                      f"STEM.safetensors.index.json (adapter_model, diffusion_pytorch_model ...).  [default: {STEM}]")
+                      help=f"Name the files of an output directory STEM.safetensors, or STEM-00001-of-0000N."
+                      f"safetensors and STEM.safetensors.index.json (adapter_model, diffusion_pytorch_model ...). "
+                      f" [default: {STEM}]")
         @click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
         @click.option("--fsync", is_flag=True, help="fsync every file before OUT is published (durable on power loss).")
         @click.option("--buffered-io", is_flag=True,
@@ -381,9 +382,10 @@ SRC: torch .pt/.bin/.pth/.ckpt/.pth.tar files and .bin directories, TorchScript,
 DeepSpeed ZeRO, Grok-1 shards, numpy .npy/.npz (docs/formats.md); training checkpoints give the
 model's weights (--state-dict), classes in their state are inert records.
 
-OUT gets model-0000k-of-0000n.safetensors shards (--name renames them), model.safetensors.index.json,
-manifest.json (file and per-tensor SHA-256) and SHA256SUMS; OUT ending in .safetensors is one file
-instead, its manifest in __metadata__. OUT is published atomically; nothing from SRC is executed.
+OUT gets model.safetensors, or when it takes several shards model-0000k-of-0000n.safetensors and
+model.safetensors.index.json (huggingface_hub's names; --name renames them), manifest.json (file and
+per-tensor SHA-256) and SHA256SUMS; OUT ending in .safetensors is one file instead, its manifest in
+__metadata__. OUT is published atomically; nothing from SRC is executed.
 Example: ckptconv convert pytorch_model.bin out/ --max-shard-size 2GB""")
 _convert_command("pickle-to-safetensors", True, """Convert a pickle-based SRC (torch .pt/.bin, DCP, Grok-1
 pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing non-pickle sources.""")

@@ -184,18 +184,33 @@ def _index_name(entries: dict) -> str:
     return found[0] if len(found) == 1 else manifest_format.index_name()
 
 
+def _needs_index(index: str, entries: dict, m_files, sums) -> bool:
+    """Whether a directory must have its index: it has one, or it lists several shard files (a single
+    shard goes without one, as huggingface_hub writes it; docs/output.md). When neither the manifest
+    nor SHA256SUMS could be read, the shard files on disk are counted."""
+    if index in entries:
+        return True
+    listed = [*(m_files or {}), *(sums or {})] if m_files is not None or sums is not None else list(entries)
+    return manifest_format.indexed(len({n for n in listed if n.endswith(".safetensors")}))
+
+
 def _read_meta(d: Path, entries: dict, report: Report):
-    """Index, manifest and SHA256SUMS of an output directory, type-checked."""
-    index = _index_name(entries)
-    weight_map, index_names, problems = (_document(d, index, entries, report, "the index", manifest_format.read_index)
-                                         or (None, None, []))
-    for p in problems:
-        report.add(d / index, p, "metadata")
-    m_files, m_tensors, problems = (_document(d, MANIFEST, entries, report, MANIFEST, manifest_format.read_manifest)
+    """Index, manifest and SHA256SUMS of an output directory, type-checked (no index: weight_map and
+    its names None)."""
+    later = Report()   # (the manifest's and SHA256SUMS' problems are reported after the index's)
+    m_files, m_tensors, problems = (_document(d, MANIFEST, entries, later, MANIFEST, manifest_format.read_manifest)
                                     or (None, None, []))
     for p in problems:
-        report.add(d / MANIFEST, p, "metadata")
-    sums = _sums(d, entries, report)
+        later.add(d / MANIFEST, p, "metadata")
+    sums = _sums(d, entries, later)
+    index = _index_name(entries)
+    weight_map = index_names = None
+    if _needs_index(index, entries, m_files, sums):
+        weight_map, index_names, problems = (_document(d, index, entries, report, "the index",
+                                                       manifest_format.read_index) or (None, None, []))
+        for p in problems:
+            report.add(d / index, p, "metadata")
+    report.problems += later.problems
     return index, weight_map, index_names, m_files, m_tensors, sums
 
 

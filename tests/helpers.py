@@ -43,12 +43,25 @@ def split_all_rules(directory) -> Path:
     return path
 
 
+def output_files(out) -> dict:
+    """{tensor: shard file} of an output dir, found as Hugging Face loaders find them: its one
+    `*.safetensors.index.json`, or without one its one `.safetensors` file."""
+    from safetensors import safe_open
+    out = Path(out)
+    indexes = sorted(out.glob("*.safetensors.index.json"))
+    if indexes:
+        assert len(indexes) == 1, indexes
+        return json.loads(indexes[0].read_text())["weight_map"]
+    (single,) = sorted(out.glob("*.safetensors"))
+    with safe_open(single, framework="np") as f:
+        return {name: single.name for name in f.keys()}
+
+
 def load_output(out) -> dict:
     """Every tensor of an output dir, read by the real safetensors library (torch tensors)."""
     from safetensors import safe_open
-    index = json.loads((Path(out) / "model.safetensors.index.json").read_text())
     tensors = {}
-    for name, file in index["weight_map"].items():
+    for name, file in output_files(out).items():
         with safe_open(Path(out) / file, framework="pt") as f:
             tensors[name] = f.get_tensor(name)
     return tensors

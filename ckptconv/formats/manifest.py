@@ -33,8 +33,15 @@ def index_name(stem: str = STEM) -> str:
 
 
 def shard_name(stem: str, i: int, n: int) -> str:
-    """The i-th (from 0) of n shards: `STEM-00001-of-0000n.safetensors`, even for one shard."""
-    return f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
+    """The i-th (from 0) of n shards, as huggingface_hub names them: `STEM.safetensors` when it is the
+    only one, else `STEM-0000i-of-0000n.safetensors`."""
+    return f"{stem}.safetensors" if n == 1 else f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def indexed(shards: int) -> bool:
+    """Whether an output of `shards` shard files has an index: only several do (huggingface_hub's
+    rule; ckptconv's outputs before it had one even for a single shard, and verify accepts both)."""
+    return shards > 1
 
 
 class Rows:

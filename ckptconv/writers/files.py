@@ -53,8 +53,9 @@ def plan_shards(tensors: Sequence, max_shard_size: int, stem: str = fmt.STEM) ->
     (one larger than the limit gets a shard of its own). A shard is also closed before its header
     would pass SHARD_HEADER (8 MiB: about 100,000 tensors), whatever the size allows, so any reader
     opens any shard of ours in bounded memory (the safetensors library holds ~1 KB per entry: ~100
-    MB); a tensor whose entry alone passes what readers accept (MAX_HEADER) is refused. Always
-    `STEM-0000k-of-0000n` names."""
+    MB); a tensor whose entry alone passes what readers accept (MAX_HEADER) is refused. Named as
+    huggingface_hub names them (formats/manifest.shard_name): `STEM.safetensors` when there is one,
+    else `STEM-0000k-of-0000n.safetensors`."""
     groups, begin, size, head = [], 0, 0, len(header_start())   # head: the open shard's header JSON
     closes = min(st_format.SHARD_HEADER, st_format.MAX_HEADER)
     for k, t in enumerate(tensors):
@@ -339,9 +340,11 @@ def write_json(out_dir, name, obj, written: Written = None) -> str:
 
 def finish_dir(out_dir, shards, written: Written, source: dict, extras: dict, extra_manifest=None,
                stem: str = fmt.STEM) -> dict:
-    """Write a directory's index, manifest and SHA256SUMS once every shard is written and hashed."""
+    """Write a directory's index (when it has several shards), manifest and SHA256SUMS once every
+    shard is written and hashed."""
     order = fmt.name_order(shards)
-    write_json(out_dir, fmt.index_name(stem), fmt.index_document(shards, order), written)
+    if fmt.indexed(len(shards)):
+        write_json(out_dir, fmt.index_name(stem), fmt.index_document(shards, order), written)
     manifest = fmt.manifest_document(source, written.files, shards, order, written.digests, extras, extra_manifest)
     sums = {name: info["sha256"] for name, info in written.files.items()}
     sums[fmt.MANIFEST] = write_json(out_dir, fmt.MANIFEST, manifest)

@@ -1,5 +1,6 @@
-"""The sharded safetensors directory (docs/output.md): `STEM-0000k-of-0000n.safetensors` filled in
-order up to the shard size, `STEM.safetensors.index.json`, `manifest.json` with file and per-tensor
+"""The sharded safetensors directory (docs/output.md): shards filled in order up to the shard size and
+named as huggingface_hub names them (`STEM.safetensors` alone, or `STEM-0000k-of-0000n.safetensors`
+and `STEM.safetensors.index.json`), `manifest.json` with file and per-tensor
 SHA-256, a coreutils `SHA256SUMS`, and the model files carried over. A single process keeps a
 journal after every shard so that `--resume` can reuse what a killed run finished."""
 import hashlib

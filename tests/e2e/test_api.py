@@ -78,10 +78,10 @@ def test_failures_are_ckpt_errors(ckpt, tmp_path):
         ckptconv.convert(src, tmp_path / "o")                 # exists: overwrite=True replaces it
     with pytest.raises(ckptconv.UsageError):
         ckptconv.convert(src, tmp_path / "p", state_dict="ema")
-    (tmp_path / "o" / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 8)
+    (tmp_path / "o" / "model.safetensors").write_bytes(b"\0" * 8)
     report = ckptconv.verify(tmp_path / "o")
     assert not report.ok and all(isinstance(p, ckptconv.Problem) for p in report.problems)
-    assert report.problems[0].file == str(tmp_path / "o" / "model-00001-of-00001.safetensors")
+    assert report.problems[0].file == str(tmp_path / "o" / "model.safetensors")
     assert str(report.problems[0]).startswith(report.problems[0].file + ": ")
 
 
@@ -89,7 +89,7 @@ def test_verbose_says_what_was_written_and_checked(ckpt, tmp_path):
     from tests.helpers import run
     src, _ = ckpt
     r = run("convert", src, tmp_path / "o", "-v")
-    assert r.exit_code == 0 and "  model-00001-of-00001.safetensors  " in r.stdout
+    assert r.exit_code == 0 and "  model.safetensors  " in r.stdout
     (tmp_path / "o" / "stray.txt").write_text("x")
     r = run("verify", tmp_path / "o", "-v", "--against", src)
     assert r.exit_code == 1 and f"[unlisted] {tmp_path / 'o' / 'stray.txt'}: file is not listed" in r.stdout

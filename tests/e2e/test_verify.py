@@ -11,7 +11,7 @@ import pytest
 
 from ckptconv.formats.safetensors import parse_header
 from ckptconv.io.mapped import MappedFile
-from tests.helpers import ROOT, run
+from tests.helpers import ROOT, output_files, run
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,7 @@ def problems(*args):
 
 def locate(out, name):
     """(shard path, absolute begin, end) of a tensor in an output dir."""
-    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    path = out / index[name]
+    path = out / output_files(out)[name]
     m = MappedFile(path)
     e = next(e for e in parse_header(m.view, m.size, path).entries if e.name == name)
     return path, e.begin, e.end

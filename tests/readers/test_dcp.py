@@ -74,7 +74,7 @@ def test_reshard_straight_from_dcp_chunks(dcp_dirs, tmp_path):
     assert r.exit_code == 0, r.stderr
     want = reference(dcp_dirs, "dtensor")
     from safetensors.torch import load_file
-    rank1 = load_file(out / "rank-00001" / "model-00001-of-00001.safetensors")
+    rank1 = load_file(out / "rank-00001" / "model.safetensors")
     assert torch.equal(rank1["cols"], want["cols"][:, 4:]) and torch.equal(rank1["rows"], want["rows"][3:])
     assert run("verify", out, "--against", dcp_dirs / "dtensor").exit_code == 0
 

@@ -115,7 +115,7 @@ def test_reshard_and_vllm_target_straight_from_zero(tmp_path):
     want, _ = reference("z3-bf16-llama-tied")
     r = run("reshard", src, tmp_path / "tp2", "--tp", 2, "--quiet")
     assert r.exit_code == 0, r.stderr
-    ranks = [load_file(tmp_path / "tp2" / f"rank-0000{i}" / "model-00001-of-00001.safetensors") for i in range(2)]
+    ranks = [load_file(tmp_path / "tp2" / f"rank-0000{i}" / "model.safetensors") for i in range(2)]
     q = "model.layers.0.self_attn.q_proj.weight"
     assert_same(torch.cat([ranks[0][q], ranks[1][q]]), want[q], q)
     assert run("verify", tmp_path / "tp2", "--against", src).exit_code == 0

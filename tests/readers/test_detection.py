@@ -31,7 +31,7 @@ def test_a_directory_saved_both_ways_reads_the_safetensors_and_says_so(tmp_path)
     assert json.loads(r.stdout)["also"] == ["torch"]
     assert open_checkpoint(d, "torch").tensors[0].name == "a"           # --from reads the other
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "SHA256SUMS", "manifest.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+        "SHA256SUMS", "manifest.json", "model.safetensors"]
 
 
 def test_one_format_alone_says_nothing_more(tmp_path):

@@ -11,16 +11,16 @@ from safetensors.numpy import load_file
 from ckptconv.readers import ReadOptions, grok, open_checkpoint
 from tests.fixtures import grok as gf
 from tests.fixtures.attacks import Reduce
-from tests.helpers import DATA, ROOT, run
+from tests.helpers import DATA, ROOT, output_files, run
 
 
 
 def read_all(out) -> dict:
-    index = json.loads((Path(out) / "model.safetensors.index.json").read_text())
+    weight_map = output_files(out)
     tensors = {}
-    for f in sorted(set(index["weight_map"].values())):
+    for f in sorted(set(weight_map.values())):
         tensors.update(load_file(Path(out) / f))
-    assert set(tensors) == set(index["weight_map"])
+    assert set(tensors) == set(weight_map)
     return tensors
 
 

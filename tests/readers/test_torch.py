@@ -95,7 +95,7 @@ def test_manifest_contract(torch_fixtures, tmp_path):
         data = (out / file).read_bytes()
         assert info == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
     from safetensors import safe_open
-    with safe_open(out / "model-00001-of-00001.safetensors", framework="np") as f:
+    with safe_open(out / "model.safetensors", framework="np") as f:
         assert f.metadata() == {"format": "pt"}
 
 

@@ -510,7 +510,7 @@ def test_file_size_limit_gives_exit_2_and_no_output(big_pt, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ckptconv.cli", "convert", big_pt, tmp_path / "out", "--quiet"],
                        capture_output=True, text=True, preexec_fn=limit, cwd=ROOT)
     assert r.returncode == 2, r.stderr
-    assert "model-00001-of-00001.safetensors" in r.stderr and "File too large" in r.stderr
+    assert "model.safetensors" in r.stderr and "File too large" in r.stderr
     assert r.stderr.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
@@ -536,10 +536,10 @@ def test_a_link_in_the_temporary_directory_is_not_written_through(tmp_path):
     outside = tmp_path / "outside.txt"
     outside.write_bytes(b"keep me")
     (tmp_path / ".out.ckptconv-tmp").mkdir()
-    (tmp_path / ".out.ckptconv-tmp" / "model-00001-of-00001.safetensors").symlink_to(outside)
+    (tmp_path / ".out.ckptconv-tmp" / "model.safetensors").symlink_to(outside)
     r = run("convert", src, tmp_path / "out", "--resume")
     assert r.exit_code == 0, r.stderr
     assert outside.read_bytes() == b"keep me"
-    shard = tmp_path / "out" / "model-00001-of-00001.safetensors"
+    shard = tmp_path / "out" / "model.safetensors"
     assert shard.is_file() and not shard.is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "out", "outside.txt"]

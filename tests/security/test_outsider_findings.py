@@ -113,7 +113,7 @@ def test_a_directory_with_two_indexes_is_refused_naming_them(tmp_path, kind):
     assert_refused(cli("convert", d, out, "--quiet"), out, "holds 2 indexes", "give the one to read as SRC")
     index = next(d.glob("model.safetensors.index.json")) if kind == "safetensors" else d / "pytorch_model.bin.index.json"
     assert run("convert", index, out, "--quiet").exit_code == 0
-    assert load_file(out / "model-00001-of-00001.safetensors")["w"].item() == 1.0
+    assert load_file(out / "model.safetensors")["w"].item() == 1.0
 
 
 def test_unindexed_safetensors_files_are_all_read_before_a_bin(tmp_path):
@@ -124,7 +124,7 @@ def test_unindexed_safetensors_files_are_all_read_before_a_bin(tmp_path):
     torch.save({"a": torch.zeros(1)}, d / "pytorch_model.bin")
     r = run("convert", d, tmp_path / "out", "--quiet")
     assert r.exit_code == 0 and "also holds torch weights" in r.stdout
-    assert sorted(load_file(tmp_path / "out" / "model-00001-of-00001.safetensors")) == ["a", "b"]
+    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == ["a", "b"]
 
 
 def test_an_ignored_sigint_stays_ignored(big_pt, tmp_path):

@@ -20,6 +20,7 @@ from ckptconv.verify import total_bytes
 from tests.helpers import run
 from tests.helpers import assert_clean as clean, assert_refused, cli
 
+INDEX = "model.safetensors.index.json"
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,10 @@ def outputs(tmp_path_factory):
     assert r.exit_code == 0, r.stderr
     r = run("reshard", src, d / "tp2", "--tp", "2", "--quiet")
     assert r.exit_code == 0, r.stderr
+    r = run("reshard", src, d / "tp2-sharded", "--tp", "2", "--max-shard-size", "1KB", "--quiet")
+    assert r.exit_code == 0, r.stderr
     assert len(list((d / "conv").glob("*.safetensors"))) > 2
+    assert not (d / "tp2" / "rank-00000" / INDEX).exists() and (d / "tp2-sharded" / "rank-00000" / INDEX).exists()
     return d
 
 
@@ -124,7 +128,7 @@ def resign_dir(out):
 
 
 def shards(out):
-    return sorted(out.glob("model-*.safetensors"))
+    return sorted(out.glob("model*.safetensors"))
 
 
 def verify_subprocess(out, tmp_path, *args, timeout=120):
@@ -184,7 +188,7 @@ def test_emptied_mesh_and_overwritten_headers_are_caught(copy):
     assert code == 1
     problem(lines, "mesh.json: sha256 differs from SHA256SUMS")
     problem(lines, "mesh.json", "'ranks' must be a whole number of at least 1, not 0")
-    problem(lines, "rank-00000/model-00001-of-00001.safetensors", "not valid JSON")
+    problem(lines, "rank-00000/model.safetensors", "not valid JSON")
     sign_top(out)  # a careful forger: ranks 0 is still refused, and the shards still fail
     code, lines, _ = verify(out)
     assert code == 1 and not any("SHA256SUMS" in line for line in lines)
@@ -526,11 +530,11 @@ DIR_EDITS = {  # (file, edit) on a plain output, or on a rank directory of a res
 }
 
 
-@pytest.mark.parametrize("where", ["conv", "tp2"])
-@pytest.mark.parametrize("edit", sorted(DIR_EDITS))
+@pytest.mark.parametrize("edit,where", [(e, w) for w in ("conv", "tp2", "tp2-sharded") for e in sorted(DIR_EDITS)
+                                        if w != "tp2" or DIR_EDITS[e][0] != INDEX])   # (tp2's ranks: one shard, no index)
 def test_hostile_index_and_manifest(outputs, copy, edit, where):
     out = copy(where)
-    d = out / "rank-00000" if where == "tp2" else out
+    d = out / "rank-00000" if where != "conv" else out
     name, change = DIR_EDITS[edit]
     edit_json(d / name, change)
     resign_dir(d) if name == "model.safetensors.index.json" else sign_sums(d)  # signed: only validation catches it

@@ -9,14 +9,13 @@ import torch
 from safetensors.numpy import load_file
 
 from tests.fixtures import grok as gf
-from tests.helpers import run, split_all_rules
+from tests.helpers import output_files, run, split_all_rules
 
 
 def rank_tensors(out, rank) -> dict:
     d = Path(out) / f"rank-{rank:05d}"
-    index = json.loads((d / "model.safetensors.index.json").read_text())
     got = {}
-    for f in sorted(set(index["weight_map"].values())):
+    for f in sorted(set(output_files(d).values())):
         got.update(load_file(d / f))
     return got
 

@@ -284,7 +284,7 @@ def test_verify_reads_the_linked_parts_once(hf_llama, tmp_path, monkeypatch):
     monkeypatch.setattr(verify_module, "_sha256_regular", lambda p: hashed.append(p.name) or real(p))
     assert run("verify", out).exit_code == 0
     assert not any(n.startswith("model-rank-") for n in hashed) and "config.json" in hashed
-    shard = out / "rank-00001" / "model-00001-of-00001.safetensors"
+    shard = out / "rank-00001" / "model.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
     with open(shard, "r+b") as f:   # in place: the top-level part is the same file

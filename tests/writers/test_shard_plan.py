@@ -1,5 +1,6 @@
 """The shard plan on plain data (Hugging Face's rule): shards filled in order up to the limit, a
-tensor never split, one larger than the limit alone, names always STEM-0000k-of-0000n."""
+tensor never split, one larger than the limit alone; one shard is STEM.safetensors, several are
+STEM-0000k-of-0000n (test_hub_naming.py compares them with huggingface_hub's)."""
 import hashlib
 import json
 import struct
@@ -57,9 +58,9 @@ def test_a_tensor_over_the_limit_gets_a_shard_of_its_own():
                                                           ("model-00003-of-00003.safetensors", ["t2"])]
 
 
-def test_one_shard_is_still_numbered_and_the_stem_names_it():
+def test_one_shard_is_not_numbered_and_the_stem_names_it():
     (shard,) = plan_shards(tensors(1, 1), 100, "adapter_model")
-    assert shard.name == "adapter_model-00001-of-00001.safetensors"
+    assert shard.name == "adapter_model.safetensors"
     assert shard.size == shard.header_size + 2
 
 
@@ -106,7 +107,7 @@ def test_a_header_written_in_pieces_is_the_whole_documents_bytes():
 
 
 def test_nothing_to_write_is_one_empty_shard():
-    assert layout(plan_shards([], 10)) == [("model-00001-of-00001.safetensors", [])]
+    assert layout(plan_shards([], 10)) == [("model.safetensors", [])]
 
 
 def test_units_are_balanced_by_bytes_deterministically():
@@ -179,11 +180,11 @@ def test_output_files_are_never_opened_through_a_link(tmp_path):
     outside = tmp_path / "outside.txt"
     outside.write_bytes(b"keep me")
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "model-00001-of-00001.safetensors").symlink_to(outside)
+    (tmp_path / "out" / "model.safetensors").symlink_to(outside)
     pool = StagingPool()
     try:
         with pytest.raises(OutputError, match="cannot write"):
-            OutFile(tmp_path / "out" / "model-00001-of-00001.safetensors", pool)
+            OutFile(tmp_path / "out" / "model.safetensors", pool)
     finally:
         pool.close()
     assert outside.read_bytes() == b"keep me"
