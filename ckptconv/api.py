@@ -95,7 +95,7 @@ def _write(max_shard_size, name, overwrite, fsync, buffered_io, resume=False) ->
     else:
         raise UsageError(f"max_shard_size: expected a positive number of bytes or a size like '5GB', not "
                          f"{max_shard_size!r}")
-    problem = stem_problem(name) if isinstance(name, str) else "must be a string"
+    problem = None if name is None else stem_problem(name) if isinstance(name, str) else "must be a string or None"
     if problem:
         raise UsageError(f"name {name!r}: {problem}")
     return WriteOptions(size, _flag(fsync, "fsync"), not _flag(buffered_io, "buffered_io"),
@@ -104,7 +104,7 @@ def _write(max_shard_size, name, overwrite, fsync, buffered_io, resume=False) ->
 
 @_ours
 def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", state_dict="auto",
-            allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name="model", overwrite=False,
+            allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name=None, overwrite=False,
             resume=False, fsync=False, buffered_io=False, copy_extras=True, workers=2, reader_options=None,
             progress=None) -> _convert.ConvertResult:
     """`ckptconv convert SRC OUT` (docs/convert.md): OUT ending in .safetensors is one file, anything
@@ -124,7 +124,7 @@ def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", 
 @_ours
 def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads=None, head_dim=None,
             pad_vocab=False, dry_run=False, format=None, only=(), strip_prefix=None, state_dict="auto",
-            allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name="model", overwrite=False,
+            allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name=None, overwrite=False,
             fsync=False, buffered_io=False, workers=2, reader_options=None, progress=None, target="mesh",
             dtype="keep", allow_replicate=()) -> _reshard.ReshardResult:
     """`ckptconv reshard SRC OUT --tp N` (docs/reshard.md); with `dry_run`, the plan only (OUT may

@@ -30,7 +30,7 @@ from .convert import ConvertOptions, convert, single_file
 from . import signals
 from .io import mapped
 from .errors import BadInput, CkptError, UsageError, printable
-from .formats.manifest import STEM, stem_problem
+from .formats.manifest import HUB_STEMS, STEM, stem_problem
 from .plan import plan_run
 from .progress import byte_progress
 from .reshard import TARGETS, reshard
@@ -205,8 +205,8 @@ def write_options(resume: bool):
                       help="Largest shard file, e.g. 500MB, 5GB, 1GiB. A tensor never spans files.")
         @click.option("--name", "stem", callback=_stem, metavar="STEM",
                       help=f"Name the files of an output directory STEM.safetensors, or STEM-00001-of-0000N."
-                      f"safetensors and STEM.safetensors.index.json (adapter_model, diffusion_pytorch_model ...). "
-                      f" [default: {STEM}]")
+                      f"safetensors and STEM.safetensors.index.json.  [default: the source's: "
+                      f"{', '.join(f'{stem} for {stem}* weights' for stem in HUB_STEMS)}, else {STEM}]")
         @click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
         @click.option("--fsync", is_flag=True, help="fsync every file before OUT is published (durable on power loss).")
         @click.option("--buffered-io", is_flag=True,
@@ -221,8 +221,7 @@ def write_options(resume: bool):
                 size = parse_size(max_shard_size)
             except UsageError as e:
                 raise click.BadParameter(str(e), param_hint="'--max-shard-size'") from None
-            kwargs["write"] = WriteOptions(size, fsync, not buffered_io, overwrite, kwargs.pop("resume", False),
-                                           stem or STEM)
+            kwargs["write"] = WriteOptions(size, fsync, not buffered_io, overwrite, kwargs.pop("resume", False), stem)
             return fn(*args, **kwargs)
 
         if resume:

@@ -11,7 +11,7 @@ from .readers import Source, open_source, readers
 from .readers.wrappers import Layout
 from .tp.rules import read_config
 from .writers import WRITERS
-from .writers.base import Content, WriteOptions
+from .writers.base import Content, WriteOptions, named_after
 from .writers.sharded import source_id
 
 
@@ -103,7 +103,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
         content.edited = transforms.config_with_dtype(config, target, described)
     content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()}, ckpt.extras, ckpt.manifest,
                                                     [rel for rel, _ in content.model_files]])
-    writer = WRITERS["single" if one_file else "sharded"](write, content, out)
+    writer = WRITERS["single" if one_file else "sharded"](named_after(write, ckpt, src), content, out)
     facts = runner.run(writer, tensors, out, write, ckpt.reads(src), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started
     total = sum(t.nbytes for t in tensors)

@@ -11,7 +11,7 @@ from .writers.base import assign
 from .tp.layout import plan as reshard_plan
 from .tp.presets import MeshSpec, choose_rules
 from .writers import WRITERS
-from .writers.base import Content, WriteOptions
+from .writers.base import Content, WriteOptions, named_after
 
 # The estimates' constants, measured on the bench machine (docs/benchmarks.md, "plan against the run"):
 BASE_RSS = 45 * 2**20          # interpreter, numpy, the reader and writer modules
@@ -32,7 +32,7 @@ PER_TENSOR_SECONDS = {"convert": 95e-6, "reshard": 80e-6}
 def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
     """(name, bytes) of every output file (convert) or rank directory (reshard, with `mesh`), in
     output order, and the rules chosen."""
-    write, content = write or WriteOptions(), Content(ckpt.source)
+    write, content = named_after(write or WriteOptions(), ckpt, ckpt.source.get("path", "")), Content(ckpt.source)
     if mesh is None:
         return [(u.name, u.size) for u in WRITERS["sharded"](write, content).plan(ckpt.tensors)], None
     rules = choose_rules(ckpt, mesh)

@@ -20,7 +20,7 @@ from .tp import vllm
 from .tp.presets import MeshSpec, choose_rules, model_params
 from .tp.rules import read_config
 from .writers import WRITERS
-from .writers.base import Content, WriteOptions
+from .writers.base import Content, WriteOptions, named_after
 
 
 @dataclass
@@ -89,7 +89,8 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
     content = Content(described, ckpt.extras, ckpt.manifest, ckpt.model_files, ckpt.skipped_files)
     if cast_to is not None:
         content.edited = transforms.config_with_dtype(read_config(ckpt.model_files) or {}, cast_to, described)
-    writer = WRITERS[target](write, content, out, plans, rules, mesh.tp, mesh.ep, list(tensors))   # (plans' order)
+    writer = WRITERS[target](named_after(write, ckpt, source.path), content, out, plans, rules, mesh.tp, mesh.ep,
+                             list(tensors))   # (plans' order)
     total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
     runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started

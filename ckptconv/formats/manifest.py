@@ -16,7 +16,9 @@ MANIFEST = "manifest.json"
 FORMAT = "ckptconv.manifest/1"
 JOURNAL = ".ckptconv-journal.json"   # inside the temporary directory of a run, for --resume
 SINGLE_KEY = "ckptconv.manifest"      # a single-file output: the __metadata__ entry holding the manifest facts
-STEM = "model"                        # default `--name`
+STEM = "model"                        # `--name` when the source's files take no other stem (source_stem)
+# The stems Hugging Face libraries load besides `model`: a PEFT adapter's, a diffusers component's.
+HUB_STEMS = ("adapter_model", "diffusion_pytorch_model")
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
@@ -26,6 +28,14 @@ def stem_problem(stem: str) -> str | None:
             or any(c in stem for c in "/\\\0") or not stem.isprintable():
         return "must be a plain file-name stem (1-128 bytes of printable text, no '/', not starting with '.')"
     return None
+
+
+def source_stem(names) -> str:
+    """The stem an output directory takes from the base names of the weight files it was read from
+    (docs/output.md): `adapter_model` when every one starts with it (`adapter_model.bin`, a PEFT
+    adapter), `diffusion_pytorch_model` likewise (a diffusers component), else `model`."""
+    names = [os.path.basename(os.fspath(n)) for n in names]
+    return next((stem for stem in HUB_STEMS if names and all(n.startswith(stem) for n in names)), STEM)
 
 
 def index_name(stem: str = STEM) -> str:

@@ -14,11 +14,12 @@ several:
 
 A writer is one module with one registration (`@register("name")`).
 """
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
 from ..errors import brief
-from ..formats.manifest import STEM
+from ..formats.manifest import STEM, source_stem
 
 WRITERS = {}
 
@@ -40,7 +41,16 @@ class WriteOptions:
     direct: bool = True       # shards bypass the page cache (outfile.py)
     overwrite: bool = False
     resume: bool = False
-    stem: str = STEM          # --name: STEM-00001-of-0000n.safetensors, STEM.safetensors.index.json
+    stem: str | None = None   # --name: STEM.safetensors, or STEM-0000k-of-0000n.safetensors and its index;
+                              # None: the source's (named_after)
+
+
+def named_after(options: WriteOptions, ckpt, src) -> WriteOptions:
+    """`options` with its stem decided: `--name`'s, else the one the names of the weight files the
+    source was read from give (formats/manifest.source_stem; SRC's own name when it maps none)."""
+    if options.stem is not None:
+        return options
+    return dataclasses.replace(options, stem=source_stem([m.path for m in ckpt.mapped] or [src]))
 
 
 @dataclass
@@ -83,7 +93,9 @@ class Writer:
     single_file = False   # the output is one file, not a directory
 
     def __init__(self, options: WriteOptions, content: Content, out):
-        self.options, self.content, self.out = options, content, out
+        # (the commands name the stem after the source, named_after; a writer made without one: `model`)
+        self.options = options if options.stem is not None else dataclasses.replace(options, stem=STEM)
+        self.content, self.out = content, out
 
     def plan(self, tensors) -> list:
         raise NotImplementedError

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.fixtures import values
-from tests.helpers import DATA, load_output, run
+from tests.helpers import DATA, load_output, run, split_all_rules
 
 # (tensor sizes in bytes, --max-shard-size): one shard, several, one exactly at the limit
 CASES = [((3, 3, 3), 6), ((4, 4), 100), ((1,) * 12, 5), ((8,), 8), ((5, 1, 2, 3), 6)]
@@ -102,3 +102,44 @@ def test_several_shards_without_their_index_do_not_verify(tmp_path):
     (tmp_path / "out" / "model.safetensors.index.json").unlink()
     r = run("verify", tmp_path / "out")
     assert r.exit_code == 1 and f"{tmp_path / 'out' / 'model.safetensors.index.json'}: the index is missing" in r.stdout
+
+
+@pytest.mark.parametrize("file,stem", [("adapter_model.bin", "adapter_model"),
+                                       ("diffusion_pytorch_model.bin", "diffusion_pytorch_model"),
+                                       ("diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model"),
+                                       ("pytorch_model.bin", "model"), ("weights.ckpt", "model")])
+def test_the_stem_defaults_from_the_source(tmp_path, file, stem):
+    from safetensors.torch import save_file
+    sd = state_dict((4, 4))
+    d = tmp_path / "src"
+    d.mkdir()
+    save_file(sd, d / file) if file.endswith(".safetensors") else torch.save(sd, d / file)
+    for src, out in ((d / file, "from-file"), (d, "from-dir")):
+        assert run("convert", src, tmp_path / out, "--quiet").exit_code == 0
+        assert listing(tmp_path / out) == [f"{stem}.safetensors"]
+    assert run("convert", d / file, tmp_path / "sharded", "--max-shard-size", "4B", "--quiet").exit_code == 0
+    assert listing(tmp_path / "sharded") == [f"{stem}-00001-of-00002.safetensors", f"{stem}-00002-of-00002.safetensors",
+                                             f"{stem}.safetensors.index.json"]
+    assert run("convert", d / file, tmp_path / "named", "--name", "model", "--quiet").exit_code == 0
+    assert listing(tmp_path / "named") == ["model.safetensors"]
+    # a diffusers component's own shards and index name the output after them too
+    assert run("convert", tmp_path / "sharded", tmp_path / "again", "--quiet").exit_code == 0
+    assert listing(tmp_path / "again") == [f"{stem}.safetensors"]
+    r = run("plan", d / file, "--json")
+    assert [u["name"] for u in json.loads(r.stdout)["units"]] == [f"{stem}.safetensors"]
+
+
+def test_reshard_names_rank_files_after_the_source(tmp_path):
+    rng = np.random.default_rng(3)
+    d = tmp_path / "lora"
+    d.mkdir()
+    torch.save({"a.lora_A.weight": values.floats(rng, 4, 8), "a.lora_B.weight": values.floats(rng, 8, 4)},
+               d / "adapter_model.bin")
+    r = run("reshard", d / "adapter_model.bin", tmp_path / "tp2", "--tp", "2", "--rules", split_all_rules(tmp_path),
+            "--quiet")
+    assert r.exit_code == 0, r.stderr
+    for rank in ("rank-00000", "rank-00001"):
+        assert listing(tmp_path / "tp2" / rank) == ["adapter_model.safetensors"]
+    # a reshard output read again keeps the stem of its rank files
+    assert run("convert", tmp_path / "tp2", tmp_path / "merged", "--quiet").exit_code == 0
+    assert listing(tmp_path / "merged") == ["adapter_model.safetensors"]
