@@ -74,6 +74,15 @@ def _ours(fn):
     return wrapper
 
 
+def _paths(value, what) -> tuple:
+    """Paths from one path or an iterable of them (a lone path is one item)."""
+    items = [value] if isinstance(value, (str, os.PathLike)) else value
+    try:
+        return tuple(_path(v, what) for v in items)
+    except TypeError:
+        raise UsageError(f"{what}: expected a path or a list of paths, not {type(value).__name__}") from None
+
+
 def _source(src, format, only, allow_globals, state_dict, skip_unsupported, workers, reader_options) -> Source:
     if not isinstance(state_dict, str) or (format is not None and not isinstance(format, str)):
         raise UsageError("state_dict and format are strings")
@@ -105,8 +114,8 @@ def _write(max_shard_size, name, overwrite, fsync, buffered_io, resume=False) ->
 @_ours
 def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", state_dict="auto",
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name=None, overwrite=False,
-            resume=False, fsync=False, buffered_io=False, copy_extras=True, workers=2, reader_options=None,
-            progress=None) -> _convert.ConvertResult:
+            resume=False, fsync=False, buffered_io=False, copy_extras=True, with_files=(), workers=2,
+            reader_options=None, progress=None) -> _convert.ConvertResult:
     """`ckptconv convert SRC OUT` (docs/convert.md): OUT ending in .safetensors is one file, anything
     else a sharded directory. `reader_options` are the options a reader declares ({"dequantize":
     "bf16"} for Grok-1 directories); `progress(total_bytes)` may return a context manager yielding
@@ -116,7 +125,8 @@ def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", 
     return _convert.convert(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
                                     reader_options),
                             _path(out, "out"), _convert.ConvertOptions(strip_prefix, dtype, _flag(copy_extras,
-                                                                                                  "copy_extras")),
+                                                                                                  "copy_extras"),
+                                                                       _paths(with_files, "with_files")),
                             _write(max_shard_size, name, overwrite, fsync, buffered_io, resume),
                             progress=_progress(progress))
 
@@ -126,7 +136,7 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
             pad_vocab=False, dry_run=False, format=None, only=(), strip_prefix=None, state_dict="auto",
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name=None, overwrite=False,
             fsync=False, buffered_io=False, workers=2, reader_options=None, progress=None, target="mesh",
-            dtype="keep", allow_replicate=()) -> _reshard.ReshardResult:
+            dtype="keep", allow_replicate=(), with_files=()) -> _reshard.ReshardResult:
     """`ckptconv reshard SRC OUT --tp N` (docs/reshard.md); with `dry_run`, the plan only (OUT may
     be None). `target="vllm"`: vLLM's pre-sharded layout as well."""
     if any(type(v) is not int or v < 1 for v in (tp, ep)):
@@ -145,7 +155,8 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
                                     reader_options),
                             None if out is None else _path(out, "out"), mesh,
                             _write(max_shard_size, name, overwrite, fsync, buffered_io), dry_run,
-                            progress=_progress(progress), strip_prefix=strip_prefix, target=target, dtype=dtype)
+                            progress=_progress(progress), strip_prefix=strip_prefix, target=target, dtype=dtype,
+                            with_files=_paths(with_files, "with_files"))
 
 
 @_ours

@@ -231,6 +231,13 @@ def write_options(resume: bool):
     return decorate
 
 
+with_option = click.option(
+    "--with", "with_files", multiple=True, metavar="FILE", type=click.Path(path_type=str),   # (read_added opens it)
+    help="Also write FILE into OUT (into each rank directory of a reshard) under its own name, e.g. a config "
+    "that no file of the source is paired with (repeatable; a regular file of at most --max-extra-size; a name "
+    "OUT or the source's carried files already use is refused).")
+
+
 def mesh_options(tp_required: bool):
     """The target mesh and its rules (reshard, plan --tp): a MeshSpec as `mesh` (None without --tp)."""
     def decorate(fn):
@@ -323,17 +330,19 @@ def _convert_command(name, pickle_only, help_text):
     @click.option("--dtype", type=click.Choice(["keep", "bf16", "f16", "f32"]), default="keep", show_default=True,
                   help="Cast floating tensors (round to nearest even); integers are kept.")
     @click.option("--no-copy-extras", is_flag=True, help="Do not carry config/tokenizer files into OUT.")
+    @with_option
     @write_options(resume=True)
     @cluster_options
     @command
-    def run(src, out, fmt, read, strip_prefix, dtype, no_copy_extras, write, cluster, quiet, as_json):
+    def run(src, out, fmt, read, strip_prefix, dtype, no_copy_extras, with_files, write, cluster, quiet, as_json):
         source = Source(src, fmt, read)
         if pickle_only:   # (detection reads the source: only when it decides something)
             reader, _ = reader_for(src, fmt)
             if not reader.parses_pickles:
                 raise UsageError(f"{src}: is a {reader.name} checkpoint, not a pickle-based one; use `ckptconv "
                                  "convert` for it")
-        result = convert(source, out, ConvertOptions(strip_prefix, dtype, not no_copy_extras), write, cluster(),
+        result = convert(source, out, ConvertOptions(strip_prefix, dtype, not no_copy_extras, with_files), write,
+                         cluster(),
                          lambda total: byte_progress(total, "convert", quiet))
         if as_json:
             emit("convert", result.to_json())
@@ -402,11 +411,13 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @click.option("--target", type=click.Choice(TARGETS), default="mesh", show_default=True,
               help="The layout: ckptconv's rank directories, or also vLLM's pre-sharded files "
               "(model-rank-R-part-P.safetensors with vLLM's own tensor names; docs/reshard.md#vllm).")
+@with_option
 @write_options(resume=False)
 @read_options
 @cluster_options
 @command
-def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, write, fmt, read, cluster, quiet, as_json):
+def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, with_files, write, fmt, read, cluster, quiet,
+                as_json):
     """Slice SRC for a tensor-parallel (and expert-parallel) mesh: OUT/mesh.json and OUT/rank-XXXXX/.
 
     Each rank directory is a complete sharded-safetensors output holding exactly what that rank
@@ -417,7 +428,7 @@ def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, write, fmt
     if out is None and not dry_run:
         raise UsageError("OUT is required unless --dry-run")
     result = reshard(Source(src, fmt, read), out, mesh, write, dry_run, None if dry_run else cluster(),
-                     lambda n: byte_progress(n, "reshard", quiet), strip_prefix, target, dtype)
+                     lambda n: byte_progress(n, "reshard", quiet), strip_prefix, target, dtype, with_files)
     if as_json:
         emit("reshard", result.to_json())
     elif dry_run:

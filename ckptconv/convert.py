@@ -12,6 +12,7 @@ from .readers.wrappers import Layout
 from .tp.rules import read_config
 from .writers import WRITERS
 from .writers.base import Content, WriteOptions, named_after
+from .writers.files import read_added
 from .writers.sharded import source_id
 
 
@@ -22,6 +23,7 @@ class ConvertOptions:
     strip_prefix: str | None = None
     dtype: str = "keep"         # keep | bf16 | f16 | f32 (floating tensors only)
     copy_extras: bool = True    # carry config.json, tokenizer files ... into a sharded OUT
+    with_files: tuple = ()      # --with FILE: more files written into OUT (writers/files.read_added)
 
 
 @dataclass
@@ -97,8 +99,14 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     carry = options.copy_extras and not one_file  # one file carries no model files
     if not options.copy_extras and not one_file and ckpt.model_files:
         described["model_files"] = "not carried"       # (--no-copy-extras: verify --against expects none)
+    if options.with_files and one_file:
+        raise UsageError(f"{out}: --with writes files into an output directory; one .safetensors file holds none")
+    added = read_added(options.with_files, source.options.max_extra_size,
+                       [rel for rel, _ in ckpt.model_files] if carry else ())
+    if added:
+        described["with"] = [a.name for a in added]    # (not the source's: verify --against leaves them out)
     content = Content(described, ckpt.extras, {**ckpt.manifest, **({"aliases": aliases} if aliases else {})},
-                      ckpt.model_files if carry else [], ckpt.skipped_files if carry else [])
+                      ckpt.model_files if carry else [], ckpt.skipped_files if carry else [], added=added)
     if carry and target is not None:
         content.edited = transforms.config_with_dtype(config, target, described)
     content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()}, ckpt.extras, ckpt.manifest,

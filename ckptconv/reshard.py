@@ -21,6 +21,7 @@ from .tp.presets import MeshSpec, choose_rules, model_params
 from .tp.rules import read_config
 from .writers import WRITERS
 from .writers.base import Content, WriteOptions, named_after
+from .writers.files import read_added
 
 
 @dataclass
@@ -57,10 +58,12 @@ TARGETS = ("mesh", vllm.TARGET)   # --target: the layout written (writers/mesh.p
 
 
 def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry_run=False, cluster=None,
-            progress=None, strip_prefix: str | None = None, target: str = "mesh", dtype: str = "keep") -> ReshardResult:
+            progress=None, strip_prefix: str | None = None, target: str = "mesh", dtype: str = "keep",
+            with_files=()) -> ReshardResult:
     """Plan (and unless `dry_run`, write) `source` sliced for `mesh` into `out`, names without
-    `strip_prefix` and floating tensors cast to `dtype` (as convert's), in the layout `target` names.
-    `progress` as in convert.convert."""
+    `strip_prefix` and floating tensors cast to `dtype` (as convert's), in the layout `target` names,
+    every rank directory also holding the files `with_files` names (convert's --with). `progress` as
+    in convert.convert."""
     write = write or WriteOptions()
     started = time.perf_counter()
     ckpt = open_source(source)
@@ -86,7 +89,10 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
         raise UsageError(result.refusal)
     if not readers()[ckpt.format].holds_data:
         raise UsageError(f"{source.path}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
-    content = Content(described, ckpt.extras, ckpt.manifest, ckpt.model_files, ckpt.skipped_files)
+    added = read_added(with_files, source.options.max_extra_size, [rel for rel, _ in ckpt.model_files])
+    if added:
+        described["with"] = [a.name for a in added]
+    content = Content(described, ckpt.extras, ckpt.manifest, ckpt.model_files, ckpt.skipped_files, added=added)
     if cast_to is not None:
         content.edited = transforms.config_with_dtype(read_config(ckpt.model_files) or {}, cast_to, described)
     writer = WRITERS[target](named_after(write, ckpt, source.path), content, out, plans, rules, mesh.tp, mesh.ep,

@@ -14,7 +14,8 @@ from .io.output import Inputs, temp_path
 
 # what the manifest's "source" records of the options that made it, as the user spells them
 _OPTIONS = {"cast": "--dtype", "strip_prefix": "--strip-prefix", "only": "--only", "state_dict": "--state-dict",
-            "format": "--from", "target": "--target", "dequantize": "--dequantize", "layout": "--layout"}
+            "format": "--from", "target": "--target", "dequantize": "--dequantize", "layout": "--layout",
+            "with": "--with"}
 
 
 def shares(units, cluster) -> list:

@@ -385,14 +385,17 @@ class Checkpoint:
 
     def reads(self, src) -> Inputs:
         """What a run over this checkpoint must not write into: its files, and the directories a
-        reader of SRC reads from (SRC itself if a directory; SRC's if SRC is a file read with
-        others beside it, an index or a DCP `.metadata`; none for a file read alone)."""
+        reader of SRC reads from (SRC itself if a directory; SRC's if SRC is a file read with other
+        weight files, an index or a DCP `.metadata`; none for a file read alone, whatever model file
+        beside it is carried: a later read of the file does not look at what else is there)."""
         files = self.inputs(src)
         if os.path.isdir(src):
             roots = (src,)
         else:
             alone = os.path.realpath(src)
-            roots = (os.path.dirname(os.path.abspath(src)),) if any(os.path.realpath(p) != alone for p in files) else ()
+            weights = [src] + [m.path for m in self.mapped]
+            roots = (os.path.dirname(os.path.abspath(src)),) if any(os.path.realpath(p) != alone for p in weights) \
+                else ()
         return Inputs(tuple(files), roots)
 
     @property

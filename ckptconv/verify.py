@@ -877,7 +877,7 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
     read = applied
     source = open_checkpoint(src, fmt, read)
     if mine("structure", None) and document.get("format") == manifest_format.FORMAT:   # (not a foreign output)
-        _compare_facts(recorded, document, manifest, source, report)
+        _compare_facts(recorded, document, manifest, source, report, beside=Path(src).is_file())
     try:
         recipe = Recipe.recorded(manifest)
     except BadInput as e:
@@ -958,14 +958,14 @@ def _as_recorded(read: ReadOptions, manifest: dict, fmt=None) -> ReadOptions:
 # replayed by compare_against, and where the source was): the rest is the reader's, and must be what
 # the reader says of the source today.
 _APPLIED = ("path", "cast", "strip_prefix", "only", "skipped_files", "config_edits", "resharded", "target",
-            "model_files")
+            "model_files", "with")
 
 
-def _compare_facts(recorded: Path, document: dict, manifest: dict, source, report: Report):
+def _compare_facts(recorded: Path, document: dict, manifest: dict, source, report: Report, beside=False):
     """Everything else the output records of its source: the reader's description and the extras
     (when the output was made by the same reader: an output converted again records the output it
     was made from), and the model files carried (each the source's bytes, or config.json as --dtype
-    edits it)."""
+    edits it; `beside`: SRC is one file, whose paired config ckptconv carries, docs/convert.md)."""
     if not isinstance(document.get("source"), dict):
         report.add(recorded, f"source is {brief(document.get('source'), 80)}, not the object ckptconv records",
                    "source")
@@ -1009,13 +1009,22 @@ def _compare_facts(recorded: Path, document: dict, manifest: dict, source, repor
         edited = transforms.config_with_dtype(_config(source.model_files), target, {})
     skipped = {s.get("name") for s in manifest.get("skipped_files", []) if isinstance(s, dict)}
     theirs = {rel for rel, _ in source.model_files}
+    added = set(manifest["with"]) if isinstance(manifest.get("with"), list) and all(
+        isinstance(n, str) for n in manifest["with"]) else set()   # (--with: written from elsewhere, not compared)
     for name in sorted(files):
-        if name not in theirs and not name.endswith((".safetensors", manifest_format.INDEX_SUFFIX)):
+        if name not in theirs | added and not name.endswith((".safetensors", manifest_format.INDEX_SUFFIX)):
             report.add(recorded.parent / name, "is listed as carried, but the source has no such model file", "source")
     for rel, path in source.model_files:
         info = files.get(rel)
+        if rel in added:
+            continue
         if info is None:
-            if rel not in skipped and manifest.get("model_files") != "not carried":
+            if rel in skipped or manifest.get("model_files") == "not carried":
+                pass
+            elif beside:   # (an output of ckptconv from before a file's paired config was carried)
+                report.notes.append(f"{recorded.parent}: does not hold {rel}, the config beside the source file "
+                                    "that convert now carries with it (docs/convert.md, \"Files carried\")")
+            else:
                 report.add(recorded.parent, f"model file {rel!r} of the source was not carried", "source")
             continue
         digest = hashlib.sha256(edited[rel]).hexdigest() if rel in edited else _sha256_regular(Path(path))

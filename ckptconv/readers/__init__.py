@@ -82,7 +82,9 @@ def open_checkpoint(path, fmt=None, options=None):
     reader, also = reader_for(path, fmt)
     ckpt = reader.load(Path(path), options)
     ckpt.format, ckpt.also = reader.name, also
-    ckpt.model_files, ckpt.skipped_files = carried(ckpt.model_files, source_root(Path(path)), options.max_extra_size)
+    beside = paired_files(Path(path)) if Path(path).is_file() else []
+    ckpt.model_files, ckpt.skipped_files = carried(ckpt.model_files + beside, source_root(Path(path)),
+                                                   options.max_extra_size)
     if Path(path).is_dir():
         ckpt.skipped_files += [{"name": p.name, "reason": f"training state: {what}"}
                                for p, what in training_files(Path(path))]
@@ -99,6 +101,24 @@ def open_checkpoint(path, fmt=None, options=None):
 WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pth.tar", ".pt.tar", ".safetensors", ".distcp", ".index.json",
                    ".msgpack", ".h5", ".npz", ".npy")
 OUTPUT_METADATA = (MANIFEST, SUMS, MESH)
+
+# A single weights file given as SRC carries the one config file beside it that its consumer pairs
+# with its name (docs/convert.md, "Files carried"): PEFT's adapter config, a transformers model's or a
+# diffusers component's config.json. [.VARIANT] is diffusers' and transformers' `variant` (`.fp16`).
+_PAIRED = [
+    (re.compile(r"adapter_model\.(bin|safetensors)"), "adapter_config.json"),
+    (re.compile(r"(diffusion_pytorch_model(\.[\w-]+)?\.(bin|safetensors)|pytorch_model(\.[\w-]+)?\.bin"
+                r"|model(\.[\w-]+)?\.safetensors)(\.index\.json)?"), "config.json"),
+]
+
+
+def paired_files(path: Path) -> list:
+    """(name, path) of the config file beside a single weights file SRC that its name pairs it with
+    (_PAIRED), when there is one; `carried` decides whether it is carried."""
+    for pattern, config in _PAIRED:
+        if pattern.fullmatch(path.name) and os.path.lexists(path.parent / config):
+            return [(config, path.parent / config)]
+    return []
 
 
 # What a transformers Trainer writes into `checkpoint-N/` beside the model (and DeepSpeed beside it):

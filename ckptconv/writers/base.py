@@ -53,6 +53,15 @@ def named_after(options: WriteOptions, ckpt, src) -> WriteOptions:
     return dataclasses.replace(options, stem=source_stem([m.path for m in ckpt.mapped] or [src]))
 
 
+@dataclass(frozen=True)
+class AddedFile:
+    """A file named with `--with` (docs/convert.md, "Files carried"), written into OUT under its base
+    name: its bytes, read once through the one opener for files a user names (writers/files.read_added)."""
+
+    name: str
+    data: bytes
+
+
 @dataclass
 class Content:
     """What an output holds besides its tensors, from the checkpoint."""
@@ -64,6 +73,10 @@ class Content:
     skipped_files: list = field(default_factory=list)     # model files not carried: {"name", "reason"}
     identity: str | None = None                           # what the run reads (writers.sharded.source_id)
     edited: dict = field(default_factory=dict)            # model file name -> the bytes written instead of it
+    added: list = field(default_factory=list)             # AddedFile (--with), written beside the model files
+
+    def added_bytes(self) -> int:
+        return sum(len(a.data) for a in self.added)
 
     def skipped(self) -> dict:
         """The manifest's source entry listing the model files not carried, when there are any."""

@@ -14,17 +14,19 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .. import signals
+from .. import safejson, signals
 from ..io import sha256
-from ..errors import BadInput, OutputError, brief
+from ..errors import BadInput, OutputError, UsageError, brief, encodable
 from ..formats import manifest as fmt
 from ..formats import safetensors as st_format
+from ..formats.mesh import MESH, rank_number
 from ..formats.safetensors import fits, header_entry, header_length, header_pieces, header_start, too_long
-from ..formats.sums import write_sums
+from ..formats.sums import NAME as SUMS, unsafe_name, write_sums
 from ..io.hashing import CHUNK, GATHERED, SMALL, Digests, Pipeline, write_all
 from ..io.outfile import OutFile
+from ..readers import WEIGHT_SUFFIXES
 from ..tensor import as_bytes, iter_blocks
-from .base import result_bytes
+from .base import AddedFile, result_bytes
 
 
 @dataclass
@@ -287,15 +289,42 @@ def write_tensor(piece: TensorWriter, t, progress):
         t.release()
 
 
-def copy_files(out_dir, files, written: Written, edited=None):
+def read_added(paths, limit: int, taken=()) -> list:
+    """The files named with `--with` (docs/convert.md, "Files carried") as AddedFiles: each read
+    through safejson.read (a regular file, opened without blocking, at most `limit` bytes, else
+    BadInput naming it), named in OUT by its base name. A name is refused (UsageError naming the file)
+    when it is not a plain file name, starts with `.`, is one of an output's own files or a rank
+    directory's (manifest.json, SHA256SUMS, mesh.json, rank-NNNNN), ends like a weights file or an
+    index (a consumer would load it as one), or is the name of a model file carried from the source
+    (`taken`) or of another --with: nothing written into OUT is ever replaced by one."""
+    added, seen = [], set(taken)
+    for path in paths:
+        name = os.path.basename(os.path.normpath(os.fspath(path)))
+        why = unsafe_name(name) or (None if encodable(name) else "not valid Unicode text")
+        if why is None and (name.startswith(".") or name in (fmt.MANIFEST, SUMS, MESH) or rank_number(name) is not None
+                            or name.endswith(WEIGHT_SUFFIXES)):
+            why = "an output's own file name or a weights file's; OUT holds only the converted weights under those"
+        if why is None and name in seen:
+            why = ("the name of a model file carried from the source (--no-copy-extras carries none)"
+                   if name in taken else "named by another --with")
+        if why is not None:
+            raise UsageError(f"--with {brief(os.fspath(path), 200)}: cannot be written into OUT as {brief(name, 80)}: "
+                             f"{why}")
+        seen.add(name)
+        added.append(AddedFile(name, safejson.read(path, "--with file", limit)))
+    return added
+
+
+def copy_files(out_dir, files, written: Written, edited=None, added=()):
     """Carry model files (config.json, tokenizer...) into OUT unchanged, hashed for the manifest, or
-    for a name in `edited`, its new bytes (convert's --dtype edits config.json). The paths were
-    resolved and checked by `readers.carried`; they are opened without following a link (one swapped
-    in since is refused), a copy never gets wider permissions than its source, and a file that
-    changes while it is copied stops the run."""
-    for rel, src in files:
+    for a name in `edited`, its new bytes (convert's --dtype edits config.json); then the files named
+    with --with (`added`, AddedFile). The paths were resolved and checked by `readers.carried`; they
+    are opened without following a link (one swapped in since is refused), a copy never gets wider
+    permissions than its source, and a file that changes while it is copied stops the run."""
+    edited = {**(edited or {}), **{a.name: a.data for a in added}}
+    for rel, src in [*files, *((a.name, None) for a in added)]:
         dst = os.path.join(out_dir, rel)
-        if rel in (edited or {}):
+        if rel in edited:
             data = edited[rel]
             with open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), "wb") as fo:
                 write_all(fo, data)

@@ -114,12 +114,13 @@ class MeshWriter(Writer):
 
     def write(self, units, tmp, progress=None, share=(0, 1)):
         mine = [u.rank for u in units]
-        check_space(tmp, sum(u.size for u in units), self.content.model_files, len(units))
+        check_space(tmp, sum(u.size for u in units) + len(units) * self.content.added_bytes(), self.content.model_files,
+                    len(units))
         streams, taps, tapped = self._write_ranks(tmp, mine, progress, every_rank=len(mine) == self.ranks)
         for rank, stream in streams.items():
             source = {**self.content.source, "resharded": {"tp": self.tp, "ep": self.ep, "rank": rank},
                       **self.content.skipped()}
-            copy_files(stream.out_dir, self.content.model_files, stream.written, self.content.edited)
+            copy_files(stream.out_dir, self.content.model_files, stream.written, self.content.edited, self.content.added)
             finish_dir(stream.out_dir, stream.shards, stream.written, source, self.content.extras,
                        self.content.manifest, stem=self.options.stem)
         shards = {rank: [[s.name, stream.written.files[s.name]["sha256"]] for s in stream.shards]

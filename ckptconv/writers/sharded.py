@@ -118,8 +118,8 @@ class ShardedWriter(Writer):
         if solo and self.options.resume and self.content.identity:
             reuse, note = reusable(tmp, self.shards, self.content.identity)
             _keep_only(tmp, set(reuse.files))
-        check_space(tmp, sum(s.size for s in units if s.name not in reuse.files),
-                    self.content.model_files if share[0] == 0 else ())
+        check_space(tmp, sum(s.size for s in units if s.name not in reuse.files)
+                    + (self.content.added_bytes() if share[0] == 0 else 0), self.content.model_files if share[0] == 0 else ())
         journal = {"plan": _plan_id(self.shards), "source": self.content.identity} if solo and self.content.identity \
             else None
         pipeline = Pipeline()
@@ -138,7 +138,7 @@ class ShardedWriter(Writer):
             r = by_name[shard.name]
             written.files[shard.name] = r.files[shard.name]
             written.digests[shard.name] = r.digests[shard.name]
-        copy_files(tmp, self.content.model_files, written, self.content.edited)
+        copy_files(tmp, self.content.model_files, written, self.content.edited, self.content.added)
         manifest = finish_dir(tmp, self.shards, written, {**self.content.source, **self.content.skipped()},
                               self.content.extras, self.content.manifest, self.options.stem)
         notes = [r["note"] for r in results if r.get("note")]

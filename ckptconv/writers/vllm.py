@@ -32,5 +32,5 @@ class VllmWriter(MeshWriter):
         return {name: digest for r in results for name, digest in r["linked"].items()}
 
     def finish(self, tmp, results) -> dict:
-        copy_files(tmp, self.content.model_files, Written(), self.content.edited)
+        copy_files(tmp, self.content.model_files, Written(), self.content.edited, self.content.added)
         return super().finish(tmp, results)
