@@ -7,6 +7,7 @@ from . import dtypes, runner, transforms
 from .errors import BadInput, UsageError
 from .recipe import Recipe
 from .formats.identity import identity
+from .formats.manifest import source_name
 from .readers import Source, open_source, readers
 from .readers.wrappers import Layout
 from .tp.rules import read_config
@@ -93,7 +94,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     target = None if options.dtype == "keep" else dtypes.CAST_TARGETS[options.dtype]
     recipe = Recipe(options.strip_prefix, target)
     tensors, aliases = recipe.apply(ckpt.tensors, src, untie=True, same_bytes=config.get("tie_word_embeddings") is True)
-    described = {**ckpt.source, **recipe.records()}
+    described = {**ckpt.source, "path": source_name(src), **recipe.records()}
     if source.options.only:
         described["only"] = list(source.options.only)   # verify --against compares the same selection
     carry = options.copy_extras and not one_file  # one file carries no model files

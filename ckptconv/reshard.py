@@ -13,6 +13,7 @@ from . import dtypes, runner, transforms
 from .errors import BadInput, UsageError, brief
 from .recipe import Recipe
 from .formats.identity import identity
+from .formats.manifest import source_name
 from .readers import Source, open_source, readers
 from .sizes import format_size
 from .tp.layout import REPLICATED_SHARE, plan, plan_summary, silent_replication
@@ -71,8 +72,8 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
     engine, rules = _for_vllm(ckpt, mesh) if target == vllm.TARGET else (None, None)
     recipe = Recipe(strip_prefix, cast_to, engine)
     tensors, _ = recipe.apply(ckpt.tensors, source.path)
-    described = {**ckpt.source, **recipe.records(), **({"only": list(source.options.only)} if source.options.only
-                                                      else {})}
+    described = {**ckpt.source, "path": source_name(source.path), **recipe.records(),
+                 **({"only": list(source.options.only)} if source.options.only else {})}
     if rules is None:
         rules = choose_rules(ckpt if tensors is ckpt.tensors else dataclasses.replace(ckpt, tensors=tensors), mesh)
     plans = plan(tensors, rules, mesh.tp, mesh.ep, mesh.pad_vocab)

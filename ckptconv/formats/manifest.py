@@ -38,6 +38,14 @@ def source_stem(names) -> str:
     return next((stem for stem in HUB_STEMS if names and all(n.startswith(stem) for n in names)), STEM)
 
 
+def source_name(path) -> str:
+    """How an output records SRC (manifest `source.path`, mesh.json, a single file's facts): its base
+    name, never the path it was given (docs/output.md, "No machine paths"): the same bytes converted
+    from any folder, from any working directory, give the same output, and no user name or mount
+    point is published with it."""
+    return os.path.basename(os.path.abspath(os.fspath(path)))
+
+
 def index_name(stem: str = STEM) -> str:
     return stem + INDEX_SUFFIX
 

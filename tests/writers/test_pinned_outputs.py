@@ -4,7 +4,8 @@ checkpoints), recorded in tests/fixtures/data/pinned_outputs.json. Restructuring
 issue that changes the output contract re-records them (CKPTCONV_PIN_RECORD=1) and says so.
 
 Inputs are made with torch and numpy only (no transformers or huggingface_hub, whose versions would
-change the inputs), and every command runs with relative paths, so the manifests' paths are too.
+change the inputs); the manifests record SRC by its base name, whatever the folder the inputs are in
+(test_no_machine_paths.py).
 
 Inputs are arithmetic-free: their values come from numpy's uniform draws, integers and exact scalings
 (tests/fixtures/values.py), never from torch's normal sampler, a module's initialisation, a forward or
