@@ -59,12 +59,25 @@ def llama_bin(d: Path):
     (d / "tokenizer_config.json").write_text("{}")
 
 
+def adapter_bin(d: Path):
+    """A LoRA adapter's state dict as PEFT saves it (`adapter_model.bin`, torch.save) beside its
+    `adapter_config.json`: the output is named after it and carries the config."""
+    rng = np.random.default_rng(1)
+    d.mkdir()
+    p = "base_model.model.model.layers.0.self_attn."
+    torch.save({p + f"{proj}.lora_{ab}.weight": values.floats(rng, *((2, 32) if ab == "A" else (dim, 2)))
+                for proj, dim in (("q_proj", 32), ("v_proj", 16)) for ab in "AB"}, d / "adapter_model.bin")
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                                                       "target_modules": ["q_proj", "v_proj"]}))
+
+
 def make_inputs(root: Path):
     torch.save(fixtures.layout_cases(), root / "layouts.pt")
     torch.save(fixtures.layout_cases(), root / "legacy.pt", _use_new_zipfile_serialization=False)
     torch.save(fixtures.dtype_matrix(), root / "dtypes.pt")
     torch.save(fixtures.training_state(), root / "train.pt")
     llama_bin(root / "llama")
+    adapter_bin(root / "lora")
     grok_fixtures.write_dir(root / "grok", grok_fixtures.make_params(2))
     import torch.distributed.checkpoint as dcp
     from tests.fixtures.dcp import nested_state
@@ -84,6 +97,7 @@ JOBS = {
     "grok-bf16": ["convert", "grok", "--dequantize", "bf16"],
     "grok-mixtral": ["convert", "grok", "--layout", "mixtral"],
     "dcp": ["convert", "dcp"],
+    "adapter": ["convert", "lora/adapter_model.bin"],
 }
 
 
@@ -117,4 +131,8 @@ def test_pins_cover_every_kind_of_output(outputs):
     assert sorted(pinned) == sorted(JOBS)
     assert any("rank-00003/" in f for f in pinned["llama-tp4"]) and "mesh.json" in pinned["llama-tp4"]
     assert all("manifest.json" in files or "mesh.json" in files for files in pinned.values())
-    assert np.all([len(files) >= 4 for files in pinned.values()])
+    assert np.all([len(files) >= 3 for files in pinned.values()])
+    # huggingface_hub's names: one shard alone, several with their index; the stem from the source
+    assert "model.safetensors" in pinned["layouts"] and not any("index" in f for f in pinned["layouts"])
+    assert "model.safetensors.index.json" in pinned["dtypes"] and "rank-00000/model.safetensors" in pinned["llama-tp2"]
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(pinned["adapter"])
