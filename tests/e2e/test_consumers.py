@@ -18,7 +18,11 @@ def tiny_llama(rng):
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
-    return values.set_weights(LlamaForCausalLM(config), rng).eval()
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():   # (parameters only: the rotary buffers stay what the config makes them)
+        for p in model.parameters():
+            p.copy_(values.floats(rng, *p.shape))
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +92,27 @@ def test_diffusers_loads_the_converted_unet_without_a_name(unet, tmp_path, src, 
         theirs = UNet2DModel.from_pretrained(unet).eval()(sample, 3).sample
         ours = UNet2DModel.from_pretrained(out, use_safetensors=True).eval()(sample, 3).sample
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("extra", [(), ("--max-shard-size", "10KB")])
+def test_transformers_and_accelerate_load_one_shard_and_several(tmp_path, extra):
+    """transformers' from_pretrained and accelerate's load_checkpoint_and_dispatch find the one
+    model.safetensors as they find numbered shards and their index, converted from a
+    pytorch_model.bin (torch.save of the state dict, as transformers before 5 saved it) with its
+    config.json carried."""
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    model = tiny_llama(np.random.default_rng(3))
+    (tmp_path / "saved").mkdir()
+    torch.save(model.state_dict(), tmp_path / "saved" / "pytorch_model.bin")
+    model.config.save_pretrained(tmp_path / "saved")
+    out = tmp_path / "out"
+    assert run("convert", tmp_path / "saved" / "pytorch_model.bin", out, *extra, "--quiet").exit_code == 0
+    assert ("model.safetensors.index.json" in {p.name for p in out.iterdir()}) == bool(extra)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    want = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval(), ids)   # (from the .bin)
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out).eval(), ids), want)
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
+    dispatched = load_checkpoint_and_dispatch(empty, out, device_map={"": "cpu"}).eval()
+    assert torch.equal(logits(dispatched, ids), want)
