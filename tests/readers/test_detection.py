@@ -60,7 +60,7 @@ def test_a_directory_of_pth_tar_files_is_a_torch_checkpoint(tmp_path):
     got = load_output(tmp_path / "out")
     assert sorted(got) == sorted(state) and all(assert_same(got[k], v) is None for k, v in state.items())
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "SHA256SUMS", "config.json", "manifest.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+        "SHA256SUMS", "config.json", "manifest.json", "model.safetensors"]
     torch.save({"state_dict": state}, d / "model_best.pth.tar")
     r = run("convert", d, tmp_path / "two", "--quiet")
     assert r.exit_code == 2 and "2 torch files and no index (checkpoint.pth.tar, model_best.pth.tar)" in r.stderr
