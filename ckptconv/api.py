@@ -83,7 +83,8 @@ def _paths(value, what) -> tuple:
         raise UsageError(f"{what}: expected a path or a list of paths, not {type(value).__name__}") from None
 
 
-def _source(src, format, only, allow_globals, state_dict, skip_unsupported, workers, reader_options) -> Source:
+def _source(src, format, only, allow_globals, state_dict, skip_unsupported, workers, reader_options,
+            max_extra_size="256MB") -> Source:
     if not isinstance(state_dict, str) or (format is not None and not isinstance(format, str)):
         raise UsageError("state_dict and format are strings")
     if not isinstance(reader_options, (dict, type(None))):
@@ -93,7 +94,16 @@ def _source(src, format, only, allow_globals, state_dict, skip_unsupported, work
     return Source(_path(src, "src"), format, ReadOptions(
         allow_globals=_texts(allow_globals, "allow_globals"), skip_unsupported=_flag(skip_unsupported,
                                                                                      "skip_unsupported"),
-        only=_texts(only, "only"), workers=workers, state_dict=state_dict, declared=dict(reader_options or {})))
+        only=_texts(only, "only"), workers=workers, state_dict=state_dict, declared=dict(reader_options or {}),
+        max_extra_size=_size(max_extra_size, "max_extra_size")))
+
+
+def _size(value, what) -> int:
+    if isinstance(value, str):
+        return parse_size(value)
+    if type(value) is int and value > 0:
+        return value
+    raise UsageError(f"{what}: expected a positive number of bytes or a size like '5GB', not {brief(value, 40)}")
 
 
 def _write(max_shard_size, name, overwrite, fsync, buffered_io, resume=False) -> WriteOptions:
@@ -115,7 +125,7 @@ def _write(max_shard_size, name, overwrite, fsync, buffered_io, resume=False) ->
 def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", state_dict="auto",
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name=None, overwrite=False,
             resume=False, fsync=False, buffered_io=False, copy_extras=True, with_files=(), workers=2,
-            reader_options=None, progress=None) -> _convert.ConvertResult:
+            reader_options=None, max_extra_size="256MB", progress=None) -> _convert.ConvertResult:
     """`ckptconv convert SRC OUT` (docs/convert.md): OUT ending in .safetensors is one file, anything
     else a sharded directory. `reader_options` are the options a reader declares ({"dequantize":
     "bf16"} for Grok-1 directories); `progress(total_bytes)` may return a context manager yielding
@@ -123,7 +133,7 @@ def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", 
     if dtype not in ("keep", *CAST_TARGETS) or (strip_prefix is not None and not isinstance(strip_prefix, str)):
         raise UsageError(f"dtype is one of keep, {', '.join(CAST_TARGETS)}; strip_prefix a string")
     return _convert.convert(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
-                                    reader_options),
+                                    reader_options, max_extra_size),
                             _path(out, "out"), _convert.ConvertOptions(strip_prefix, dtype, _flag(copy_extras,
                                                                                                   "copy_extras"),
                                                                        _paths(with_files, "with_files")),
@@ -135,7 +145,8 @@ def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", 
 def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads=None, head_dim=None,
             pad_vocab=False, dry_run=False, format=None, only=(), strip_prefix=None, state_dict="auto",
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name=None, overwrite=False,
-            fsync=False, buffered_io=False, workers=2, reader_options=None, progress=None, target="mesh",
+            fsync=False, buffered_io=False, workers=2, reader_options=None, max_extra_size="256MB", progress=None,
+            target="mesh",
             dtype="keep", allow_replicate=(), with_files=()) -> _reshard.ReshardResult:
     """`ckptconv reshard SRC OUT --tp N` (docs/reshard.md); with `dry_run`, the plan only (OUT may
     be None). `target="vllm"`: vLLM's pre-sharded layout as well."""
@@ -152,7 +163,7 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
                     {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab,
                     tuple(_texts(allow_replicate, "allow_replicate")))
     return _reshard.reshard(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
-                                    reader_options),
+                                    reader_options, max_extra_size),
                             None if out is None else _path(out, "out"), mesh,
                             _write(max_shard_size, name, overwrite, fsync, buffered_io), dry_run,
                             progress=_progress(progress), strip_prefix=strip_prefix, target=target, dtype=dtype,
@@ -161,13 +172,14 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
 
 @_ours
 def verify(path, against=None, *, device=None, allow_fewer_devices=False, format=None, allow_globals=(),
-           state_dict="auto", workers=2, reader_options=None, progress=None, expect=None) -> _verify.Report:
+           state_dict="auto", workers=2, reader_options=None, max_extra_size="256MB", progress=None,
+           expect=None) -> _verify.Report:
     """`ckptconv verify PATH [--against SRC] [--device ...]` (docs/verify.md). The report lists every
     problem (`report.problems`: `Problem`s with a kind, file, tensor and detail; `str()` of one is the
     line the command prints); `report.ok` is True when there is none.
     `progress(nbytes)` is called as bytes are hashed. `expect`: the output's identity as convert or
     reshard printed it (`sha256:…`): the output must be exactly that one."""
-    read = _source(path, format, (), allow_globals, state_dict, False, workers, reader_options).options
+    read = _source(path, format, (), allow_globals, state_dict, False, workers, reader_options, max_extra_size).options
     if device not in (None, "cpu", "cuda", "tpu"):
         raise UsageError(f"device: one of cpu, cuda, tpu, not {device!r}")
     return _verify.verify(_path(path, "path"), None if against is None else _path(against, "against"), read, format,
@@ -211,10 +223,10 @@ def _tensor_row(fact) -> dict:
 
 @_ours
 def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=2,
-            reader_options=None) -> Inspection:
+            reader_options=None, max_extra_size="256MB") -> Inspection:
     """`ckptconv inspect PATH` (docs/inspect.md): reads headers and pickles, never tensor data."""
     ckpt = open_source(_source(path, format, only, allow_globals, state_dict, skip_unsupported, workers,
-                               reader_options))
+                               reader_options, max_extra_size))
     hist = Counter()
     for t in ckpt.tensors:
         hist[t.dtype.code] += t.nbytes

@@ -586,7 +586,8 @@ def inspect_cmd(path, fmt, read, quiet, as_json):
     and which --state-dict picks them; classes in the pickle are listed with their counts.
     """
     found = inspect(path, format=fmt, only=read.only, allow_globals=read.allow_globals, state_dict=read.state_dict,
-                    skip_unsupported=read.skip_unsupported, workers=read.workers, reader_options=read.declared)
+                    skip_unsupported=read.skip_unsupported, workers=read.workers, reader_options=read.declared,
+                    max_extra_size=read.max_extra_size)
     if as_json:
         emit("inspect", {"path": found.path, "format": found.format, "source": found.source,
                          "tensor_count": len(found.tensors), "total_bytes": found.total_bytes, "dtypes": found.dtypes,

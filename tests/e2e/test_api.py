@@ -115,3 +115,21 @@ def test_with_json_an_error_is_json_on_stdout_too(tmp_path):
     assert r.returncode == 2 and doc == {"schema": "ckptconv.error/1", "ok": False, "exit_code": 2,
                                          "error": f"{tmp_path / 'missing.pt'}: no such file or directory"}
     assert r.stderr.count("\n") == 1
+
+
+def test_inspect_and_convert_agree_on_max_extra_size(tmp_path):
+    """`inspect --max-extra-size 1KB` listed a 5 KB config.json as carried while convert did not: the
+    CLI's ReadOptions lost max_extra_size on its way through the API (issue 32)."""
+    import json as jsonlib
+    import torch
+    from tests.helpers import run
+    src = tmp_path / "model"
+    src.mkdir()
+    torch.save({"w": torch.ones(2)}, src / "pytorch_model.bin")
+    (src / "config.json").write_text(jsonlib.dumps({"model_type": "x", "pad": "x" * 5000}))
+    r = run("inspect", src, "--max-extra-size", "1KB", "--json")
+    found = jsonlib.loads(r.stdout)
+    assert "config.json" not in found["model_files"] and found["skipped_files"][0]["name"] == "config.json"
+    assert ckptconv.inspect(src, max_extra_size="1KB").skipped_files[0]["name"] == "config.json"
+    result = ckptconv.convert(src, tmp_path / "out", max_extra_size=1000)
+    assert [s["name"] for s in result.skipped_files] == ["config.json"]
