@@ -274,7 +274,7 @@ def test_the_pickle_is_read_with_its_pages_let_go_behind(tmp_path, monkeypatch):
     import torch
     from ckptconv.io.mapped import MappedFile
     from ckptconv.readers import ziparchive
-    from ckptconv.readers.pickle import unpickler
+    from ckptconv.readers.pickle import vm
     from ckptconv.readers.pickle.torch_globals import torch_globals
     from ckptconv.readers.torch_pickle import load_zip
     torch.save({f"w{i}": torch.full((3,), float(i)) for i in range(300)}, tmp_path / "m.pt")
@@ -284,12 +284,12 @@ def test_the_pickle_is_read_with_its_pages_let_go_behind(tmp_path, monkeypatch):
     calls = []
     release = m.release
     monkeypatch.setattr(m, "release", lambda offset, length: calls.append((offset, length)) or release(offset, length))
-    monkeypatch.setattr(unpickler, "RELEASE_STEP", 512)
+    monkeypatch.setattr(vm, "RELEASE_STEP", 512)
     stepped = load_zip(m, torch_globals(), entries=entries)
     steps = sorted(calls)
     assert len(steps) > pkl.size // 512 // 2   # (the passes' whole releases are three)
     assert all(pkl.offset <= o and o + n <= pkl.offset + pkl.span for o, n in steps)
-    monkeypatch.setattr(unpickler, "RELEASE_STEP", 16 << 20)
+    monkeypatch.setattr(vm, "RELEASE_STEP", 16 << 20)
     whole = load_zip(MappedFile(tmp_path / "m.pt"), torch_globals())
     assert [(k, v.shape, v.start) for k, v in stepped.items()] == [(k, v.shape, v.start) for k, v in whole.items()]
 

@@ -205,7 +205,8 @@ def test_records_of_tuples_nothing_holds_are_let_go():
     held = ctx.tuple([ctx.tuple([1]), 2])
     for _ in range(20000):
         ctx.tuple([(1,), 2])
-    assert len(ctx._shape) < 2 * unpickler._SWEEP_MIN and ctx._shape[id(held)][0] is held
+    from ckptconv.readers.pickle import context
+    assert len(ctx._shape) < 2 * context._SWEEP_MIN and ctx._shape[id(held)][0] is held
     # a tuple shared on the stack (DUP) is still held: sweeps in between do not hide its expansion
     bomb = b"\x80\x02" + transient + b"N" + b"2\x86" * 64 + b"."
     with pytest.raises(BadInput, match="expands to"):

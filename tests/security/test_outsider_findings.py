@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import ckptconv
 from ckptconv.errors import OutputError
+from ckptconv.limits import Budget
 from tests.helpers import ROOT, assert_refused, cli, run, run_subprocess
 
 
@@ -29,19 +30,19 @@ def test_text_referenced_many_times_is_charged_by_its_length(tmp_path):
 
 
 def test_bytes_referenced_many_times_are_hashed_once(tmp_path, monkeypatch):
-    from ckptconv.readers.pickle import unpickler
-    real, hashed = unpickler.hashlib.sha256, []
-    monkeypatch.setattr(unpickler.hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real(data))
+    from ckptconv.readers.pickle import extras
+    real, hashed = extras.hashlib.sha256, []
+    monkeypatch.setattr(extras.hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real(data))
     blob = b"a" * (1 << 20)
-    extras = unpickler.extras_json({"x": [blob] * 3000}, unpickler.Budget("blob", 1 << 20))
-    assert hashed == [1 << 20] and len(extras["x"]) == 3000      # one digest, however often it is reached
+    made = extras.extras_json({"x": [blob] * 3000}, Budget("blob", 1 << 20))
+    assert hashed == [1 << 20] and len(made["x"]) == 3000      # one digest, however often it is reached
     src = tmp_path / "blob.pt"
     torch.save({"w": torch.ones(2), "x": [blob] * 3000}, src)              # 3 GB to hash, were each reference hashed
     out = tmp_path / "out"
     r = cli("convert", src, out, "--quiet", timeout=60)
     assert r.returncode == 0, r.stderr
-    extras = json.loads((out / "manifest.json").read_text())["extras"]
-    records = extras["x"]
+    kept = json.loads((out / "manifest.json").read_text())["extras"]
+    records = kept["x"]
     assert len(records) == 3000 and all(v == records[0] for v in records) and records[0]["__bytes__"] == 1 << 20
 
 
