@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-vllm test-deepspeed deepspeed-fixtures demo bench fuzz clean
+.PHONY: setup test test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures demo bench fuzz clean
 
 setup: $(VENV)/.installed
 
@@ -46,6 +46,27 @@ test-deepspeed: setup $(DS_VENV)/.installed
 deepspeed-fixtures: $(DS_VENV)/.installed
 	DS_ACCELERATOR=cpu $(DS_VENV)/bin/python -m tests.fixtures.deepspeed --committed
 
+# Megatron checkpoints made by the real Megatron-Core (CPU, 4 processes with gloo), every variant of
+# tests/fixtures/megatron.py (legacy and torch_dist; TP, PP, virtual pipeline chunks, EP; tied, untied,
+# biases, experts), each merged and compared bit for bit with the TP 1 model every layout was loaded
+# from, and `--to hf` with Megatron's own logits (not part of `make test`: the venv is about 1 GB; the
+# fixtures take about 6 minutes on two CPUs). `megatron-fixtures` remakes the small ones committed under
+# tests/fixtures/data/megatron/. See docs/formats.md#megatron.
+MEGATRON_VENV ?= .venv-megatron
+MEGATRON_FIXTURES ?= /tmp/ckptconv-megatron-fixtures
+$(MEGATRON_VENV)/.installed:
+	python3 -m venv $(MEGATRON_VENV)
+	$(MEGATRON_VENV)/bin/python -m pip install --quiet torch==2.13.0 megatron-core==0.16.1 psutil transformers safetensors
+	touch $@
+
+test-megatron: setup $(MEGATRON_VENV)/.installed
+	rm -rf $(MEGATRON_FIXTURES)
+	$(MEGATRON_VENV)/bin/python -m tests.fixtures.megatron $(MEGATRON_FIXTURES)
+	CKPTCONV_MEGATRON_FIXTURES=$(abspath $(MEGATRON_FIXTURES)) $(PY) -m pytest tests/megatron -v
+
+megatron-fixtures: $(MEGATRON_VENV)/.installed
+	$(MEGATRON_VENV)/bin/python -m tests.fixtures.megatron --committed
+
 demo: setup
 	$(PY) scripts/demo.py
 
@@ -61,4 +82,4 @@ fuzz: setup
 	$(PY) -m fuzz.fuzz_parsers fuzz/corpus -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(DS_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(DS_VENV) $(MEGATRON_VENV) build *.egg-info

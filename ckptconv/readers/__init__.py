@@ -131,6 +131,7 @@ _TRAINING_STATE = [
     (re.compile(r"training_args\.bin"), "TrainingArguments, a pickled Python object"),
     (re.compile(r"trainer_state\.json"), "Trainer progress and logs"),
     (re.compile(r"latest|zero_to_fp32\.py|zero_to_torch\.py"), "DeepSpeed"),
+    (re.compile(r"latest_checkpointed_iteration\.txt"), "Megatron's latest iteration"),
 ]
 
 # DeepSpeed's rank files in a tag directory (`global_stepN/`): read by the deepspeed reader, never

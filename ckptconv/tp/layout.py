@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..errors import BadInput, UsageError, brief
 from ..rowview import RowView
+from ..tensor import Concat
 from ..formats.mesh import recorded_cut
 from .rules import RuleSet
 
@@ -187,6 +188,43 @@ def split(name, shape, rule, layout, tp):
     if kind == "column" and rule.kv_heads:
         return axis, _heads(name, n, rule.kv_heads, rule.head_dim, tp, axis, shared=True)
     return axis, _even(name, n, tp, axis)
+
+
+def joined(name, pieces: list, rule, layout: str, where=""):
+    """The global tensor whose split by `rule` over len(pieces) ranks gives `pieces` (rank order): the
+    inverse of `split`, from the same intervals. Each rank's piece is cut back into its intervals and
+    the cuts are joined in place, lazily (slices of the pieces, no copy). Every piece must have the
+    first one's shape; an interval that two ranks hold (kv heads shared by several ranks) is taken from
+    the first. A replicated tensor (no axis) is the first piece. BadInput naming `where` otherwise."""
+    first, tp = pieces[0], len(pieces)
+    for r, p in enumerate(pieces):
+        if p.shape != first.shape or p.dtype != first.dtype:
+            raise BadInput(f"{where}tensor {name!r}: tp rank {r} holds {p.dtype.code}{list(p.shape)}, tp rank 0 "
+                           f"{first.dtype.code}{list(first.shape)}")
+    axis = rule_axis(rule, layout, len(first.shape)) if rule is not None and rule.kind != "replicate" else None
+    if axis is None or tp == 1 or not math.prod(first.shape):
+        return first if first.name == name else first.renamed(name)
+    shape = first.shape[:axis] + (first.shape[axis] * tp,) + first.shape[axis + 1:]
+    _, ranges = split(name, shape, rule, layout, tp)
+    cuts = []
+    for r, held in enumerate(ranges):
+        piece, at = pieces[r], 0
+        for a, b in held:
+            whole = (at, at + b - a) == (0, piece.shape[axis])
+            cuts.append((a, b, piece if whole else piece.sliced(axis, at, at + b - a)))
+            at += b - a
+        if at != piece.shape[axis]:
+            raise BadInput(f"{where}tensor {name!r}: tp rank {r}'s piece has {piece.shape[axis]} along axis {axis}, "
+                           f"the {rule.describe()} split gives it {at}")
+    parts, end = [], 0
+    for a, b, part in sorted(cuts, key=lambda c: c[0]):
+        if b <= end:
+            continue   # (held by an earlier rank too)
+        parts.append(part)
+        end = b
+    if end != shape[axis]:
+        raise BadInput(f"{where}tensor {name!r}: the ranks' pieces do not make up axis {axis} of {list(shape)}")
+    return parts[0].renamed(name) if len(parts) == 1 else Concat(name, parts, axis)
 
 
 _EXPERT = re.compile(r"\.experts\.([0-9]+)\.")   # (ASCII digits: \d takes every script's)

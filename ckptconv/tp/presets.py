@@ -223,3 +223,38 @@ def vllm_names(cfg: dict) -> RuleSet:
     """vLLM's own tensor names (a `reshard --target vllm` output, resharded again): fused qkv and
     gate_up, stacked experts (tp/vllm.py)."""
     return vllm_rules(cfg)
+
+
+def _megatron(name: str, fc1: str):
+    """Megatron-Core GPT names (docs/formats.md#megatron), merged (global layer numbers): how Megatron
+    itself splits each tensor over tensor-parallel ranks. readers/megatron.py merges a checkpoint's
+    ranks as the inverse of exactly these rules; reshard splits with them."""
+
+    def build(cfg: dict) -> RuleSet:
+        heads, kv, hd = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+        if heads % kv:
+            raise BadInput(f"preset {name}: {heads} heads do not fall into {kv} query groups")
+        p = r"decoder\.layers\.\d+\."
+        # linear_qkv: per query group its q heads, then its k and v; a rank holds whole groups
+        group = dict(heads=kv, head_dim=(heads // kv + 2) * hd)
+        rules = [
+            Rule(r"embedding\.word_embeddings\.weight|output_layer\.weight", "vocab"),
+            Rule(p + r"self_attention\.linear_qkv\.(?:weight|bias)", "column", **group),
+            Rule(p + r"self_attention\.linear_proj\.(?:weight|bias)", "row"),
+            Rule(p + r"mlp\.linear_fc1\.(?:weight|bias)", fc1),
+            Rule(p + r"mlp\.linear_fc2\.(?:weight|bias)", "row"),
+            Rule(p + r"mlp\.experts\.local_experts\.\d+\.linear_fc1\.(?:weight|bias)", fc1),
+            Rule(p + r"mlp\.experts\.local_experts\.\d+\.linear_fc2\.(?:weight|bias)", "row"),
+            Rule(p + r"mlp\.router\.(?:weight|bias)", "replicate"),
+            # the layer norms (and q/k norms), every rank's whole
+            Rule(p + r"(?:input_layernorm|pre_mlp_layernorm|self_attention\.[qk]_layernorm)\.(?:weight|bias)"
+                 r"|decoder\.final_layernorm\.(?:weight|bias)|embedding\.position_embeddings\.weight", "replicate"),
+        ]
+        return RuleSet(name, "torch", rules, {"heads": heads, "kv_heads": kv, "head_dim": hd})
+
+    return build
+
+
+# (model_type: what the megatron reader describes its checkpoint as, tp/megatron.Arch.config)
+preset("megatron", model_types=("megatron",))(_megatron("megatron", "gate_up"))
+preset("megatron-mlp", model_types=("megatron-mlp",))(_megatron("megatron-mlp", "column"))

@@ -1,0 +1,42 @@
+"""Every legacy variant tests/fixtures/megatron.py makes with the real Megatron-Core (TP 1/2, PP 1/2,
+TP 2 x PP 2, virtual pipeline chunks, EP 2 with TP or PP; tied, untied, q/k/v biases, a mixture of
+experts) merges bit for bit to the TP 1 model every layout was loaded from; verify --against the
+Megatron directory passes.
+
+Run by `make test-megatron`, which makes the Megatron venv and the fixtures (about 6 minutes on two
+CPUs) and points CKPTCONV_MEGATRON_FIXTURES at them; skipped otherwise."""
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run
+from tests.readers.test_megatron import check_merged
+
+ROOT = os.environ.get("CKPTCONV_MEGATRON_FIXTURES")
+pytestmark = pytest.mark.skipif(not ROOT or not Path(ROOT).is_dir(),
+                                reason="CKPTCONV_MEGATRON_FIXTURES is not set (make test-megatron sets it)")
+ROOT = Path(ROOT or ".")
+
+
+def variants():
+    from tests.fixtures.megatron import VARIANTS
+    return [n for n in VARIANTS if n.startswith("legacy")]
+
+
+@pytest.mark.parametrize("name", variants())
+def test_merged_bit_for_bit_and_verified(name, tmp_path):
+    for src in (ROOT / name, ROOT / name / "iter_0000001"):
+        out = tmp_path / src.name
+        r = run("convert", src, out, "--quiet")
+        assert r.exit_code == 0, r.stderr
+        check_merged(out, name, ROOT)
+        r = run("verify", out, "--against", src)
+        assert r.exit_code == 0 and "matches the source" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_matrix_is_what_the_fixture_script_makes():
+    from tests.fixtures.megatron import VARIANTS
+    assert {p.name for p in ROOT.iterdir() if p.is_dir()} >= set(VARIANTS)
+    for name in VARIANTS:
+        assert (ROOT / name / "latest_checkpointed_iteration.txt").read_text() == "1"

@@ -1,0 +1,174 @@
+"""Megatron checkpoints written by the real Megatron-Core 0.16.1 (4 processes on CPUs; committed under
+tests/fixtures/data/megatron/, made by tests/fixtures/megatron.py): a legacy TP 2 x PP 2 one and a
+legacy TP 2 x EP 2 mixture of experts. Each merges to exactly the TP 1 model whose weights every
+layout was loaded from (`MODEL.reference`). The whole matrix (TP 1/2, PP 1/2, virtual pipeline
+chunks, EP 2, tied, untied, q/k/v biases) runs in `make test-megatron` (tests/megatron/)."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import DATA, assert_clean, assert_same, load_output, run
+
+FIXTURES = DATA / "megatron"
+COMMITTED = ["legacy-untied-tp2-pp2", "legacy-moe-tp2-pp1-ep2"]
+
+
+def model_of(name: str) -> str:
+    return name.split("-")[1]
+
+
+def reference(name, root=FIXTURES) -> dict:
+    """The TP 1 model's state dict (Megatron names, global layers), as Megatron saved it."""
+    return load_file(root / f"{model_of(name)}.reference.safetensors")
+
+
+def check_merged(out: Path, name, root=FIXTURES):
+    """OUT holds exactly the reference's tensors, bit for bit."""
+    want, got = reference(name, root), load_output(out)
+    assert sorted(got) == sorted(want)
+    for k, v in got.items():
+        assert_same(v, want[k], k)
+
+
+@pytest.mark.parametrize("name", COMMITTED)
+def test_every_layout_merges_to_the_tp1_model_bit_for_bit(name, tmp_path):
+    r = run("convert", FIXTURES / name, tmp_path / "out", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    check_merged(tmp_path / "out", name)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    src = manifest["source"]
+    assert src["format"] == "megatron" and src["iteration"] == "iter_0000001"
+    assert src["layout"] == "legacy"
+    assert (src["tp"], src["pp"], src["ep"]) == tuple(int(x[2:]) for x in (name.split("-")[2:] + ["ep1"])[:3])
+    assert manifest["extras"]["args"]["__class__"] == "argparse.Namespace"
+    from ckptconv.readers import open_checkpoint   # Megatron's order: embedding, layers in order, the rest
+    names = [t.name for t in open_checkpoint(FIXTURES / name).tensors]
+    layers = [int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.")]
+    assert names[0] == "embedding.word_embeddings.weight" and layers == sorted(layers)
+
+
+def test_extra_state_and_the_tied_copy_are_left_out_and_listed(tmp_path):
+    r = run("convert", FIXTURES / "legacy-untied-tp2-pp2", tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.stderr
+    summary = json.loads(r.stdout)
+    dropped = {d["name"]: d["reason"] for d in summary["dropped"]}
+    assert "decoder.layers.*.self_attention.linear_qkv._extra_state" in dropped
+    assert {s["name"] for s in summary["skipped_files"]} >= {"latest_checkpointed_iteration.txt"}
+    # the iteration directory itself reads the same
+    r = run("convert", FIXTURES / "legacy-untied-tp2-pp2" / "iter_0000001", tmp_path / "iter", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    check_merged(tmp_path / "iter", "legacy-untied-tp2-pp2")
+
+
+def test_inspect_plan_verify_and_dtype(tmp_path):
+    src = FIXTURES / "legacy-moe-tp2-pp1-ep2"
+    r = run("inspect", src, "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["format"] == "megatron"
+    assert run("plan", src, "--json").exit_code == 0
+    assert run("convert", src, tmp_path / "out", "--dtype", "bf16", "--quiet").exit_code == 0
+    got, want = load_output(tmp_path / "out"), reference("legacy-moe-tp2-pp1-ep2")
+    for k, v in got.items():
+        assert_same(v, want[k].to(torch.bfloat16), k)
+    r = run("verify", tmp_path / "out", "--against", src)
+    assert r.exit_code == 0 and "matches the source" in r.stdout, r.stdout + r.stderr
+    r = run("verify", tmp_path / "out", "--against", FIXTURES / "legacy-untied-tp2-pp2")
+    assert r.exit_code == 1
+
+
+def _refused(r, out: Path, *fragments):
+    assert r.exit_code == 2, (r.exit_code, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptconv: error: "), r.stderr
+    assert_clean(r.stderr)
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    assert not out.exists() and not (out.parent / f".{out.name}.ckptconv-tmp").exists()
+
+
+def _copy(tmp_path, name="legacy-untied-tp2-pp2") -> Path:
+    src = tmp_path / name
+    shutil.copytree(FIXTURES / name, src)
+    return src
+
+
+def test_a_missing_rank_is_refused_naming_it(tmp_path):
+    src = _copy(tmp_path)
+    shutil.rmtree(src / "iter_0000001" / "mp_rank_01_001")
+    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "rank (tp 1, pp 1, ep 0) is missing",
+             "mp_rank_01_001/model_optim_rng.pt", "tp 2 x pp 2 x ep 1")
+
+
+def test_a_rank_twice_or_outside_the_mesh_is_refused(tmp_path):
+    src = _copy(tmp_path)
+    it = src / "iter_0000001"
+    shutil.copytree(it / "mp_rank_01_001", it / "mp_rank_001_001")
+    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "rank (tp 1, pp 1, ep 0)", "mp_rank_01_001")
+    shutil.rmtree(it / "mp_rank_001_001")
+    shutil.copytree(it / "mp_rank_01_001", it / "mp_rank_02_001")
+    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "mp_rank_02_001", "outside the mesh")
+
+
+def test_ranks_of_another_run_are_refused(tmp_path):
+    src = _copy(tmp_path)
+    moe = FIXTURES / "legacy-moe-tp2-pp1-ep2" / "iter_0000001" / "mp_rank_01_001" / "model_optim_rng.pt"
+    shutil.copy(moe, src / "iter_0000001" / "mp_rank_01_001" / "model_optim_rng.pt")
+    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "mp_rank_01_001", "rank (tp 1, pp 1, ep 0)",
+             "files of different runs")
+
+
+def test_a_truncated_rank_file_is_refused_naming_it(tmp_path):
+    src = _copy(tmp_path)
+    f = src / "iter_0000001" / "mp_rank_00_001" / "model_optim_rng.pt"
+    f.write_bytes(f.read_bytes()[:5000])
+    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "mp_rank_00_001/model_optim_rng.pt")
+
+
+def test_a_tracker_that_names_no_iteration_is_refused(tmp_path):
+    src = _copy(tmp_path)
+    (src / "latest_checkpointed_iteration.txt").write_text("../../etc")
+    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "latest_checkpointed_iteration.txt",
+             "not an iteration number")
+    (src / "latest_checkpointed_iteration.txt").write_text("7")
+    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "iter_0000007", "not a directory")
+
+
+class Unknown:   # a class of no allowlist, pickled by name into args
+    pass
+
+
+def _tiny_legacy(root: Path, tp=1, pp=1, **args):
+    """A one-file legacy checkpoint written here with torch.save: args as given, one 1-layer stage."""
+    import argparse
+    base = dict(num_layers=1, hidden_size=8, num_attention_heads=2, padded_vocab_size=16, normalization="RMSNorm",
+                swiglu=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = {"embedding.word_embeddings.weight": torch.zeros(16, 8),
+             "decoder.layers.0.input_layernorm.weight": torch.ones(8),
+             "decoder.layers.0.self_attention.linear_qkv.weight": torch.zeros(24, 8)}
+    f = root / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    f.parent.mkdir(parents=True)
+    torch.save({"args": argparse.Namespace(**{**base, **args}), "checkpoint_version": 3.0, "iteration": 1,
+                "model": model}, f)
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+    return root
+
+
+def test_sizes_args_claims_cost_nothing_beyond_the_files(tmp_path):
+    """args is input: 2**40 ranks, layers or experts are refused in steps bounded by the files present."""
+    for i, claim in enumerate([dict(tensor_model_parallel_size=2**40), dict(num_layers=2**40),
+                               dict(num_experts=2**40)]):
+        src = _tiny_legacy(tmp_path / f"c{i}", **claim)
+        r = run("convert", src, tmp_path / "out")
+        _refused(r, tmp_path / "out", str(src))
+    r = run("convert", _tiny_legacy(tmp_path / "neg", num_layers=-3), tmp_path / "out")
+    _refused(r, tmp_path / "out", "args.num_layers is -3")
+
+
+def test_a_class_of_no_allowlist_in_args_is_refused_naming_it(tmp_path):
+    src = _tiny_legacy(tmp_path / "c", tokenizer=Unknown())
+    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "tests.readers.test_megatron.Unknown",
+             "not on the allowlist")
