@@ -44,6 +44,7 @@ NAME = "dcp"
 _DCP_CLASSES = ["Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                 "MetadataIndex", "TensorProperties", "StorageMeta"]
 _MODULES = ["torch.distributed.checkpoint.metadata", "torch.distributed._shard.checkpoint.metadata"]
+_PLANNER = "torch.distributed.checkpoint.planner"
 ZSTD = "stream.zstd/1"
 _ZIP = b"PK\x03\x04"
 
@@ -79,9 +80,10 @@ def _enum(qualname):
     return Function(qualname, lambda ctx, value: f"{qualname}({value})")
 
 
-def allowlist(extra=()) -> dict:
-    """DCP's metadata classes (current and older module paths) as inert records, plus torch's."""
-    allow = torch_globals()
+def allowlist(extra=(), base=None) -> dict:
+    """DCP's metadata classes (current and older module paths) as inert records, plus torch's (or
+    `base`: a format's allowlist that extends torch's)."""
+    allow = dict(base) if base is not None else torch_globals()
     for module in _MODULES:
         for cls in _DCP_CLASSES:
             allow[(module, cls)] = InertClass(cls)
@@ -91,11 +93,16 @@ def allowlist(extra=()) -> dict:
         allow[(module, "MEM_FORMAT_ENCODING")] = _enum("MEM_FORMAT_ENCODING")
     for module in ("torch.distributed.checkpoint.filesystem", "torch.distributed._shard.checkpoint.filesystem"):
         allow[(module, "_StorageInfo")] = InertClass("_StorageInfo")
+    # the save plans a planner may keep in Metadata.planner_data (Megatron-Core's does, to save the same
+    # structure again faster): records, never used here
+    for cls in ("SavePlan", "WriteItem", "TensorWriteData"):
+        allow[(_PLANNER, cls)] = InertClass(cls)
+    allow[(_PLANNER, "WriteItemType")] = _enum("WriteItemType")
     allow[("pathlib", "PosixPath")] = Function("pathlib.PosixPath", _posix_path)
     allow[("pathlib", "WindowsPath")] = Function("pathlib.WindowsPath", _posix_path)
     return unpickler.allowing(allow, extra, (*TORCH_OWNED, *_MODULES, "torch.distributed._shard.sharded_tensor.metadata",
                                              "torch.distributed.checkpoint.filesystem",
-                                             "torch.distributed._shard.checkpoint.filesystem"))
+                                             "torch.distributed._shard.checkpoint.filesystem", _PLANNER))
 
 
 def detect(path: Path) -> bool:
@@ -626,7 +633,13 @@ def _storage_index(storage, where) -> dict:
 
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
-    allow = allowlist(options.allow_globals)
+    return read(path, options, allowlist(options.allow_globals), lambda fqn: wanted(fqn, options.only))
+
+
+def read(path: Path, options: ReadOptions, allow, keep) -> Checkpoint:
+    """The items of the DCP checkpoint in `path` whose name `keep(fqn)` accepts (the others are checked
+    as records, never read), unpickled with `allow` (DCP's records plus a format's own: the megatron
+    reader's torch_dist directories)."""
     meta_path = path / ".metadata"
     meta = MappedFile(confined(meta_path, source_root(path)))
     md = _record(unpickler.load(meta.view, allow, meta_path), ("Metadata",), "the pickle", meta_path)
@@ -642,7 +655,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     for fqn, item in sdm.items():
         if not isinstance(fqn, str):
             raise BadInput(f"{meta_path}: a key of Metadata.state_dict_metadata is not a string: {_found(fqn)}")
-        if not wanted(fqn, options.only):
+        if not keep(fqn):
             continue
         _record(item, ("TensorStorageMetadata", "BytesStorageMetadata"), f"item {fqn!r}", meta_path)
         if item.qualname == "BytesStorageMetadata":

@@ -1,19 +1,22 @@
-"""Reader for Megatron checkpoints without torch or Megatron: every tensor-, pipeline- (and expert-)
-parallel rank merged into the whole model, offline, each tensor a lazy join of the ranks' slices
-(docs/formats.md#megatron).
+"""Reader for Megatron checkpoints, both layouts, without torch or Megatron: every tensor-, pipeline-
+(and expert-) parallel rank merged into the whole model, offline, each tensor a lazy join of the
+ranks' slices (docs/formats.md#megatron).
 
-The legacy layout (Megatron-LM without --use-dist-ckpt): `DIR/latest_checkpointed_iteration.txt`
-names the iteration; `DIR/iter_0000500/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt` per (tp, pp, ep)
-rank, a torch.save zip of `{"args", "checkpoint_version", "iteration", "model" (or "model0"... per
-virtual pipeline chunk), "optimizer", "rng_state", ...}`. Each pipeline stage (and virtual chunk)
-numbers its layers from 0; each tp rank holds its slice of every split tensor; each ep rank its
-experts.
+- **legacy** (Megatron-LM without --use-dist-ckpt): `DIR/latest_checkpointed_iteration.txt` names
+  the iteration; `DIR/iter_0000500/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt` per (tp, pp, ep) rank,
+  a torch.save zip of `{"args", "checkpoint_version", "iteration", "model" (or "model0"... per virtual
+  pipeline chunk), "optimizer", "rng_state", ...}`. Each pipeline stage (and virtual chunk) numbers
+  its layers from 0; each tp rank holds its slice of every split tensor; each ep rank its experts.
+- **torch_dist** (Megatron-Core's `dist_checkpointing`): the iteration directory holds
+  `metadata.json` (`"sharded_backend": "torch_dist"`), `common.pt` (args, iteration) and a PyTorch
+  DCP checkpoint, read with readers/dcp.py's machinery: global tensors, layers stacked on a leading
+  axis (experts on a second), unstacked here as lazy views.
 
-The names written are Megatron-Core's, with global layer (and expert) numbers and the layer norms as
-the modules are named (tp/megatron.py). How a tensor is split over tp ranks is the `megatron`
-partition preset (tp/presets.py), which reshard splits with: a merge is `layout.joined`, the inverse
-of that split. Optimizer, RNG and scheduler state are unpickled as references (never read);
-`distrib_optim.pt` is never opened.
+Both give the same names: Megatron-Core's, with global layer (and expert) numbers and the layer
+norms as the modules are named (tp/megatron.py). How a tensor is split over tp ranks is the
+`megatron` partition preset (tp/presets.py), which reshard splits with: a merge is `layout.joined`,
+the inverse of that split. Optimizer, RNG and scheduler state are unpickled as references (never
+read); `distrib_optim.pt` is never opened.
 """
 import os
 import re
@@ -21,6 +24,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from .base import Reader, register
+from .. import safejson
 from ..errors import BadInput, brief, printable
 from ..io.mapped import MappedFile
 from ..limits import Budget
@@ -29,7 +33,7 @@ from ..tp import megatron as mt
 from ..tp.layout import joined
 from ..tp.presets import PRESETS
 from . import ReadOptions, confined, model_files, source_root, wanted
-from . import ziparchive
+from . import dcp, ziparchive
 from .pickle import unpickler
 from .pickle.megatron_globals import megatron_globals
 from .pickle.torch_globals import TORCH_OWNED, TorchTensor
@@ -39,6 +43,7 @@ from .torch_pickle import justified, load_zip
 NAME = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"
 MAX_TRACKER = 64                 # bytes read of the tracker: an iteration number or "release"
+MAX_METADATA = 64 << 10          # metadata.json: a few keys
 RANK_FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"mp_rank_(\d{2,6})(?:_(\d{3,6}))?(?:_(\d{3,6}))?")
 CHUNK = re.compile(r"model(\d{0,4})")
@@ -47,16 +52,33 @@ SUPPORTED_VERSION = 3.0          # checkpoint_version: older ones order linear_q
 
 # --- Where the files are -------------------------------------------------------------------------
 
+def _metadata(d: Path):
+    """metadata.json of a dist_checkpointing directory, or None when there is none (or it says no
+    sharded backend)."""
+    p = d / "metadata.json"
+    try:
+        if not p.is_file() or p.stat().st_size > MAX_METADATA:
+            return None
+    except OSError:
+        return None
+    try:
+        data = safejson.load_file(p, "metadata.json", limit=MAX_METADATA)
+    except BadInput:
+        return None
+    return data if isinstance(data, dict) and "sharded_backend" in data else None
+
+
 def _is_iteration_dir(d: Path) -> bool:
     try:
-        return any(RANK_DIR.fullmatch(n) and (d / n / RANK_FILE).is_file() for n in os.listdir(d))
+        return _metadata(d) is not None or any(RANK_DIR.fullmatch(n) and (d / n / RANK_FILE).is_file()
+                                               for n in os.listdir(d))
     except OSError:
         return False
 
 
 def detect(path: Path) -> bool:
     """A Megatron checkpoint directory (holding latest_checkpointed_iteration.txt) or one of its
-    iteration directories (mp_rank_* rank directories)."""
+    iteration directories (mp_rank_* rank directories, or a torch_dist metadata.json)."""
     try:
         if not path.is_dir():
             return False
@@ -192,7 +214,7 @@ def _rank_dirs(d: Path) -> dict:
                 raise BadInput(f"{d / n}: a rank directory without {RANK_FILE}")
             out[n] = tuple(int(g) for g in m.groups() if g is not None)
     if not out:
-        raise BadInput(f"{d}: holds no mp_rank_*/{RANK_FILE} rank files")
+        raise BadInput(f"{d}: holds no mp_rank_*/{RANK_FILE} rank files and no torch_dist metadata.json")
     return out
 
 
@@ -426,20 +448,132 @@ def _join(out_name: str, name: str, files: dict, at: tuple, rules, a: mt.Arch) -
     return joined(out_name, pieces, rule, rules.layout, where)
 
 
+# --- The torch_dist layout -----------------------------------------------------------------------
+
+def _torch_dist(d: Path, root: str, options: ReadOptions, meta: dict):
+    backend = meta.get("sharded_backend")
+    if backend != "torch_dist":
+        raise BadInput(f"{d / 'metadata.json'}: sharded_backend is {_found(backend)}; only 'torch_dist' is read")
+    common = d / "common.pt"
+    if not common.is_file():
+        raise BadInput(f"{d}: a torch_dist checkpoint without common.pt (which holds args)")
+    allow = _allow(options)
+    m = MappedFile(confined(common, root))
+    u = unpickler.Unlisted(m.path)
+    top = _load(m, allow, u)
+    if not isinstance(top, dict) or "args" not in top:
+        raise BadInput(f"{common}: holds no 'args' (Megatron's training arguments)")
+    args = _namespace(top["args"], common)
+    if unpickler.holds_placeholder(args):
+        raise u.refusal()
+    a = mt.arch(args, common)
+    ckpt = dcp.read(d, options, dcp.allowlist(options.allow_globals, megatron_globals()), lambda fqn: not fqn.endswith("_extra_state") and "/" not in fqn
+                    and not fqn.startswith(("optimizer", "rng_state")))
+    tensors, dropped = _unstack(ckpt.tensors, a, d)
+    extras = unpickler.extras_json({"args": InertObject("argparse.Namespace", state=dict(args)),
+                                    "checkpoint_version": top.get("checkpoint_version"),
+                                    "iteration": top.get("iteration")}, Budget(common))
+    described = {"layout": "torch_dist", "files": ckpt.source.get("files", []), "tp": a.tp, "pp": a.pp, "ep": a.ep,
+                 **({"vp": a.vp} if a.vp else {})}
+    return tensors, a, extras, described, dropped, [m] + ckpt.mapped
+
+
+class Taken(TensorSource):
+    """Index `i` of the leading axis of `base` (one layer of a stacked tensor), lazily: a slice of it
+    along a later axis is a slice of the base, so it keeps its file span."""
+
+    __slots__ = ("base", "i", "name", "dtype", "shape")
+
+    def __init__(self, base: TensorSource, i: int, name: str):
+        self.base, self.i, self.name, self.dtype, self.shape = base, i, name, base.dtype, base.shape[1:]
+
+    def _region(self, index):
+        return self.base.region((slice(self.i, self.i + 1),) + tuple(index))[0]
+
+    def sliced(self, axis: int, start: int, stop: int) -> TensorSource:
+        return Taken(self.base.sliced(axis + 1, start, stop), self.i, self.name)
+
+    def file_span(self):
+        span = self.base.sliced(0, self.i, self.i + 1).file_span() if self.base.shape[0] > 1 else self.base.file_span()
+        return span
+
+    def release(self):
+        self.base.release()
+
+
+_STACKED = "decoder.layers."
+_EXPERTS = "mlp.experts.experts."
+
+
+def _unstack(tensors: list, a: mt.Arch, d: Path) -> tuple:
+    """torch_dist's global tensors under the merged names: `decoder.layers.X` [layers, ...] one per
+    layer, `decoder.layers.mlp.experts.experts.X` [layers, experts, ...] one per layer and expert."""
+    by = {t.name: t for t in tensors}
+    out, dropped = [], []
+    head = [t for t in tensors if not t.name.startswith(_STACKED)]
+    stacked = [t for t in tensors if t.name.startswith(_STACKED)]
+    for t in head:
+        if t.name.startswith("output_layer.") and a.tied:
+            dropped.append({"name": t.name, "reason": "a copy of the tied embedding"})
+            continue
+        if t.name.startswith(("embedding.", "output_layer.", "decoder.final_layernorm.")):
+            continue   # (placed below, in Megatron's order)
+        raise BadInput(f"{d}: tensor {t.name!r} is not part of a Megatron GPT model ckptconv reads")
+    for t in stacked:
+        if not t.shape or t.shape[0] != a.layers:
+            raise BadInput(f"{d}: tensor {t.name!r} stacks {t.shape[0] if t.shape else 0} layers; args.num_layers "
+                           f"says {a.layers}")
+        rest = t.name[len(_STACKED):]
+        if rest.startswith(_EXPERTS) and (len(t.shape) < 2 or t.shape[1] != a.experts):
+            raise BadInput(f"{d}: tensor {t.name!r} stacks {t.shape[1] if len(t.shape) > 1 else 0} experts; "
+                           f"args.num_experts says {a.experts}")
+    experts = [t for t in stacked if t.name[len(_STACKED):].startswith(_EXPERTS)]
+    if not stacked or bool(experts) != bool(a.experts):
+        raise BadInput(f"{d}: holds {len(stacked)} stacked layer tensors, {len(experts)} of them experts; args says "
+                       f"{a.layers} layers and {a.experts or 'no'} experts")
+    for name in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight"):
+        if name in by:
+            out.append(by[name])
+    if "embedding.word_embeddings.weight" not in by:
+        raise BadInput(f"{d}: holds no embedding.word_embeddings.weight")
+    for layer in range(a.layers):
+        for t in stacked:
+            if t not in experts:
+                out.append(Taken(t, layer, mt.layer_name(layer, t.name[len(_STACKED):])))
+        for e in range(a.experts or 0):   # (in Megatron's order: each expert's tensors together)
+            for t in experts:
+                what = t.name[len(_STACKED) + len(_EXPERTS):]
+                name = mt.layer_name(layer, f"mlp.experts.local_experts.{e}.{what}")
+                out.append(Taken(Taken(t, layer, t.name), e, name))
+    for name in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
+        if name in by:
+            out.append(by[name])
+    if not a.tied:
+        if "output_layer.weight" not in by:
+            raise BadInput(f"{d}: holds no output_layer.weight, and args says the embeddings are untied")
+        out.append(by["output_layer.weight"])
+    return out, dropped
+
+
 # --- Load ------------------------------------------------------------------------------------------
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
     root = source_root(path)
     d, tag, top = _iteration(path, root)
-    tensors, a, extras, described, dropped, mapped = _legacy(d, root, options)
+    meta = _metadata(d)
+    if meta is not None:
+        tensors, a, extras, described, dropped, mapped = _torch_dist(d, root, options, meta)
+    else:
+        tensors, a, extras, described, dropped, mapped = _legacy(d, root, options)
     tensors = [t for t in tensors if wanted(t.name, options.only)]
     source = {"format": NAME, "path": str(path), "iteration": tag, **described}
     if dropped:
         source["dropped"] = dropped
     if d != path:
         source["files"] = [f"{tag}/{f}" for f in source["files"]]
-    return Checkpoint(tensors, extras, source, model_files(top, [d]), mapped, config=a.config())
+    return Checkpoint(tensors, extras, source, model_files(top, [d, d / "metadata.json"]), mapped,
+                      config=a.config())
 
 
-READER = register(Reader(NAME, "Megatron checkpoints (legacy mp_rank_* rank files), TP x PP x EP merged",
+READER = register(Reader(NAME, "Megatron checkpoints (legacy mp_rank_* files and torch_dist), TP x PP x EP merged",
                          detect, load, priority=15, parses_pickles=True))

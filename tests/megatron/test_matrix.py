@@ -1,7 +1,7 @@
-"""Every legacy variant tests/fixtures/megatron.py makes with the real Megatron-Core (TP 1/2, PP 1/2,
-TP 2 x PP 2, virtual pipeline chunks, EP 2 with TP or PP; tied, untied, q/k/v biases, a mixture of
-experts) merges bit for bit to the TP 1 model every layout was loaded from; verify --against the
-Megatron directory passes.
+"""Every variant tests/fixtures/megatron.py makes with the real Megatron-Core (legacy and torch_dist;
+TP 1/2, PP 1/2, TP 2 x PP 2, virtual pipeline chunks, EP 2 with TP or PP; tied, untied, q/k/v biases,
+a mixture of experts) merges bit for bit to the TP 1 model every layout was loaded from; verify
+--against the Megatron directory passes.
 
 Run by `make test-megatron`, which makes the Megatron venv and the fixtures (about 6 minutes on two
 CPUs) and points CKPTCONV_MEGATRON_FIXTURES at them; skipped otherwise."""
@@ -21,7 +21,7 @@ ROOT = Path(ROOT or ".")
 
 def variants():
     from tests.fixtures.megatron import VARIANTS
-    return [n for n in VARIANTS if n.startswith("legacy")]
+    return list(VARIANTS)
 
 
 @pytest.mark.parametrize("name", variants())

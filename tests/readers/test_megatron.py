@@ -1,8 +1,10 @@
 """Megatron checkpoints written by the real Megatron-Core 0.16.1 (4 processes on CPUs; committed under
-tests/fixtures/data/megatron/, made by tests/fixtures/megatron.py): a legacy TP 2 x PP 2 one and a
-legacy TP 2 x EP 2 mixture of experts. Each merges to exactly the TP 1 model whose weights every
-layout was loaded from (`MODEL.reference`). The whole matrix (TP 1/2, PP 1/2, virtual pipeline
-chunks, EP 2, tied, untied, q/k/v biases) runs in `make test-megatron` (tests/megatron/)."""
+tests/fixtures/data/megatron/, made by tests/fixtures/megatron.py): a legacy TP 2 x PP 2 one, a
+torch_dist TP 2 x PP 2 one with tied embeddings, and a legacy TP 2 x EP 2 mixture of experts. Each
+merges to exactly the TP 1 model whose weights every layout was loaded from (`MODEL.reference`). The
+whole matrix (TP 1/2, PP 1/2,
+virtual pipeline chunks, EP 2, tied, untied, q/k/v biases, both layouts) runs in `make test-megatron`
+(tests/megatron/)."""
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +16,7 @@ from safetensors.torch import load_file
 from tests.helpers import DATA, assert_clean, assert_same, load_output, run
 
 FIXTURES = DATA / "megatron"
-COMMITTED = ["legacy-untied-tp2-pp2", "legacy-moe-tp2-pp1-ep2"]
+COMMITTED = ["legacy-untied-tp2-pp2", "dist-tied-tp2-pp2", "legacy-moe-tp2-pp1-ep2"]
 
 
 def model_of(name: str) -> str:
@@ -42,7 +44,7 @@ def test_every_layout_merges_to_the_tp1_model_bit_for_bit(name, tmp_path):
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     src = manifest["source"]
     assert src["format"] == "megatron" and src["iteration"] == "iter_0000001"
-    assert src["layout"] == "legacy"
+    assert src["layout"] == ("torch_dist" if name.startswith("dist") else "legacy")
     assert (src["tp"], src["pp"], src["ep"]) == tuple(int(x[2:]) for x in (name.split("-")[2:] + ["ep1"])[:3])
     assert manifest["extras"]["args"]["__class__"] == "argparse.Namespace"
     from ckptconv.readers import open_checkpoint   # Megatron's order: embedding, layers in order, the rest
@@ -135,6 +137,17 @@ def test_a_tracker_that_names_no_iteration_is_refused(tmp_path):
              "not an iteration number")
     (src / "latest_checkpointed_iteration.txt").write_text("7")
     _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "iter_0000007", "not a directory")
+
+
+def test_a_torch_dist_directory_of_another_backend_or_without_common_pt_is_refused(tmp_path):
+    src = _copy(tmp_path, "dist-tied-tp2-pp2")
+    it = src / "iter_0000001"
+    meta = json.loads((it / "metadata.json").read_text())
+    (it / "metadata.json").write_text(json.dumps({**meta, "sharded_backend": "zarr"}))
+    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "metadata.json", "'zarr'")
+    (it / "metadata.json").write_text(json.dumps(meta))
+    (it / "common.pt").unlink()
+    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "without common.pt")
 
 
 class Unknown:   # a class of no allowlist, pickled by name into args
