@@ -234,5 +234,5 @@ def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", 
     facts = [(t.name, t.dtype.code, t.shape, t.nbytes) for t in ckpt.tensors]
     return Inspection(str(path), ckpt.format, RowView(facts, _tensor_row),
                       ckpt.total_bytes, dict(sorted(hist.items())), ckpt.extras, ckpt.source,
-                      [rel for rel, _ in ckpt.model_files], ckpt.skipped_files, ckpt.also, ckpt.layout,
+                      [rel for rel, _ in ckpt.out_files()[0]], ckpt.skipped_files, ckpt.also, ckpt.layout,
                       ckpt.source.get("placeholders", []))

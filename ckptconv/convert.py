@@ -59,11 +59,11 @@ class ConvertResult:
         return out
 
 
-def _config(model_files) -> dict:
-    """The carried config.json as an object, or {}: one that does not parse is carried unchanged and
-    read for nothing (convert never needed it before it tied weights or edited the dtype)."""
+def _config(model_files, made=None) -> dict:
+    """The carried (or made) config.json as an object, or {}: one that does not parse is carried
+    unchanged and read for nothing (convert never needed it before it tied weights or edited the dtype)."""
     try:
-        return read_config(model_files) or {}
+        return read_config(model_files, made) or {}
     except BadInput:
         return {}
 
@@ -90,7 +90,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
         raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
     if write.resume and cluster is not None and cluster.num_processes > 1:
         raise UsageError("--resume applies to a run of one process (each process would need its own journal)")
-    config = _config(ckpt.model_files)
+    config = _config(ckpt.model_files, ckpt.made)
     target = None if options.dtype == "keep" else dtypes.CAST_TARGETS[options.dtype]
     recipe = Recipe(options.strip_prefix, target)
     tensors, aliases = recipe.apply(ckpt.tensors, src, untie=True, same_bytes=config.get("tie_word_embeddings") is True)
@@ -102,14 +102,16 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
         described["model_files"] = "not carried"       # (--no-copy-extras: verify --against expects none)
     if options.with_files and one_file:
         raise UsageError(f"{out}: --with writes files into an output directory; one .safetensors file holds none")
+    files, made = ckpt.out_files()
     added = read_added(options.with_files, source.options.max_extra_size,
-                       [rel for rel, _ in ckpt.model_files] if carry else ())
+                       [rel for rel, _ in files] if carry else ())
     if added:
         described["with"] = [a.name for a in added]    # (not the source's: verify --against leaves them out)
     content = Content(described, ckpt.extras, {**ckpt.manifest, **({"aliases": aliases} if aliases else {})},
-                      ckpt.model_files if carry else [], ckpt.skipped_files if carry else [], added=added)
+                      files if carry else [], ckpt.skipped_files if carry else [], added=added,
+                      edited=made if carry else {})
     if carry and target is not None:
-        content.edited = transforms.config_with_dtype(config, target, described)
+        content.edited.update(transforms.config_with_dtype(config, target, described))
     content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()}, ckpt.extras, ckpt.manifest,
                                                     [rel for rel, _ in content.model_files]])
     writer = WRITERS["single" if one_file else "sharded"](named_after(write, ckpt, src), content, out)

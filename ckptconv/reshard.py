@@ -90,12 +90,14 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
         raise UsageError(result.refusal)
     if not readers()[ckpt.format].holds_data:
         raise UsageError(f"{source.path}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
-    added = read_added(with_files, source.options.max_extra_size, [rel for rel, _ in ckpt.model_files])
+    files, made = ckpt.out_files()
+    added = read_added(with_files, source.options.max_extra_size, [rel for rel, _ in files])
     if added:
         described["with"] = [a.name for a in added]
-    content = Content(described, ckpt.extras, ckpt.manifest, ckpt.model_files, ckpt.skipped_files, added=added)
+    content = Content(described, ckpt.extras, ckpt.manifest, files, ckpt.skipped_files, added=added, edited=made)
     if cast_to is not None:
-        content.edited = transforms.config_with_dtype(read_config(ckpt.model_files) or {}, cast_to, described)
+        content.edited.update(transforms.config_with_dtype(read_config(ckpt.model_files, ckpt.made) or {}, cast_to,
+                                                           described))
     writer = WRITERS[target](named_after(write, ckpt, source.path), content, out, plans, rules, mesh.tp, mesh.ep,
                              list(tensors))   # (plans' order)
     total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
@@ -127,7 +129,7 @@ def _for_vllm(ckpt, mesh: MeshSpec) -> tuple:
     if mesh.rules_file or mesh.preset or mesh.pad_vocab:
         raise UsageError("--target vllm: the layout is vLLM's own (it pads the vocabulary itself); --rules, --preset "
                          "and --pad-vocab do not apply")
-    config = read_config(ckpt.model_files) or {}
+    config = read_config(ckpt.model_files, ckpt.made) or {}
     model_type = vllm.check_model_type(config)
     params = model_params(config, {k: v for k, v in mesh.heads.items() if v})
     missing = [k for k in ("heads", "kv_heads", "head_dim") if k not in params]

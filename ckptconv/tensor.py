@@ -361,6 +361,8 @@ class Checkpoint:
     recorded_rules: dict | None = None               # partition rules a reshard output records (mesh.json)
     also: list = field(default_factory=list)         # other formats the same directory holds, not read
     layout: object = None                            # readers/wrappers.Layout: a training checkpoint's parts
+    made: dict = field(default_factory=dict)         # model files the reader makes from what the source says,
+                                                     # name -> bytes (a Megatron checkpoint's config.json)
 
     def __post_init__(self):
         """Every reader's tensors meet the same rules before anything is planned or written: distinct
@@ -397,6 +399,11 @@ class Checkpoint:
             roots = (os.path.dirname(os.path.abspath(src)),) if any(os.path.realpath(p) != alone for p in weights) \
                 else ()
         return Inputs(tuple(files), roots)
+
+    def out_files(self) -> tuple:
+        """(the model files for OUT as writers take them: (name, path) carried, (name, None) made; the
+        bytes of those made, {name: bytes})."""
+        return self.model_files + [(name, None) for name in self.made], dict(self.made)
 
     @property
     def total_bytes(self) -> int:

@@ -871,9 +871,11 @@ def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report,
     recorded, manifest, aliases, document = _recorded_source(out_path, is_mesh)
     applied = _as_recorded(read, manifest, fmt)
     if applied != read:  # say so: "matches the source" then means the selection convert recorded
+        replayed = ([f"--state-dict {brief(applied.state_dict)}"] if applied.state_dict != read.state_dict else []) \
+            + ([f"--only {brief(applied.only)}"] if applied.only != read.only else []) \
+            + [f"--{k.replace('_', '-')} {brief(v)}" for k, v in applied.declared.items() if read.declared.get(k) != v]
         report.notes.append(f"{out_path}: compared with the part of the source the output records it was made "
-                            f"from: --state-dict {brief(applied.state_dict)}"
-                            + (f", --only {brief(applied.only)}" if applied.only else ""))
+                            f"from: {', '.join(replayed)}")
     read = applied
     source = open_checkpoint(src, fmt, read)
     if mine("structure", None) and document.get("format") == manifest_format.FORMAT:   # (not a foreign output)
@@ -1000,21 +1002,21 @@ def _compare_facts(recorded: Path, document: dict, manifest: dict, source, repor
     files = document.get("files")
     if not isinstance(files, dict) or recorded.name != MANIFEST:
         return   # (a single file carries no model files)
-    edited = {}
+    carried, edited = source.out_files()   # (the files a reader makes, as it makes them from the source today)
     try:
         target = Recipe.recorded(manifest).cast
     except BadInput:   # (reported where the tensors are compared)
         target = None
     if target is not None and manifest.get("config_edits"):
-        edited = transforms.config_with_dtype(_config(source.model_files), target, {})
+        edited.update(transforms.config_with_dtype(_config(source.model_files, source.made), target, {}))
     skipped = {s.get("name") for s in manifest.get("skipped_files", []) if isinstance(s, dict)}
-    theirs = {rel for rel, _ in source.model_files}
+    theirs = {rel for rel, _ in carried}
     added = set(manifest["with"]) if isinstance(manifest.get("with"), list) and all(
         isinstance(n, str) for n in manifest["with"]) else set()   # (--with: written from elsewhere, not compared)
     for name in sorted(files):
         if name not in theirs | added and not name.endswith((".safetensors", manifest_format.INDEX_SUFFIX)):
             report.add(recorded.parent / name, "is listed as carried, but the source has no such model file", "source")
-    for rel, path in source.model_files:
+    for rel, path in carried:
         info = files.get(rel)
         if rel in added:
             continue
@@ -1042,9 +1044,9 @@ def _plain(value):
     return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
-def _config(model_files) -> dict:
+def _config(model_files, made=None) -> dict:
     try:
-        return read_config(model_files) or {}
+        return read_config(model_files, made) or {}
     except BadInput:
         return {}
 

@@ -15,17 +15,18 @@ ranks' slices (docs/formats.md#megatron).
 Both give the same names: Megatron-Core's, with global layer (and expert) numbers and the layer
 norms as the modules are named (tp/megatron.py). How a tensor is split over tp ranks is the
 `megatron` partition preset (tp/presets.py), which reshard splits with: a merge is `layout.joined`,
-the inverse of that split. Optimizer, RNG and scheduler state are unpickled as references (never
-read); `distrib_optim.pt` is never opened.
+the inverse of that split. `--to hf` maps the result to Llama / Qwen2 / Mixtral names and makes a
+config.json from `args` (tp/megatron.py). Optimizer, RNG and scheduler state are unpickled as
+references (never read); `distrib_optim.pt` is never opened.
 """
 import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .base import Reader, register
+from .base import Reader, ReaderOption, register
 from .. import safejson
-from ..errors import BadInput, brief, printable
+from ..errors import BadInput, UsageError, brief, printable
 from ..io.mapped import MappedFile
 from ..limits import Budget
 from ..tensor import Checkpoint, TensorSource
@@ -565,15 +566,28 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         tensors, a, extras, described, dropped, mapped = _torch_dist(d, root, options, meta)
     else:
         tensors, a, extras, described, dropped, mapped = _legacy(d, root, options)
+    to = options.get("to") or "megatron"
+    if to not in ("megatron", "hf"):
+        raise UsageError(f"--to {to!r}: only 'megatron' or 'hf'")
+    made, config = {}, a.config()
+    if to == "hf":
+        tensors = mt.to_hf(tensors, a)
+        config = mt.hf_config(a)
+        made = {"config.json": mt.config_bytes(config)}
     tensors = [t for t in tensors if wanted(t.name, options.only)]
     source = {"format": NAME, "path": str(path), "iteration": tag, **described}
+    if to == "hf":
+        source["to"] = "hf"
     if dropped:
         source["dropped"] = dropped
     if d != path:
         source["files"] = [f"{tag}/{f}" for f in source["files"]]
-    return Checkpoint(tensors, extras, source, model_files(top, [d, d / "metadata.json"]), mapped,
-                      config=a.config())
+    carried = [(rel, p) for rel, p in model_files(top, [d, d / "metadata.json"]) if rel not in made]
+    return Checkpoint(tensors, extras, source, carried, mapped, config=config, made=made)
 
 
+OPTIONS = (ReaderOption("--to", "to", "Megatron checkpoints: the names written, Megatron-Core's (default) or "
+                        "Hugging Face's (Llama, Qwen2, Mixtral) with a config.json made from the training arguments.",
+                        choices=("megatron", "hf")),)
 READER = register(Reader(NAME, "Megatron checkpoints (legacy mp_rank_* files and torch_dist), TP x PP x EP merged",
-                         detect, load, priority=15, parses_pickles=True))
+                         detect, load, priority=15, parses_pickles=True, options=OPTIONS))

@@ -1,5 +1,5 @@
 """Megatron-Core GPT models as data: the architecture a checkpoint's training arguments describe
-(`Arch`) and the names of its merged tensors.
+(`Arch`), the names of its merged tensors, and its export under Hugging Face names.
 
 How Megatron splits each tensor over tensor-parallel ranks is not written here: it is the `megatron`
 preset (tp/presets.py), the same rules `reshard` splits with, and readers/megatron.py merges a
@@ -8,12 +8,17 @@ checkpoint's ranks as the inverse of that split (docs/formats.md#megatron). What
 - `layer_name`: one spelling for both layouts (global layer numbers; the layer norms as the modules
   are named, `input_layernorm` and `pre_mlp_layernorm`, which torch_dist and TransformerEngine
   models spell `self_attention.linear_qkv.layer_norm_weight` and `mlp.linear_fc1.layer_norm_weight`);
+- `to_hf` and `hf_config`: the Llama / Qwen2 / Mixtral names and config.json (docs/convert.md#megatron),
+  each Hugging Face tensor a lazy slice or join of the merged one (q, k and v gathered per query
+  group; fc1's gate and up halves).
 """
+import json
 import math
 import re
 from dataclasses import dataclass
 
-from ..errors import BadInput, brief
+from ..errors import BadInput, UsageError, brief
+from ..tensor import Concat, TensorSource
 
 PRESET = "megatron"          # SwiGLU's fc1 holds [gate; up] on every rank
 PRESET_PLAIN = "megatron-mlp"  # a plain MLP's fc1 is column-parallel
@@ -50,7 +55,7 @@ class Arch:
     pp: int
     ep: int
     vp: int | None               # virtual pipeline chunks per stage
-    extras: tuple = ()           # (name, value) of args fields that change what the weights mean
+    extras: tuple = ()           # (name, value) of args fields the export cannot honour
 
     @property
     def rules_params(self) -> dict:
@@ -149,3 +154,144 @@ EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 def layer_name(layer: int, rest: str) -> str:
     """`decoder.layers.{layer}.{rest}`, its layer norm spelled as the module is named."""
     return f"decoder.layers.{layer}.{_NORMS.get(rest, rest)}"
+
+
+# --- Hugging Face names -------------------------------------------------------------------------
+
+def hf_family(a: Arch) -> str:
+    """"llama", "qwen2" or "mixtral"; UsageError naming what the architecture lacks otherwise."""
+    lacks = []
+    if a.norm != "RMSNorm":
+        lacks.append(f"RMSNorm (args.normalization is {a.norm})")
+    if not a.swiglu:
+        lacks.append("SwiGLU (args.swiglu is not set)")
+    if a.position != "rope":
+        lacks.append(f"rotary position embeddings (args.position_embedding_type is {a.position})")
+    if a.rotary_percent != 1.0:
+        lacks.append(f"rotary embeddings over the whole head (args.rotary_percent is {a.rotary_percent})")
+    if a.bias_linear:
+        lacks.append("linear layers without biases (args.add_bias_linear is set)")
+    if a.qk_layernorm:
+        lacks.append("attention without q/k layer norms (args.qk_layernorm is set)")
+    if a.experts and a.qkv_bias:
+        lacks.append("a mixture of experts without q/k/v biases")
+    for key, value in a.extras:
+        if not (key == "moe_router_score_function" and value == "softmax") and \
+                not (key == "expert_tensor_parallel_size" and value == a.tp):
+            lacks.append(f"args.{key} at its default (it is {brief(value, 40)})")
+    if lacks:
+        raise UsageError("--to hf: this Megatron model is not one of the Llama family (Llama, Qwen2, Mixtral) "
+                         "ckptconv maps: it lacks " + "; ".join(lacks))
+    return "mixtral" if a.experts else "qwen2" if a.qkv_bias else "llama"
+
+
+def hf_config(a: Arch) -> dict:
+    """config.json for `from_pretrained`, from the architecture (docs/convert.md#megatron)."""
+    family = hf_family(a)
+    arch_name = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}[family]
+    cfg = {"architectures": [arch_name], "model_type": family, "hidden_size": a.hidden,
+           "intermediate_size": a.expert_ffn if a.experts else a.ffn, "num_attention_heads": a.heads,
+           "num_key_value_heads": a.groups, "head_dim": a.head_dim, "num_hidden_layers": a.layers,
+           "rms_norm_eps": a.eps, "rope_theta": a.rotary_base,
+           "rope_parameters": {"rope_type": "default", "rope_theta": a.rotary_base},
+           "vocab_size": a.real_vocab or a.vocab, "max_position_embeddings": a.max_positions or 4096,
+           "tie_word_embeddings": a.tied, "hidden_act": "silu", "torch_dtype": a.dtype}
+    if family == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    if family == "mixtral":
+        cfg.update(num_local_experts=a.experts, num_experts_per_tok=a.topk, router_aux_loss_coef=0.0)
+    return cfg
+
+
+def config_bytes(cfg: dict) -> bytes:
+    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def _rows(src: TensorSource, name: str, ranges) -> TensorSource:
+    """Rows `ranges` [(start, stop)] of `src` (axis 0), joined: a slice, or a join of slices."""
+    parts = [src.sliced(0, a, b) for a, b in ranges]
+    return parts[0].renamed(name) if len(parts) == 1 else Concat(name, parts, 0)
+
+
+def _qkv(src: TensorSource, base: str, a: Arch) -> list:
+    """linear_qkv [groups x (q per group + 2) x head_dim, ...]: per query group its q heads, its k,
+    its v; as q_proj, k_proj, v_proj (each group's rows, in group order)."""
+    qpg, hd = a.heads // a.groups, a.head_dim
+    per = (qpg + 2) * hd
+    if src.shape[0] != a.groups * per:
+        raise BadInput(f"tensor {src.name!r}: {src.shape[0]} rows, not {a.groups} query groups x ({qpg} + 2) heads x "
+                       f"{hd}")
+    kind = src.name.rsplit(".", 1)[1]
+    q = [(g * per, g * per + qpg * hd) for g in range(a.groups)]
+    k = [(g * per + qpg * hd, g * per + (qpg + 1) * hd) for g in range(a.groups)]
+    v = [(g * per + (qpg + 1) * hd, (g + 1) * per) for g in range(a.groups)]
+    return [_rows(src, f"{base}self_attn.{p}_proj.{kind}", r) for p, r in (("q", q), ("k", k), ("v", v))]
+
+
+def _gate_up(src: TensorSource, base: str, names: tuple) -> list:
+    """fc1 [2F, H] = [gate; up]: as two tensors."""
+    n = src.shape[0]
+    if n % 2:
+        raise BadInput(f"tensor {src.name!r}: fc1 has {n} rows, not a gate and an up half")
+    return [src.sliced(0, 0, n // 2).renamed(base + names[0]), src.sliced(0, n // 2, n).renamed(base + names[1])]
+
+
+def _vocab(src: TensorSource, name: str, a: Arch) -> TensorSource:
+    if src.shape[0] != a.vocab:
+        raise BadInput(f"tensor {src.name!r}: {src.shape[0]} rows, args.padded_vocab_size says {a.vocab}")
+    return src.sliced(0, 0, a.real_vocab).renamed(name) if a.real_vocab else src.renamed(name)
+
+
+def to_hf(tensors: list, a: Arch) -> list:
+    """The merged tensors (Megatron names) under the Hugging Face family's names, lazily; a tensor
+    the mapping does not know is refused naming it (nothing is dropped silently)."""
+    family = hf_family(a)
+    out = []
+    for t in tensors:
+        name = t.name
+        if name == "embedding.word_embeddings.weight":
+            out.append(_vocab(t, "model.embed_tokens.weight", a))
+            continue
+        if name == "output_layer.weight":
+            if not a.tied:
+                out.append(_vocab(t, "lm_head.weight", a))
+            continue   # (tied: Hugging Face ties lm_head to the embedding; the stage's copy is the same)
+        if name == "decoder.final_layernorm.weight":
+            out.append(t.renamed("model.norm.weight"))
+            continue
+        m = LAYER.fullmatch(name)
+        mapped = _layer_to_hf(t, int(m.group(1)), m.group(2), a, family) if m else None
+        if mapped is None:
+            raise BadInput(f"tensor {name!r}: no {family} name for it (--to hf maps the Llama family's tensors only)")
+        out.extend(mapped)
+    return out
+
+
+_MIXTRAL_FC = ("w1.weight", "w3.weight")
+
+
+def _layer_to_hf(t, layer: int, rest: str, a: Arch, family: str):
+    base = f"model.layers.{layer}."
+    simple = {"input_layernorm.weight": "input_layernorm.weight",
+              "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+              "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+              "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+              "mlp.router.weight": "block_sparse_moe.gate.weight"}
+    if rest in simple:
+        if rest.startswith("mlp.linear_fc") and family == "mixtral" or rest == "mlp.router.weight" and family != \
+                "mixtral":
+            return None
+        return [t.renamed(base + simple[rest])]
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        return _qkv(t, base, a)
+    if rest == "mlp.linear_fc1.weight" and family != "mixtral":
+        return _gate_up(t, base, ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+    m = EXPERT.fullmatch(rest)
+    if m and family == "mixtral":
+        e, what = m.group(1), m.group(2)
+        p = f"{base}block_sparse_moe.experts.{e}."
+        if what == "linear_fc1.weight":
+            return _gate_up(t, p, _MIXTRAL_FC)
+        if what == "linear_fc2.weight":
+            return [t.renamed(p + "w2.weight")]
+    return None

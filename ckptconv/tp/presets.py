@@ -53,7 +53,7 @@ def choose_rules(ckpt, spec: MeshSpec) -> RuleSet:
         return load_rules_file(spec.rules_file)
     if spec.preset is None and ckpt.recorded_rules is not None:
         return recorded(ckpt.recorded_rules)
-    config = read_config(ckpt.model_files) or ckpt.config or {}
+    config = read_config(ckpt.model_files, getattr(ckpt, "made", None)) or ckpt.config or {}
     name = spec.preset or _by_model_type(config)
     guessed = name is None
     name = name or _by_names([t.name for t in ckpt.tensors])

@@ -125,7 +125,12 @@ def load_rules_file(path) -> RuleSet:
     return RuleSet(f"rules file {Path(path).name}", layout, rules, {"file": text})
 
 
-def read_config(model_files) -> dict | None:
+def read_config(model_files, made=None) -> dict | None:
+    """config.json among the model files: the one a reader made (`made`, name -> bytes: a Megatron
+    checkpoint's, from its args), else the one carried."""
+    if made and "config.json" in made:
+        config = safejson.loads(made["config.json"], "config.json", "config.json")
+        return config if isinstance(config, dict) else None
     for rel, path in model_files:
         if rel == "config.json":
             config = safejson.load_file(path, "config.json", limit=64 << 20)

@@ -383,7 +383,7 @@ def finish_dir(out_dir, shards, written: Written, source: dict, extras: dict, ex
 
 def check_space(out_dir, shard_bytes: int, model_files=(), copies: int = 1):
     """Refuse to start when the shards and `copies` of the carried model files cannot fit."""
-    needed = shard_bytes + copies * sum(os.path.getsize(p) for _, p in model_files)
+    needed = shard_bytes + copies * sum(os.path.getsize(p) for _, p in model_files if p is not None)  # (None: made)
     if shutil.disk_usage(out_dir).free < needed:
         raise OutputError(f"{out_dir}: not enough free disk space for {needed} bytes")
 

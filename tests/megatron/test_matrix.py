@@ -1,17 +1,18 @@
 """Every variant tests/fixtures/megatron.py makes with the real Megatron-Core (legacy and torch_dist;
 TP 1/2, PP 1/2, TP 2 x PP 2, virtual pipeline chunks, EP 2 with TP or PP; tied, untied, q/k/v biases,
 a mixture of experts) merges bit for bit to the TP 1 model every layout was loaded from; verify
---against the Megatron directory passes.
+--against the Megatron directory passes; `--to hf` loads in transformers with Megatron's own logits.
 
 Run by `make test-megatron`, which makes the Megatron venv and the fixtures (about 6 minutes on two
 CPUs) and points CKPTCONV_MEGATRON_FIXTURES at them; skipped otherwise."""
+import json
 import os
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import run
-from tests.readers.test_megatron import check_merged
+from tests.readers.test_megatron import check_logits, check_merged, model_of
 
 ROOT = os.environ.get("CKPTCONV_MEGATRON_FIXTURES")
 pytestmark = pytest.mark.skipif(not ROOT or not Path(ROOT).is_dir(),
@@ -33,6 +34,18 @@ def test_merged_bit_for_bit_and_verified(name, tmp_path):
         check_merged(out, name, ROOT)
         r = run("verify", out, "--against", src)
         assert r.exit_code == 0 and "matches the source" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name", variants())
+def test_to_hf_gives_megatrons_logits(name, tmp_path):
+    out = tmp_path / "hf"
+    r = run("convert", ROOT / name, out, "--to", "hf", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    check_logits(out, name, ROOT)
+    config = json.loads((out / "config.json").read_text())
+    want = {"bias": "qwen2", "moe": "mixtral"}.get(model_of(name), "llama")
+    assert config["model_type"] == want
+    assert run("verify", out, "--against", ROOT / name).exit_code == 0
 
 
 def test_the_matrix_is_what_the_fixture_script_makes():

@@ -1,8 +1,8 @@
 """Megatron checkpoints written by the real Megatron-Core 0.16.1 (4 processes on CPUs; committed under
 tests/fixtures/data/megatron/, made by tests/fixtures/megatron.py): a legacy TP 2 x PP 2 one, a
 torch_dist TP 2 x PP 2 one with tied embeddings, and a legacy TP 2 x EP 2 mixture of experts. Each
-merges to exactly the TP 1 model whose weights every layout was loaded from (`MODEL.reference`). The
-whole matrix (TP 1/2, PP 1/2,
+merges to exactly the TP 1 model whose weights every layout was loaded from (`MODEL.reference`), and
+`--to hf` gives what transformers loads with Megatron's own logits. The whole matrix (TP 1/2, PP 1/2,
 virtual pipeline chunks, EP 2, tied, untied, q/k/v biases, both layouts) runs in `make test-megatron`
 (tests/megatron/)."""
 import json
@@ -36,6 +36,20 @@ def check_merged(out: Path, name, root=FIXTURES):
         assert_same(v, want[k], k)
 
 
+def check_logits(out: Path, name, root=FIXTURES, dtype=torch.float32):
+    """transformers' from_pretrained(OUT) gives Megatron's own logits (its forward of the TP 1 model on
+    the same ids, run when the fixtures were made) over the real vocabulary."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
+    saved = load_file(root / f"{model_of(name)}.logits.safetensors")
+    with torch.no_grad():
+        logits = model(saved["ids"]).logits.float()
+    want = saved["logits"][..., :logits.shape[-1]]
+    assert logits.shape == want.shape, (logits.shape, want.shape)
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    return model
+
+
 @pytest.mark.parametrize("name", COMMITTED)
 def test_every_layout_merges_to_the_tp1_model_bit_for_bit(name, tmp_path):
     r = run("convert", FIXTURES / name, tmp_path / "out", "--quiet")
@@ -64,6 +78,38 @@ def test_extra_state_and_the_tied_copy_are_left_out_and_listed(tmp_path):
     r = run("convert", FIXTURES / "legacy-untied-tp2-pp2" / "iter_0000001", tmp_path / "iter", "--quiet")
     assert r.exit_code == 0, r.stderr
     check_merged(tmp_path / "iter", "legacy-untied-tp2-pp2")
+
+
+@pytest.mark.parametrize("name", COMMITTED)
+def test_to_hf_loads_in_transformers_with_megatrons_logits(name, tmp_path):
+    out = tmp_path / "hf"
+    r = run("convert", FIXTURES / name, out, "--to", "hf", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == 60 and config["num_key_value_heads"] == 2 and config["head_dim"] == 8
+    assert config["architectures"] == [{"untied": "LlamaForCausalLM", "tied": "LlamaForCausalLM",
+                                        "moe": "MixtralForCausalLM"}[model_of(name)]]
+    model = check_logits(out, name)
+    assert ("lm_head.weight" in load_output(out)) == (model_of(name) != "tied")
+    if model_of(name) == "tied":
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    r = run("verify", out, "--against", FIXTURES / name)   # the source laid out the same way again
+    assert r.exit_code == 0 and "matches the source" in r.stdout, r.stdout + r.stderr
+
+
+def test_to_hf_splits_q_k_v_per_group_and_gate_up_halves(tmp_path):
+    name = "legacy-untied-tp2-pp2"
+    assert run("convert", FIXTURES / name, tmp_path / "hf", "--to", "hf", "--quiet").exit_code == 0
+    got, ref = load_output(tmp_path / "hf"), reference(name)
+    qkv = ref["decoder.layers.1.self_attention.linear_qkv.weight"].reshape(2, 4, 8, 32)   # groups, q q k v, hd
+    layer = "model.layers.1."
+    assert_same(got[layer + "self_attn.q_proj.weight"], qkv[:, :2].reshape(32, 32))
+    assert_same(got[layer + "self_attn.k_proj.weight"], qkv[:, 2].reshape(16, 32))
+    assert_same(got[layer + "self_attn.v_proj.weight"], qkv[:, 3].reshape(16, 32))
+    fc1 = ref["decoder.layers.1.mlp.linear_fc1.weight"]
+    assert_same(got[layer + "mlp.gate_proj.weight"], fc1[:48])
+    assert_same(got[layer + "mlp.up_proj.weight"], fc1[48:])
+    assert_same(got["model.embed_tokens.weight"], ref["embedding.word_embeddings.weight"][:60])
 
 
 def test_inspect_plan_verify_and_dtype(tmp_path):
@@ -148,6 +194,16 @@ def test_a_torch_dist_directory_of_another_backend_or_without_common_pt_is_refus
     (it / "metadata.json").write_text(json.dumps(meta))
     (it / "common.pt").unlink()
     _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "without common.pt")
+
+
+def test_to_hf_refuses_what_the_llama_family_lacks():
+    from ckptconv.errors import UsageError
+    from ckptconv.tp import megatron as mt
+    args = {"num_attention_heads": 4, "hidden_size": 32, "num_layers": 2, "padded_vocab_size": 64,
+            "normalization": "LayerNorm", "swiglu": False, "position_embedding_type": "learned_absolute"}
+    with pytest.raises(UsageError) as e:
+        mt.hf_config(mt.arch(args, "args"))
+    assert "RMSNorm" in str(e.value) and "SwiGLU" in str(e.value) and "rotary" in str(e.value)
 
 
 class Unknown:   # a class of no allowlist, pickled by name into args
