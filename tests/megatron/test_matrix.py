@@ -1,7 +1,8 @@
 """Every variant tests/fixtures/megatron.py makes with the real Megatron-Core (legacy and torch_dist;
 TP 1/2, PP 1/2, TP 2 x PP 2, virtual pipeline chunks, EP 2 with TP or PP; tied, untied, q/k/v biases,
 a mixture of experts) merges bit for bit to the TP 1 model every layout was loaded from; verify
---against the Megatron directory passes; `--to hf` loads in transformers with Megatron's own logits.
+--against the Megatron directory passes; `--to hf` loads in transformers with Megatron's own logits;
+reshard straight from the checkpoint joins back to the same tensors.
 
 Run by `make test-megatron`, which makes the Megatron venv and the fixtures (about 6 minutes on two
 CPUs) and points CKPTCONV_MEGATRON_FIXTURES at them; skipped otherwise."""
@@ -10,8 +11,9 @@ import os
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
-from tests.helpers import run
+from tests.helpers import assert_same, run
 from tests.readers.test_megatron import check_logits, check_merged, model_of
 
 ROOT = os.environ.get("CKPTCONV_MEGATRON_FIXTURES")
@@ -46,6 +48,23 @@ def test_to_hf_gives_megatrons_logits(name, tmp_path):
     want = {"bias": "qwen2", "moe": "mixtral"}.get(model_of(name), "llama")
     assert config["model_type"] == want
     assert run("verify", out, "--against", ROOT / name).exit_code == 0
+
+
+@pytest.mark.parametrize("name", [n for n in variants() if "-tp2-" in n or "-tp1-" in n])
+def test_reshard_joins_back(name, tmp_path):
+    src = ROOT / name
+    r = run("reshard", src, tmp_path / "out", "--tp", 2, "--quiet")
+    assert r.exit_code == 0, r.stderr
+    assert run("verify", tmp_path / "out", "--against", src).exit_code == 0
+    r = run("convert", tmp_path / "out", tmp_path / "back", "--quiet")   # the mesh read back: the whole model
+    assert r.exit_code == 0, r.stderr
+    got = {}
+    for f in sorted((tmp_path / "back").glob("*.safetensors")):
+        got.update(load_file(f))
+    want = load_file(ROOT / f"{model_of(name)}.reference.safetensors")
+    assert sorted(got) == sorted(want)
+    for k in got:
+        assert_same(got[k], want[k], k)
 
 
 def test_the_matrix_is_what_the_fixture_script_makes():

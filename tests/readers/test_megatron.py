@@ -128,6 +128,39 @@ def test_inspect_plan_verify_and_dtype(tmp_path):
     assert r.exit_code == 1
 
 
+def test_reshard_straight_from_megatron(tmp_path):
+    """TP 2 x PP 2 to TP 4 without writing the merged model: each rank holds what Megatron's own TP 4
+    rank would (whole query groups; its gate rows, then its up rows), and the pieces join back."""
+    src = FIXTURES / "legacy-untied-tp2-pp2"
+    r = run("reshard", src, tmp_path / "tp2", "--tp", 2, "--quiet")
+    assert r.exit_code == 0, r.stderr
+    mesh = json.loads((tmp_path / "tp2" / "mesh.json").read_text())
+    assert mesh["rules"]["name"] == "megatron"
+    ref = reference("legacy-untied-tp2-pp2")
+    ranks = [load_file(tmp_path / "tp2" / f"rank-0000{i}" / "model-00001-of-00001.safetensors") for i in range(2)]
+    fc1 = "decoder.layers.1.mlp.linear_fc1.weight"
+    assert_same(torch.cat([ranks[0][fc1][:24], ranks[1][fc1][:24], ranks[0][fc1][24:], ranks[1][fc1][24:]]), ref[fc1])
+    assert run("verify", tmp_path / "tp2", "--against", src).exit_code == 0
+    # a group-of-heads split cannot go past the query groups: refused, as Megatron itself cannot
+    r = run("reshard", src, tmp_path / "tp4", "--tp", 4)
+    assert r.exit_code == 2 and "linear_qkv" in r.stderr and not (tmp_path / "tp4").exists(), r.stderr
+    r = run("reshard", src, tmp_path / "vllm", "--tp", 2, "--to", "hf", "--target", "vllm", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    assert run("verify", tmp_path / "vllm", "--against", src).exit_code == 0
+
+
+def test_two_processes_write_what_one_does(tmp_path):
+    from tests.e2e.test_distributed import launch, same_tree, wait_all
+    src = FIXTURES / "dist-tied-tp2-pp2"
+    results = wait_all(launch(["convert", src, tmp_path / "two", "--max-shard-size", "20KB", "--to", "hf",
+                               "--quiet"]))
+    assert all(rc == 0 for rc, _, _ in results), results
+    assert run("convert", src, tmp_path / "one", "--max-shard-size", "20KB", "--to", "hf", "--quiet").exit_code == 0
+    same_tree(tmp_path / "two", tmp_path / "one")
+
+
+# --- Refusals: exit 2, one line naming the rank and what disagrees, nothing written -----------------
+
 def _refused(r, out: Path, *fragments):
     assert r.exit_code == 2, (r.exit_code, r.stdout, r.stderr)
     lines = r.stderr.splitlines()
