@@ -716,11 +716,125 @@ def bench_deepspeed(sizes=(1.0, 2.0)):
         sys.stdout.flush()
 
 
+# hidden 2048, 16 query heads in 8 groups of 128, SwiGLU 5632, vocabulary 32000, bf16: 90 MB a layer
+MEGATRON = dict(hidden=2048, heads=16, groups=8, head_dim=128, ffn=5632, vocab=32000, tp=4, pp=2)
+
+
+def megatron_legacy(path, layers: int):
+    """A TP 4 x PP 2 Megatron-LM legacy checkpoint of a `layers`-layer bf16 GPT, written with torch.save
+    in the structure the real files have (tests/fixtures/megatron.py): per rank
+    iter_0000001/mp_rank_TT_PPP/model_optim_rng.pt = {args (a Namespace), checkpoint_version 3.0,
+    iteration, model (this rank's slices, layers numbered from 0 per stage, `_extra_state` None),
+    opt_param_scheduler, rng_state}; values are random bits (nothing computes with them)."""
+    import argparse
+    import numpy as np
+    import torch
+    m = MEGATRON
+    tp, pp, hd = m["tp"], m["pp"], m["head_dim"]
+    rng = np.random.default_rng(0)
+
+    def w(*shape):   # random bf16 bits of normal magnitude (exponent 0x3c-0x3f: no inf, no nan)
+        bits = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16) & 0x83FF | 0x3C00
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+
+    args = argparse.Namespace(
+        num_layers=layers, hidden_size=m["hidden"], ffn_hidden_size=m["ffn"], num_attention_heads=m["heads"],
+        group_query_attention=True, num_query_groups=m["groups"], kv_channels=hd, max_position_embeddings=4096,
+        normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, position_embedding_type="rope", rotary_base=10000,
+        untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=False,
+        padded_vocab_size=m["vocab"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=1, bf16=True, params_dtype=torch.bfloat16, iteration=1)
+    tmp = Path(str(path) + ".tmp")
+    remove(tmp)
+    if layers % pp:
+        raise SystemExit(f"megatron_legacy: {layers} layers do not split over {pp} pipeline stages")
+    per_stage = layers // pp
+    qkv = m["groups"] // tp * (m["heads"] // m["groups"] + 2) * hd
+    for p in range(pp):
+        for t in range(tp):
+            sd = {}
+            if p == 0:
+                sd["embedding.word_embeddings.weight"] = w(m["vocab"] // tp, m["hidden"])
+            for i in range(per_stage):
+                pre = f"decoder.layers.{i}."
+                sd[pre + "input_layernorm.weight"] = w(m["hidden"])
+                sd[pre + "self_attention.linear_proj.weight"] = w(m["hidden"], m["heads"] * hd // tp)
+                sd[pre + "self_attention.linear_proj._extra_state"] = None
+                sd[pre + "self_attention.linear_qkv.weight"] = w(qkv, m["hidden"])
+                sd[pre + "self_attention.linear_qkv._extra_state"] = None
+                sd[pre + "pre_mlp_layernorm.weight"] = w(m["hidden"])
+                sd[pre + "mlp.linear_fc1.weight"] = w(2 * m["ffn"] // tp, m["hidden"])
+                sd[pre + "mlp.linear_fc1._extra_state"] = None
+                sd[pre + "mlp.linear_fc2.weight"] = w(m["hidden"], m["ffn"] // tp)
+                sd[pre + "mlp.linear_fc2._extra_state"] = None
+            if p == pp - 1:
+                sd["decoder.final_layernorm.weight"] = w(m["hidden"])
+                sd["output_layer.weight"] = w(m["vocab"] // tp, m["hidden"])
+            f = tmp / "iter_0000001" / f"mp_rank_{t:02d}_{p:03d}" / "model_optim_rng.pt"
+            f.parent.mkdir(parents=True)
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": sd,
+                        "opt_param_scheduler": {"num_steps": 1, "max_lr": 1e-4},
+                        "rng_state": [{"torch_rng_state": torch.get_rng_state()}],
+                        "num_floating_point_operations_so_far": 0}, f)
+    (tmp / "latest_checkpointed_iteration.txt").write_text("1")
+    os.rename(tmp, path)
+
+
+def bench_megatron(sizes=(12, 22)):
+    """A TP 4 x PP 2 legacy checkpoint (1.3 and 2.2 GB of bf16 weights in 8 rank files) merged and
+    written (Megatron names, and --to hf), against an O_DIRECT copy of the rank files; and reshard to
+    TP 8 straight from it, against merging first and resharding the merged model."""
+    for layers in sizes:
+        _bench_megatron(layers)
+
+
+def _bench_megatron(layers):
+    m = MEGATRON
+    src = generate("megatron_legacy", DATA / f"megatron-tp4pp2-{layers}L", str(DATA / f"megatron-tp4pp2-{layers}L"),
+                   layers)
+    files = sorted(src.glob("iter_0000001/*/model_optim_rng.pt"))
+    scratch = scratch_dir()
+    control = DATA / f"megatron-tp4pp2-{layers}L-merged"   # the merged model as safetensors: the writer alone
+    if not control.exists():
+        subprocess.run([PY, "-m", "ckptconv.cli", "convert", src, control, "--quiet"], check=True)
+    for f in files:
+        warm(f)
+    cli = [PY, "-m", "ckptconv.cli"]
+    merged = scratch / "merged"
+    heads = f"--preset megatron --heads {m['heads']} --kv-heads {m['groups']} --head-dim {m['head_dim']}"
+    two_steps = (f"{' '.join(map(str, cli))} convert {src} {merged} --quiet && "   # (the merged model has no args)
+                 f"{' '.join(map(str, cli))} reshard {merged} {scratch / 'tp8b'} --tp 8 {heads} --quiet; rc=$?; "
+                 f"rm -rf {merged}; exit $rc")
+    rows = measure_all([
+        copy_floor_row(files, scratch),
+        ("ckptconv convert", [*cli, "convert", src, scratch / "out", "--quiet"], scratch / "out"),
+        ("ckptconv convert --to hf", [*cli, "convert", src, scratch / "hf", "--to", "hf", "--quiet"], scratch / "hf"),
+        ("ckptconv reshard --tp 8 (direct)", [*cli, "reshard", src, scratch / "tp8", "--tp", "8", "--quiet"],
+         scratch / "tp8"),
+        ("convert, then reshard --tp 8", ["sh", "-c", two_steps], scratch / "tp8b"),
+        ("control: ckptconv convert of the merged model (safetensors)", [*cli, "convert", control, scratch / "ctl",
+                                                                          "--quiet"], scratch / "ctl"),
+    ])
+    nbytes = sum(f.stat().st_size for f in files)
+    by_name = {name: times for name, times, _ in rows}
+    floor = by_name["copy floor (dd O_DIRECT)"]
+    print(f"\nMegatron legacy TP 4 x PP 2, {layers} layers ({nbytes / 1e9:.3f} GB in {len(files)} rank files, "
+          f"{REPEAT} rounds; ratios: median of the rounds' ratios (range))")
+    print("| command | median wall s | GB/s | peak RSS MiB | x copy floor |\n|---|---:|---:|---:|---:|")
+    for name, times, rss in rows:
+        secs = statistics.median(times)
+        print(f"| {name} | {secs:.2f} | {nbytes / secs / 1e9:.2f} | {rss:.0f} | {paired(times, floor)} |")
+    print(f"ckptconv convert: {paired(by_name['ckptconv convert'], by_name[rows[-1][0]])}x the control")
+    print(f"reshard --tp 8 direct: {paired(by_name['convert, then reshard --tp 8'], by_name['ckptconv reshard --tp 8 (direct)'])}"
+          "x faster than convert-then-reshard (peak RSS of that row: its larger step)")
+    sys.stdout.flush()
+
+
 SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20),
              "dcp": lambda: bench_dcp(18), "reshard": lambda: (bench_reshard(18), bench_reshard(36)),
              "verify": lambda: bench_verify(18), "distributed": lambda: bench_distributed(18),
              "vllm": lambda: bench_vllm(18), "cold": lambda: bench_cold(18), "many": bench_many, "plan": bench_plan,
-             "scale": bench_scale, "deepspeed": bench_deepspeed}
+             "scale": bench_scale, "deepspeed": bench_deepspeed, "megatron": bench_megatron}
 
 
 def main():
