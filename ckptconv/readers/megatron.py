@@ -278,7 +278,7 @@ def _legacy(d: Path, root: str, options: ReadOptions):
         _agree(rf, head)
     for u in unlisted:   # what the run keeps (weights and args) may hold no class on no allowlist
         for rf in files.values():
-            if rf.path == Path(u.path) and unpickler.holds_placeholder(rf.args):
+            if rf.path == Path(u.path) and unpickler.unread_in(rf.args) is not None:
                 raise u.refusal()
     tensors, dropped = _merge_legacy(files, a, d)
     extras = unpickler.extras_json({"args": _record(head), "checkpoint_version": head.version,
@@ -465,7 +465,7 @@ def _torch_dist(d: Path, root: str, options: ReadOptions, meta: dict):
     if not isinstance(top, dict) or "args" not in top:
         raise BadInput(f"{common}: holds no 'args' (Megatron's training arguments)")
     args = _namespace(top["args"], common)
-    if unpickler.holds_placeholder(args):
+    if unpickler.unread_in(args) is not None:
         raise u.refusal()
     a = mt.arch(args, common)
     ckpt = dcp.read(d, options, dcp.allowlist(options.allow_globals, megatron_globals()), lambda fqn: not fqn.endswith("_extra_state") and "/" not in fqn
@@ -590,4 +590,6 @@ OPTIONS = (ReaderOption("--to", "to", "Megatron checkpoints: the names written, 
                         "Hugging Face's (Llama, Qwen2, Mixtral) with a config.json made from the training arguments.",
                         choices=("megatron", "hf")),)
 READER = register(Reader(NAME, "Megatron checkpoints (legacy mp_rank_* files and torch_dist), TP x PP x EP merged",
-                         detect, load, priority=15, parses_pickles=True, options=OPTIONS))
+                         detect, load, priority=15, parses_pickles=True, options=OPTIONS,
+                         looks_for="latest_checkpointed_iteration.txt or iter_*/mp_rank_*/model_optim_rng.pt, or "
+                                   "metadata.json with sharded_backend beside .metadata"))

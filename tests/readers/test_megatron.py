@@ -137,7 +137,7 @@ def test_reshard_straight_from_megatron(tmp_path):
     mesh = json.loads((tmp_path / "tp2" / "mesh.json").read_text())
     assert mesh["rules"]["name"] == "megatron"
     ref = reference("legacy-untied-tp2-pp2")
-    ranks = [load_file(tmp_path / "tp2" / f"rank-0000{i}" / "model-00001-of-00001.safetensors") for i in range(2)]
+    ranks = [load_file(tmp_path / "tp2" / f"rank-0000{i}" / "model.safetensors") for i in range(2)]
     fc1 = "decoder.layers.1.mlp.linear_fc1.weight"
     assert_same(torch.cat([ranks[0][fc1][:24], ranks[1][fc1][:24], ranks[0][fc1][24:], ranks[1][fc1][24:]]), ref[fc1])
     assert run("verify", tmp_path / "tp2", "--against", src).exit_code == 0
@@ -270,7 +270,13 @@ def test_sizes_args_claims_cost_nothing_beyond_the_files(tmp_path):
     _refused(r, tmp_path / "out", "args.num_layers is -3")
 
 
-def test_a_class_of_no_allowlist_in_args_is_refused_naming_it(tmp_path):
+def test_a_class_of_no_allowlist_in_args_is_recorded_as_data_naming_it(tmp_path):
+    # (issue 30: state that is not a tensor never blocks weights; it becomes an inert record)
     src = _tiny_legacy(tmp_path / "c", tokenizer=Unknown())
-    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "tests.readers.test_megatron.Unknown",
-             "not on the allowlist")
+    r = run("convert", src, tmp_path / "out")
+    assert r.exit_code == 0, r.stderr
+    assert "tests.readers.test_megatron.Unknown (x1)" in r.stdout
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["extras"]["args"]["tokenizer"]["__class__"] == "tests.readers.test_megatron.Unknown"
+    assert manifest["source"]["placeholders"] == [{"global": "tests.readers.test_megatron.Unknown", "count": 1}]
+
