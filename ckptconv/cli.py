@@ -449,7 +449,7 @@ def _checks(report, against) -> list:
     """What a verify run checked, for -v."""
     done = [f"structure and metadata of {report.files} file(s) and {report.tensors} tensors",
             "what the safetensors library reads"]
-    done.append("file and tensor sha256 against the recorded digests" if not report.notes
+    done.append("file and tensor sha256 against the recorded digests" if not report.foreign
                 else "no digests (none recorded)")
     if against:   # verify compares with the source only once the output itself is sound
         compared = not report.problems or any(p.kind == "source" for p in report.problems)
@@ -523,7 +523,7 @@ def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cl
             say(f"note: {note}")
         status = "OK" if not report.problems else f"{len(report.problems)} problem(s)"
         say(f"{path}: {status}: {report.files} shard files, {report.tensors} tensors, "
-            f"{format_size(report.bytes)} {'read' if report.notes else 'hashed'}"
+            f"{format_size(report.bytes)} {'read' if report.foreign else 'hashed'}"
             + (", matches the source" if against and not report.problems
                                                      else "")
             + (f", is the expected output {expect}" if report.expected and not report.problems else ""))

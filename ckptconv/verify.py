@@ -71,8 +71,9 @@ class Report:
     bytes: int = 0
     device: dict | None = None
     shared: int = 0   # problems already merged across processes
-    notes: list = field(default_factory=list)   # checks that could not be done (an output ckptconv did not write)
+    notes: list = field(default_factory=list)   # checks that could not be done, and how it compared
     expected: bool = False   # --expect was given and the output is that one
+    foreign: bool = False    # an output ckptconv did not write: no digests were recorded to check
 
     def add(self, where, what: str, kind: str, tensor: str | None = None):
         assert kind in KINDS, kind
@@ -559,6 +560,7 @@ def _verify_foreign_files(where: Path, files: list, weight_map: dict, report: Re
     headers, what the safetensors library sees, each tensor once, and the index (when there is one)
     against the headers. What only a manifest could prove is listed in `report.notes`."""
     report.notes.append(f"{where}: {FOREIGN_NOTE}")
+    report.foreign = True
     located = {}
     for path in files:
         parsed = _parsed(path, report)
@@ -1133,7 +1135,7 @@ def _verify_single(path, against, read, fmt, device, allow_fewer, progress, clus
         (check or verify_file)(path, report, progress)
         if against is not None and not report.problems:
             compare_against(path, against, read or ReadOptions(), fmt, report)
-        if device is not None and not report.problems and report.notes:
+        if device is not None and not report.problems and report.foreign:
             report.notes.append(f"{path}: --device compares what reaches the device with the recorded digests; "
                                 "there are none here, so nothing was placed")
         elif device is not None and not report.problems:

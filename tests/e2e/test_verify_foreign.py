@@ -73,3 +73,22 @@ def test_a_directory_with_nothing_to_verify_is_refused(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     r = run("verify", tmp_path)
     assert r.exit_code == 2
+
+
+def test_a_note_about_the_source_does_not_make_an_output_foreign(tmp_path):
+    """verify --against a training checkpoint notes the part of it compared; the output is still
+    ckptconv's: its digests were checked ("hashed"), and --device places it on the devices."""
+    import subprocess
+    import sys
+    from tests.fixtures import lightning
+    from tests.helpers import ROOT
+    lightning.stable_diffusion(tmp_path / "sd.ckpt")
+    assert run("convert", tmp_path / "sd.ckpt", tmp_path / "sd.safetensors", "--quiet").exit_code == 0
+    r = run("verify", tmp_path / "sd.safetensors", "--against", tmp_path / "sd.ckpt", "-v")
+    assert r.exit_code == 0 and "note: " in r.stdout and "hashed, matches the source" in r.stdout, r.stdout
+    assert "against the recorded digests" in r.stdout and "none recorded" not in r.stdout, r.stdout
+    r = subprocess.run([sys.executable, "-m", "ckptconv.cli", "verify", tmp_path / "sd.safetensors", "--against",
+                        tmp_path / "sd.ckpt", "--device", "cpu", "--json"], capture_output=True, text=True, cwd=ROOT)
+    report = json.loads(r.stdout)
+    assert r.returncode == 0 and report["device"] is not None, r.stdout + r.stderr
+    assert report["device"]["ranks"] == 1 and not any("nothing was placed" in n for n in report["notes"])
