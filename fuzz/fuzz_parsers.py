@@ -1,8 +1,10 @@
 """Coverage-guided fuzzing of the parsers that face untrusted bytes (`make fuzz`, not in CI).
 
-Every input goes through the unpickler (torch, numpy and DCP allowlists), the torch zip and legacy
-readers, the safetensors header parser, the Grok-1 reader and the numpy reader (.npy, .npz). The only acceptable failure is the
-project's own CkptError; anything else is a bug, and atheris reports the input that caused it.
+Every input goes through the unpickler (torch, numpy and DCP allowlists), the torch zip reader, the
+safetensors header parser, and every registered reader, each loading the bytes placed where it reads
+them (`Reader.fuzz`: a minimal source; a new reader is fuzzed once it declares one). The only
+acceptable failure is the project's own CkptError; anything else is a bug, and atheris reports the
+input that caused it.
 """
 import sys
 import tempfile
@@ -11,7 +13,7 @@ from pathlib import Path
 from ckptconv.readers.pickle import unpickler
 from ckptconv.errors import CkptError
 from ckptconv.io.mapped import MemoryFile
-from ckptconv.readers import ReadOptions, dcp, grok, npy, torch_pickle
+from ckptconv.readers import ReadOptions, dcp, grok, readers, torch_pickle
 from ckptconv.formats.safetensors import parse_header
 from ckptconv.readers.pickle.torch_globals import torch_globals
 
@@ -19,8 +21,18 @@ _TORCH, _DCP, _GROK = torch_globals(), dcp.allowlist(), grok.allowlist()
 _DIR = Path(tempfile.mkdtemp(prefix="ckptconv-fuzz-"))
 
 
+def _place(reader, data: bytes) -> Path:
+    """The reader's minimal source under _DIR/<reader>, `data` in each of its fuzzed files."""
+    root = _DIR / reader.name
+    for rel, fixed in reader.fuzz:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data if fixed is None else fixed)
+    return root / reader.fuzz[0][0] if len(reader.fuzz) == 1 else root
+
+
 def parse_any(data: bytes):
-    """Feed `data` to every parser; return normally or raise CkptError, nothing else."""
+    """Feed `data` to every parser and reader; return normally or raise CkptError, nothing else."""
     for allow in (_TORCH, _DCP, _GROK):
         try:
             unpickler.load(data, allow, "<fuzz>")
@@ -32,30 +44,13 @@ def parse_any(data: bytes):
             fn()
         except CkptError:
             pass
-    path = _DIR / "input.pt"
-    path.write_bytes(data)
-    for reader in (torch_pickle,):
+    for reader in readers().values():
         try:
-            ckpt = reader.load(path, ReadOptions())
+            ckpt = reader.load(_place(reader, data), ReadOptions())
             for t in ckpt.tensors:  # touching every tensor's bytes must stay inside the file
                 t.region()
         except CkptError:
             pass
-    path = _DIR / "input.array"   # (no suffix: an .npy by its magic, else an .npz)
-    path.write_bytes(data)
-    try:
-        for t in npy.load(path, ReadOptions()).tensors:   # (a deflated member is inflated here)
-            t.region()
-    except CkptError:
-        pass
-    grok_dir = _DIR / "ckpt-0"
-    grok_dir.mkdir(exist_ok=True)
-    (grok_dir / "tensor00000_000").write_bytes(data)
-    try:
-        for t in grok.load(grok_dir, ReadOptions()).tensors:
-            t.region()
-    except CkptError:
-        pass
 
 
 def main():

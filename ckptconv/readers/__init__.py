@@ -50,7 +50,7 @@ def detect(path) -> list:
     if not found and path.is_dir():   # readers do not look at links leading out: say that is why
         root = source_root(path)
         for p in sorted(path.iterdir()):
-            if p.name.endswith(WEIGHT_SUFFIXES) and p.is_symlink():
+            if p.name.endswith(weight_suffixes()) and p.is_symlink():
                 confined(p, root)
     if not found:
         looked = "; ".join(f"{r.name}: {r.looks_for}" for r in readers().values() if r.looks_for)
@@ -98,8 +98,14 @@ def open_checkpoint(path, fmt=None, options=None):
     return ckpt
 
 
-WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pth.tar", ".pt.tar", ".safetensors", ".distcp", ".index.json",
-                   ".msgpack", ".h5", ".npz", ".npy")
+# Weights of frameworks no reader reads (Flax, Keras) and any index: never carried as model files either.
+OTHER_WEIGHTS = (".index.json", ".msgpack", ".h5")
+
+
+@functools.cache
+def weight_suffixes() -> tuple:
+    """How weight files' names end: what each reader declares (`Reader.suffixes`), and OTHER_WEIGHTS."""
+    return tuple(sorted({s for r in readers().values() for s in r.suffixes} | set(OTHER_WEIGHTS)))
 OUTPUT_METADATA = (MANIFEST, SUMS, MESH)
 
 # A single weights file given as SRC carries the one config file beside it that its consumer pairs
@@ -165,7 +171,7 @@ def model_files(directory: Path, consumed=()) -> list:
     consumed = {os.path.abspath(p) for p in consumed}
     out = []
     for p in sorted(directory.iterdir()):
-        if (p.name.startswith(".") or os.path.abspath(p) in consumed or p.name.endswith(WEIGHT_SUFFIXES)
+        if (p.name.startswith(".") or os.path.abspath(p) in consumed or p.name.endswith(weight_suffixes())
                 or p.name in OUTPUT_METADATA or p.is_dir() or training_state(p.name)):
             continue
         out.append((p.name, p))

@@ -60,6 +60,9 @@ class Reader:
     holds_data: bool = True
     options: tuple = ()         # ReaderOption
     looks_for: str = ""         # the names and contents detect recognises, for "found nothing" (docs/formats.md)
+    suffixes: tuple = ()        # how its weight files' names end: never carried into OUT as model files
+    fuzz: tuple = ()            # a minimal source for fuzz/fuzz_parsers.py: (relative path, bytes), the
+                                # fuzzed bytes where bytes is None; one entry is a file SRC, more a directory
 
 
 READERS = {}

@@ -711,5 +711,6 @@ def _bytes_item(reader, fqn, loc, tensors, extras, options):
 
 
 READER = register(Reader(NAME, "PyTorch Distributed Checkpoint directories (.metadata + *.distcp)",
-                         detect, load, priority=20, parses_pickles=True,
+                         detect, load, priority=20, parses_pickles=True, suffixes=(".distcp",),
+                         fuzz=((".metadata", None), ("__0_0.distcp", None)),
                          looks_for="a directory holding .metadata"))

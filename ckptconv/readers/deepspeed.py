@@ -640,6 +640,8 @@ def _parallelism(top, path):
 
 
 READER = register(Reader(NAME, "DeepSpeed ZeRO checkpoint directories (latest + global_stepN/, stages 1-3): the fp32 "
-                               "master weights", detect, load, priority=38, parses_pickles=True,
+                               "master weights", detect, load, priority=38, parses_pickles=True, suffixes=(".pt",),
+                               fuzz=(("latest", b"global_step1"), ("global_step1/mp_rank_00_model_states.pt", None),
+                                     ("global_step1/zero_pp_rank_0_mp_rank_00_optim_states.pt", None)),
                                looks_for="a directory holding latest, or *_optim_states.pt and *_model_states.pt rank "
                                "files"))

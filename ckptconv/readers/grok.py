@@ -367,4 +367,5 @@ OPTIONS = (
 )
 READER = register(Reader(NAME, "Grok-1-style pickle shard directories (ckpt-0/tensor00000_000 ...)",
                          detect, load, priority=50, parses_pickles=True, options=OPTIONS,
+                         fuzz=(("ckpt-0/tensor00000_000", None),),
                          looks_for="a directory of tensorNNNNN_HHH pickle shards, or one holding ckpt-0/"))

@@ -590,6 +590,8 @@ OPTIONS = (ReaderOption("--to", "to", "Megatron checkpoints: the names written, 
                         "Hugging Face's (Llama, Qwen2, Mixtral) with a config.json made from the training arguments.",
                         choices=("megatron", "hf")),)
 READER = register(Reader(NAME, "Megatron checkpoints (legacy mp_rank_* files and torch_dist), TP x PP x EP merged",
-                         detect, load, priority=15, parses_pickles=True, options=OPTIONS,
+                         detect, load, priority=15, parses_pickles=True, options=OPTIONS, suffixes=(".pt",),
+                         fuzz=(("latest_checkpointed_iteration.txt", b"1"),
+                               ("iter_0000001/mp_rank_00/model_optim_rng.pt", None)),
                          looks_for="latest_checkpointed_iteration.txt or iter_*/mp_rank_*/model_optim_rng.pt, or "
                                    "metadata.json with sharded_backend beside .metadata"))

@@ -125,4 +125,5 @@ def _join(name, entry, axis, shape, dt, holders, pieces, ranks):
 
 
 READER = register(Reader(NAME, "ckptconv reshard outputs (mesh.json + rank-XXXXX/ directories)",
-                         detect, load, priority=10, looks_for="a directory holding mesh.json"))
+                         detect, load, priority=10, fuzz=(("mesh.json", None), ("rank-00000/model.safetensors", None)),
+                         looks_for="a directory holding mesh.json"))

@@ -441,5 +441,7 @@ def _add(tensors, skipped, name, header: Header, source, where, options: ReadOpt
 
 
 READER = register(Reader(NAME, "numpy .npy and .npz files (np.save, np.savez, np.savez_compressed)", detect, load,
-                         priority=45, looks_for="an .npy file (\\x93NUMPY), an .npz of .npy members, or a directory "
+                         priority=45, suffixes=(".npy", ".npz"),
+                         fuzz=(("input.array", None),),   # (no suffix: an .npy by its magic, else an .npz)
+                         looks_for="an .npy file (\\x93NUMPY), an .npz of .npy members, or a directory "
                          "holding one .npz or .npy files"))

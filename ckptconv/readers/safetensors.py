@@ -83,6 +83,6 @@ def _source(m, e):
 
 
 READER = register(Reader(NAME, "safetensors files and directories with an index (STEM.safetensors.index.json)",
-                         detect, load, priority=30,
+                         detect, load, priority=30, suffixes=(".safetensors",), fuzz=(("input.safetensors", None),),
                          looks_for="a .safetensors file (by its header), *.safetensors.index.json, or a directory "
                          "holding them"))

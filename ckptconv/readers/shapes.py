@@ -87,5 +87,5 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
 
 
 READER = register(Reader(NAME, "shapes-only JSON descriptions (for plan; they hold no data)",
-                         detect, load, priority=60, holds_data=False,
+                         detect, load, priority=60, holds_data=False, fuzz=(("shapes.json", None),),
                          looks_for='a .json file with a "tensors" list of shapes'))

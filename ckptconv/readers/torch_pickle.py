@@ -271,7 +271,8 @@ def _itemsize(dtype) -> int:
 
 
 READER = register(Reader(NAME, "torch.save files (.pt/.pth/.bin/.ckpt, zip or legacy) and HF .bin shard directories",
-                         detect, load, priority=40, parses_pickles=True,
+                         detect, load, priority=40, parses_pickles=True, suffixes=(".bin", ".pt", ".pth", ".ckpt", ".pth.tar", ".pt.tar"),
+                         fuzz=(("input.pt", None),),
                          looks_for="a torch.save file (a zip holding data.pkl, or the legacy magic number), "
                          "*.bin.index.json, *.pt.index.json, or a directory holding one, or one torch file named "
                          + ", ".join("*" + s for s in TORCH_SUFFIXES)))

@@ -211,5 +211,5 @@ def _classes(text: str, where: str) -> dict:
 
 
 READER = register(Reader(NAME, "TorchScript archives (torch.jit.save): parameters and buffers by attribute path",
-                         detect, load, priority=35, parses_pickles=True,
+                         detect, load, priority=35, parses_pickles=True, suffixes=(".pt", ".pth"), fuzz=(("input.pt", None),),
                          looks_for="a torch.jit.save zip (code/ beside data.pkl)"))

@@ -24,7 +24,7 @@ from ..formats.safetensors import fits, header_entry, header_length, header_piec
 from ..formats.sums import NAME as SUMS, unsafe_name, write_sums
 from ..io.hashing import CHUNK, GATHERED, SMALL, Digests, Pipeline, write_all
 from ..io.outfile import OutFile
-from ..readers import WEIGHT_SUFFIXES
+from ..readers import weight_suffixes
 from ..tensor import as_bytes, iter_blocks
 from .base import AddedFile, result_bytes
 
@@ -302,7 +302,7 @@ def read_added(paths, limit: int, taken=()) -> list:
         name = os.path.basename(os.path.normpath(os.fspath(path)))
         why = unsafe_name(name) or (None if encodable(name) else "not valid Unicode text")
         if why is None and (name.startswith(".") or name in (fmt.MANIFEST, SUMS, MESH) or rank_number(name) is not None
-                            or name.endswith(WEIGHT_SUFFIXES)):
+                            or name.endswith(weight_suffixes())):
             why = "an output's own file name or a weights file's; OUT holds only the converted weights under those"
         if why is None and name in seen:
             why = ("the name of a model file carried from the source (--no-copy-extras carries none)"

@@ -145,3 +145,12 @@ def test_json_member_stream_agrees_with_the_whole_parse(seed, data):
             assert streamed == whole
         else:
             assert str(streamed) == "f: doc is not a JSON object"
+
+
+def test_every_reader_is_fuzzed():
+    """parse_any reaches every registered reader through the minimal source it declares (Reader.fuzz):
+    a reader added without one would face untrusted bytes unfuzzed."""
+    from ckptconv.readers import readers
+    assert [r.name for r in readers().values() if not r.fuzz] == []
+    for r in readers().values():
+        assert sum(fixed is None for _, fixed in r.fuzz) >= 1, r.name
