@@ -68,6 +68,28 @@ sd = torch.load(sys.argv[1], mmap=True, weights_only=True)
 save_file({k: v.contiguous() for k, v in sd.items()}, sys.argv[2] + "/model.safetensors", metadata={"format": "pt"})
 '''
 
+# The peer that gives what ckptconv gives (issue 33): the Hub's own route (sharded safetensors and an
+# index, huggingface_hub's save_torch_state_dict), the SHA-256 of every file written (what a user runs
+# to publish a SHA256SUMS beside them), and sync (the bytes on disk when it returns, as ckptconv's
+# O_DIRECT writes are).
+HUB_PEER = r'''
+import hashlib, os, sys, torch
+from huggingface_hub import save_torch_state_dict
+sd = torch.load(sys.argv[1], mmap=True, weights_only=True)
+save_torch_state_dict(sd, sys.argv[2])
+sums = []
+for name in sorted(os.listdir(sys.argv[2])):
+    h = hashlib.sha256()
+    with open(os.path.join(sys.argv[2], name), "rb", buffering=0) as f:
+        while b := f.read(16 << 20):
+            h.update(b)
+    sums.append(f"{h.hexdigest()}  {name}\n")
+with open(os.path.join(sys.argv[2], "SHA256SUMS"), "w") as f:
+    f.writelines(sums)
+os.sync()
+'''
+HUB_NAME = "Hub: torch.load(mmap) + save_torch_state_dict + SHA-256 of each file + sync"
+
 
 def generate(fn, path: Path, *args):
     """Make a benchmark input once, in a child process (so our own RSS never leaks into a fork)."""
@@ -233,7 +255,12 @@ def _once(cmd, out):
         raise SystemExit(f"benchmark command failed: {' '.join(map(str, cmd))}")
     if out is not None:
         remove(out)
+    CPU.append(usage.ru_utime + usage.ru_stime)   # (the last run's CPU seconds, its children's included)
     return seconds, usage.ru_maxrss / 1024
+
+
+CPU = []
+CPU_S = {}   # row name -> CPU seconds per round, from measure_all
 
 
 def measure_all(rows):
@@ -246,6 +273,7 @@ def measure_all(rows):
         for name, cmd, out in rows[rep % len(rows):] + rows[:rep % len(rows)]:
             t, r = _once(cmd, out)
             times[name].append(t)
+            CPU_S.setdefault(name, []).append(CPU[-1])
             rss[name] = max(rss[name], r)
     return [(name, times[name], rss[name]) for name, _, _ in rows]
 
@@ -265,10 +293,12 @@ def table(title, nbytes, rows):
     by_name = {name: times for name, times, _ in rows}
     floor, bound = by_name["copy floor (dd O_DIRECT)"], by_name["bound"]
     print(f"\n{title} ({nbytes / 1e9:.3f} GB, {REPEAT} rounds; ratios: median of the rounds' ratios (range))")
-    print("| command | median wall s | GB/s | peak RSS MiB | x copy floor | x bound |\n|---|---:|---:|---:|---:|---:|")
+    print("| command | median wall s | GB/s | CPU s / GB | peak RSS MiB | x copy floor | x bound |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
     for name, times, rss in rows:
         secs = statistics.median(times)
-        print(f"| {name} | {secs:.2f} | {nbytes / secs / 1e9:.2f} | {rss:.0f} | {paired(times, floor)} | "
+        cpu = statistics.median(CPU_S[name][-len(times):]) / (nbytes / 1e9)
+        print(f"| {name} | {secs:.2f} | {nbytes / secs / 1e9:.2f} | {cpu:.2f} | {rss:.0f} | {paired(times, floor)} | "
               f"{paired(times, bound)} |")
     sys.stdout.flush()
 
@@ -283,11 +313,13 @@ def copy_floor_row(files, scratch):
     return ("copy floor (dd O_DIRECT)", ["sh", "-c", COPY_FLOOR, "sh", scratch / "floor", *files], scratch / "floor")
 
 
-def compare(title, src: Path, files, ours: list, naive: tuple, against=None):
+def compare(title, src: Path, files, ours: list, naive: tuple, against=None, peer=None):
     """The standard table: the copy floor (an O_DIRECT copy of `files`), cp, the bound, ckptconv
     (`ours`: [(name, CLI args)]) and the naive way (`naive` = name, script), all on the same bytes,
     warm cache, interleaved; ratios to the floor per round, and how many times faster than the naive
-    way the first of `ours` is. `against`: the name of another row the first of ours is judged by."""
+    way the first of `ours` is. `against`: the name of another row the first of ours is judged by;
+    `peer` (name, script): a route with ckptconv's guarantees, the one the first of ours is judged
+    against (the naive row then stays unjudged)."""
     scratch = scratch_dir()
     for f in files:
         warm(f)
@@ -299,11 +331,12 @@ def compare(title, src: Path, files, ours: list, naive: tuple, against=None):
         *[(name, [PY, "-m", "ckptconv.cli", *args[:2], scratch / "out", *args[2:], "--quiet"], scratch / "out")
           for name, args in ours],
         (naive[0], [PY, "-c", naive[1], src, scratch / "naive"], scratch / "naive"),
+        *([(peer[0], [PY, "-c", peer[1], src, scratch / "peer"], scratch / "peer")] if peer else []),
     ])
     table(title, sum(f.stat().st_size for f in files), rows)
     by_name = {name: times for name, times, _ in rows}
-    first = ours[0][0]
-    print(f"{first}: {paired(by_name[naive[0]], by_name[first])}x faster than {naive[0]}"
+    first, judged = ours[0][0], (peer or naive)[0]
+    print(f"{first}: {paired(by_name[judged], by_name[first])}x faster than {judged}"
           + (f"; {paired(by_name[first], by_name[against])}x {against}" if against else ""))
     sys.stdout.flush()
     return rows
@@ -316,7 +349,8 @@ def llama_src(layers) -> Path:
 def bench_convert(layers):
     src = llama_src(layers)
     compare(f"convert .pt -> safetensors, {layers} layers", src, [src], [("ckptconv convert", ["convert", src])],
-            ("torch.load(mmap) + save_file", NAIVE_TORCH), against="copy floor (dd O_DIRECT)")
+            ("torch.load(mmap) + save_file (no hashes, no sync; unjudged)", NAIVE_TORCH),
+            against="copy floor (dd O_DIRECT)", peer=(HUB_NAME, HUB_PEER))
 
 
 def bench_grok(layers):
@@ -436,6 +470,10 @@ def bench_cold(layers):
     files = sorted(out.glob("*.safetensors"))
     rows = [copy_floor_row([src], scratch),
             ("ckptconv convert", [PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"], scratch / "out"),
+            (HUB_NAME, [PY, "-c", HUB_PEER, src, scratch / "peer"], scratch / "peer"),
+            ("ckptconv reshard --tp 8", [PY, "-m", "ckptconv.cli", "reshard", src, scratch / "tp8", "--tp", "8",
+                                         "--heads", "16", "--kv-heads", "16", "--head-dim", "128", "--quiet"],
+             scratch / "tp8"),
             ("hashlib, output, two threads", [PY, "-c", HASH_TWO_THREADS, *files], None),
             ("hashlib, output, one thread", [PY, "-c", HASH_ONE_THREAD, *files], None),
             ("ckptconv verify", [PY, "-m", "ckptconv.cli", "verify", out, "--quiet"], None)]
@@ -452,6 +490,8 @@ def bench_cold(layers):
     verify_floor = [max(a, b) for a, b in zip(times["hashlib, output, two threads"], times["hashlib, output, one thread"])]
     for name, ts in times.items():
         ratio = (paired(ts, times["copy floor (dd O_DIRECT)"]) + " x copy floor" if name == "ckptconv convert" else
+                 paired(ts, times["ckptconv convert"]) + " x convert" if name == "ckptconv reshard --tp 8" else
+                 paired(ts, times["ckptconv convert"]) + " x ckptconv convert" if name == HUB_NAME else
                  paired(ts, verify_floor) + " x hash floor" if name == "ckptconv verify" else "")
         print(f"| {name} | {statistics.median(ts):.2f} | {n / statistics.median(ts) / 1e9:.2f} | {ratio} |")
     sys.stdout.flush()
