@@ -7,53 +7,19 @@ project's exceptions (docs/api.md). The command line is a thin layer over the sa
     assert report.ok
 """
 import functools
-import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import convert as _convert, reshard as _reshard, verify as _verify
-from .dtypes import CAST_TARGETS
+from . import convert as _convert, requests, reshard as _reshard, verify as _verify
 from .errors import BadInput, UsageError, brief, printable
-from .formats.manifest import stem_problem
-from .readers import ReadOptions, Source, open_source
+from .readers import Source, open_source
 from .readers.wrappers import Layout
 from .rowview import RowView
-from .sizes import parse_size
-from .tp.presets import MeshSpec
-from .writers.base import WriteOptions
 
 ConvertResult, ReshardResult, Report, Problem = _convert.ConvertResult, _reshard.ReshardResult, _verify.Report, _verify.Problem
 
 __all__ = ["convert", "reshard", "verify", "inspect", "Inspection", "ConvertResult", "ReshardResult", "Report"]
-
-
-def _texts(value, what) -> list:
-    """A list of strings from one string or an iterable of them (a lone string is one item, not its
-    characters)."""
-    items = [value] if isinstance(value, str) else value
-    try:
-        items = list(items)
-    except TypeError:
-        raise UsageError(f"{what}: expected a string or a list of strings, not {type(value).__name__}") from None
-    if not all(isinstance(i, str) for i in items):
-        raise UsageError(f"{what}: expected strings, got {[type(i).__name__ for i in items][:4]}")
-    return items
-
-
-def _flag(value, what) -> bool:
-    if not isinstance(value, bool):
-        raise UsageError(f"{what}: expected True or False, not {value!r}")
-    return value
-
-
-def _path(value, what) -> str:
-    if not isinstance(value, (str, os.PathLike)):
-        raise UsageError(f"{what}: expected a path, not {type(value).__name__}")
-    path = os.fspath(value)
-    if not isinstance(path, str) or "\0" in path:
-        raise UsageError(f"{what}: {brief(path, 100)} is not a path (a NUL byte, or bytes)")
-    return path
 
 
 def _progress(value, what="progress"):
@@ -74,51 +40,11 @@ def _ours(fn):
     return wrapper
 
 
-def _paths(value, what) -> tuple:
-    """Paths from one path or an iterable of them (a lone path is one item)."""
-    items = [value] if isinstance(value, (str, os.PathLike)) else value
-    try:
-        return tuple(_path(v, what) for v in items)
-    except TypeError:
-        raise UsageError(f"{what}: expected a path or a list of paths, not {type(value).__name__}") from None
-
-
 def _source(src, format, only, allow_globals, state_dict, skip_unsupported, workers, reader_options,
             max_extra_size="256MB") -> Source:
-    if not isinstance(state_dict, str) or (format is not None and not isinstance(format, str)):
-        raise UsageError("state_dict and format are strings")
-    if not isinstance(reader_options, (dict, type(None))):
-        raise UsageError(f"reader_options: expected a dict, not {type(reader_options).__name__}")
-    if type(workers) is not int or not 1 <= workers <= 64:
-        raise UsageError(f"workers: expected a number from 1 to 64, not {workers!r}")
-    return Source(_path(src, "src"), format, ReadOptions(
-        allow_globals=_texts(allow_globals, "allow_globals"), skip_unsupported=_flag(skip_unsupported,
-                                                                                     "skip_unsupported"),
-        only=_texts(only, "only"), workers=workers, state_dict=state_dict, declared=dict(reader_options or {}),
-        max_extra_size=_size(max_extra_size, "max_extra_size")))
-
-
-def _size(value, what) -> int:
-    if isinstance(value, str):
-        return parse_size(value)
-    if type(value) is int and value > 0:
-        return value
-    raise UsageError(f"{what}: expected a positive number of bytes or a size like '5GB', not {brief(value, 40)}")
-
-
-def _write(max_shard_size, name, overwrite, fsync, buffered_io, resume=False) -> WriteOptions:
-    if isinstance(max_shard_size, str):
-        size = parse_size(max_shard_size)
-    elif type(max_shard_size) is int and max_shard_size > 0:
-        size = max_shard_size
-    else:
-        raise UsageError(f"max_shard_size: expected a positive number of bytes or a size like '5GB', not "
-                         f"{max_shard_size!r}")
-    problem = None if name is None else stem_problem(name) if isinstance(name, str) else "must be a string or None"
-    if problem:
-        raise UsageError(f"name {name!r}: {problem}")
-    return WriteOptions(size, _flag(fsync, "fsync"), not _flag(buffered_io, "buffered_io"),
-                        _flag(overwrite, "overwrite"), _flag(resume, "resume"), name)
+    return requests.source(src, format, requests.read_options(
+        only=only, allow_globals=allow_globals, state_dict=state_dict, skip_unsupported=skip_unsupported,
+        workers=workers, reader_options=reader_options, max_extra_size=max_extra_size))
 
 
 @_ours
@@ -130,14 +56,14 @@ def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", 
     else a sharded directory. `reader_options` are the options a reader declares ({"dequantize":
     "bf16"} for Grok-1 directories); `progress(total_bytes)` may return a context manager yielding
     an update(nbytes) callable. Raises CkptError (BadInput, UsageError, OutputError)."""
-    if dtype not in ("keep", *CAST_TARGETS) or (strip_prefix is not None and not isinstance(strip_prefix, str)):
-        raise UsageError(f"dtype is one of keep, {', '.join(CAST_TARGETS)}; strip_prefix a string")
+    options = _convert.ConvertOptions(requests.optional_text(strip_prefix, "strip_prefix"),
+                                      requests.choice(dtype, requests.DTYPES, "dtype"),
+                                      requests.flag(copy_extras, "copy_extras"), requests.paths(with_files, "with_files"))
     return _convert.convert(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
                                     reader_options, max_extra_size),
-                            _path(out, "out"), _convert.ConvertOptions(strip_prefix, dtype, _flag(copy_extras,
-                                                                                                  "copy_extras"),
-                                                                       _paths(with_files, "with_files")),
-                            _write(max_shard_size, name, overwrite, fsync, buffered_io, resume),
+                            requests.path(out, "out"), options,
+                            requests.write_options(max_shard_size=max_shard_size, name=name, overwrite=overwrite,
+                                                   fsync=fsync, buffered_io=buffered_io, resume=resume),
                             progress=_progress(progress))
 
 
@@ -150,24 +76,18 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
             dtype="keep", allow_replicate=(), with_files=()) -> _reshard.ReshardResult:
     """`ckptconv reshard SRC OUT --tp N` (docs/reshard.md); with `dry_run`, the plan only (OUT may
     be None). `target="vllm"`: vLLM's pre-sharded layout as well."""
-    if any(type(v) is not int or v < 1 for v in (tp, ep)):
-        raise UsageError(f"tp and ep: expected whole numbers of at least 1, not {tp!r}, {ep!r}")
-    if strip_prefix is not None and not isinstance(strip_prefix, str):
-        raise UsageError(f"strip_prefix: expected a string, not {type(strip_prefix).__name__}")
-    if target not in _reshard.TARGETS or dtype not in ("keep", "bf16", "f16", "f32"):
-        raise UsageError(f"target: one of {', '.join(_reshard.TARGETS)}; dtype: keep, bf16, f16 or f32 "
-                         f"(not {target!r}, {dtype!r})")
-    if preset is not None and not isinstance(preset, str):
-        raise UsageError(f"preset: expected a preset's name, not {type(preset).__name__}")
-    mesh = MeshSpec(tp, ep, preset, None if rules is None else _path(rules, "rules"),
-                    {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab,
-                    tuple(_texts(allow_replicate, "allow_replicate")))
+    mesh = requests.mesh(tp=tp, ep=ep, preset=preset, rules=rules, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                         pad_vocab=pad_vocab, allow_replicate=allow_replicate)
     return _reshard.reshard(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
                                     reader_options, max_extra_size),
-                            None if out is None else _path(out, "out"), mesh,
-                            _write(max_shard_size, name, overwrite, fsync, buffered_io), dry_run,
-                            progress=_progress(progress), strip_prefix=strip_prefix, target=target, dtype=dtype,
-                            with_files=_paths(with_files, "with_files"))
+                            None if out is None else requests.path(out, "out"), mesh,
+                            requests.write_options(max_shard_size=max_shard_size, name=name, overwrite=overwrite,
+                                                   fsync=fsync, buffered_io=buffered_io),
+                            requests.flag(dry_run, "dry_run"), progress=_progress(progress),
+                            strip_prefix=requests.optional_text(strip_prefix, "strip_prefix"),
+                            target=requests.choice(target, _reshard.TARGETS, "target"),
+                            dtype=requests.choice(dtype, requests.DTYPES, "dtype"),
+                            with_files=requests.paths(with_files, "with_files"))
 
 
 @_ours
@@ -180,10 +100,11 @@ def verify(path, against=None, *, device=None, allow_fewer_devices=False, format
     `progress(nbytes)` is called as bytes are hashed. `expect`: the output's identity as convert or
     reshard printed it (`sha256:…`): the output must be exactly that one."""
     read = _source(path, format, (), allow_globals, state_dict, False, workers, reader_options, max_extra_size).options
-    if device not in (None, "cpu", "cuda", "tpu"):
-        raise UsageError(f"device: one of cpu, cuda, tpu, not {device!r}")
-    return _verify.verify(_path(path, "path"), None if against is None else _path(against, "against"), read, format,
-                          device, _flag(allow_fewer_devices, "allow_fewer_devices"), _progress(progress),
+    if device is not None:
+        requests.choice(device, requests.DEVICES, "device")
+    return _verify.verify(requests.path(path, "path"), None if against is None else requests.path(against, "against"),
+                          read, format, device, requests.flag(allow_fewer_devices, "allow_fewer_devices"),
+                          _progress(progress),
                           expect=expected_identity(expect))
 
 
@@ -225,8 +146,15 @@ def _tensor_row(fact) -> dict:
 def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=2,
             reader_options=None, max_extra_size="256MB") -> Inspection:
     """`ckptconv inspect PATH` (docs/inspect.md): reads headers and pickles, never tensor data."""
-    ckpt = open_source(_source(path, format, only, allow_globals, state_dict, skip_unsupported, workers,
-                               reader_options, max_extra_size))
+    return inspection(_source(path, format, only, allow_globals, state_dict, skip_unsupported, workers,
+                              reader_options, max_extra_size))
+
+
+@_ours
+def inspection(source: Source) -> Inspection:
+    """inspect of a typed request (the command line's: its options are built once, requests.py)."""
+    ckpt = open_source(source)
+    path = source.path
     hist = Counter()
     for t in ckpt.tensors:
         hist[t.dtype.code] += t.nbytes

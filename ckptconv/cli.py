@@ -3,7 +3,6 @@ import contextlib
 import functools
 import gc
 import json
-import re
 import os
 from pathlib import Path
 import signal
@@ -25,9 +24,9 @@ import click
 from .cluster import MAX_PROCESSES, join
 from .tp.layout import MAX_RANKS
 from . import __version__
-from .api import expected_identity, inspect
+from .api import expected_identity, inspection
 from .convert import ConvertOptions, convert, single_file
-from . import signals
+from . import requests, signals
 from .io import mapped
 from .errors import BadInput, CkptError, UsageError, printable
 from .formats.manifest import HUB_STEMS, STEM, stem_problem
@@ -35,10 +34,9 @@ from .plan import plan_run
 from .progress import byte_progress
 from .reshard import TARGETS, reshard
 from .verify import total_bytes, verify
-from .tp.presets import PRESETS, MeshSpec
-from .writers.base import WriteOptions
-from .readers import ReadOptions, Source, open_source, reader_for, readers
-from .sizes import format_size, parse_size
+from .tp.presets import PRESETS
+from .readers import Source, open_source, reader_for, readers
+from .sizes import format_size
 
 
 def _fail(message: str, code: int = 2, as_json=False):
@@ -149,7 +147,7 @@ def read_options(fn):
                   "finds them (a top-level 'state_dict', or the one of model, model_state_dict, module, net, ema ... "
                   "beside optimizer, scheduler and scaler state; inspect says which); KEY or a dotted path "
                   "(model.state_dict) unwraps that entry; none keeps every tensor under its flattened name.")
-    @click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True,
+    @click.option("--workers", type=click.IntRange(1, requests.MAX_WORKERS), default=2, show_default=True,
                   help="Files parsed in parallel.")
     @click.option("--max-extra-size", default="256MB", show_default=True, metavar="SIZE",
                   help="Largest model file (config, tokenizer, README ...) carried into OUT; larger ones are "
@@ -157,9 +155,10 @@ def read_options(fn):
     @functools.wraps(fn)
     def wrapper(*args, only, allow_global, skip_unsupported, state_dict, workers, max_extra_size, **kwargs):
         given = {d: kwargs.pop(d) for d in declared}
-        kwargs["read"] = ReadOptions(allow_globals=list(allow_global), skip_unsupported=skip_unsupported,
-                                     only=list(only), workers=workers, max_extra_size=parse_size(max_extra_size),
-                                     state_dict=state_dict, declared={d: v for d, v in given.items() if v is not None})
+        kwargs["read"] = requests.read_options(only=only, allow_globals=allow_global, state_dict=state_dict,
+                                               skip_unsupported=skip_unsupported, workers=workers,
+                                               reader_options=given, max_extra_size=max_extra_size,
+                                               spell=requests.flag_name)
         return fn(*args, **kwargs)
 
     return wrapper
@@ -217,11 +216,9 @@ def write_options(resume: bool):
             if stem is not None and single_file(kwargs.get("out") or ""):
                 raise click.BadParameter("it names the files of an output directory; an OUT ending in "
                                          ".safetensors is one file, named by OUT", param_hint="'--name'")
-            try:
-                size = parse_size(max_shard_size)
-            except UsageError as e:
-                raise click.BadParameter(str(e), param_hint="'--max-shard-size'") from None
-            kwargs["write"] = WriteOptions(size, fsync, not buffered_io, overwrite, kwargs.pop("resume", False), stem)
+            kwargs["write"] = requests.write_options(max_shard_size=max_shard_size, name=stem, overwrite=overwrite,
+                                                     fsync=fsync, buffered_io=buffered_io,
+                                                     resume=kwargs.pop("resume", False), spell=requests.flag_name)
             return fn(*args, **kwargs)
 
         if resume:
@@ -260,13 +257,9 @@ def mesh_options(tp_required: bool):
         @functools.wraps(fn)
         def wrapper(*args, tp, ep, preset, rules_file, heads, kv_heads, head_dim, pad_vocab, allow_replicate,
                     **kwargs):
-            for pattern in allow_replicate:
-                try:
-                    re.compile(pattern)
-                except (re.error, OverflowError, RecursionError, ValueError) as e:
-                    raise click.BadParameter(f"{pattern!r}: {e}", param_hint="--allow-replicate") from None
-            kwargs["mesh"] = None if tp is None else MeshSpec(tp, ep, preset, rules_file, {
-                "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}, pad_vocab, tuple(allow_replicate))
+            kwargs["mesh"] = None if tp is None else requests.mesh(
+                tp=tp, ep=ep, preset=preset, rules=rules_file, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                pad_vocab=pad_vocab, allow_replicate=allow_replicate, spell=requests.flag_name)
             return fn(*args, **kwargs)
         return wrapper
     return decorate
@@ -327,7 +320,7 @@ def _convert_command(name, pickle_only, help_text):
     @click.argument("out", type=click.Path(path_type=str))
     @read_options
     @click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from tensor names that start with it.")
-    @click.option("--dtype", type=click.Choice(["keep", "bf16", "f16", "f32"]), default="keep", show_default=True,
+    @click.option("--dtype", type=click.Choice(requests.DTYPES), default="keep", show_default=True,
                   help="Cast floating tensors (round to nearest even); integers are kept.")
     @click.option("--no-copy-extras", is_flag=True, help="Do not carry config/tokenizer files into OUT.")
     @with_option
@@ -406,7 +399,7 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @click.option("--dry-run", is_flag=True, help="Print the plan (rule, axis, bytes per rank) and write nothing.")
 @click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from tensor names that start with it "
               "(before the rules match them).")
-@click.option("--dtype", type=click.Choice(["keep", "bf16", "f16", "f32"]), default="keep", show_default=True,
+@click.option("--dtype", type=click.Choice(requests.DTYPES), default="keep", show_default=True,
               help="Cast floating tensors (round to nearest even); integers are kept; config.json says so.")
 @click.option("--target", type=click.Choice(TARGETS), default="mesh", show_default=True,
               help="The layout: ckptconv's rank directories, or also vLLM's pre-sharded files "
@@ -483,7 +476,7 @@ def plan_lines(result) -> list:
 @main.command("verify")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--against", type=click.Path(path_type=str), help="Compare every tensor with this source, bit for bit.")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "tpu"]), help="Load every rank's pieces onto devices "
+@click.option("--device", type=click.Choice(requests.DEVICES), help="Load every rank's pieces onto devices "
               "with JAX and check them there.")
 @click.option("--allow-fewer-devices", is_flag=True, help="Map ranks to devices round-robin when there are fewer.")
 @click.option("--expect", metavar="sha256:DIGEST", help="The output's identity as its producer published it "
@@ -556,7 +549,7 @@ def plan_cmd(src, mesh, hosts, disk_gbps, max_shard_size, fmt, read, quiet, as_j
     Example: ckptconv plan grok1_tensors.json --tp 8 --hosts 8
     """
     ckpt = open_source(Source(src, fmt, read))
-    result = plan_run(ckpt, hosts, disk_gbps, mesh, WriteOptions(parse_size(max_shard_size)))
+    result = plan_run(ckpt, hosts, disk_gbps, mesh, requests.write_options(max_shard_size=max_shard_size, spell=requests.flag_name))
     if as_json:
         emit("plan", {k if k != "tensors" else "tensor_count": v for k, v in result.items()})
         return
@@ -585,9 +578,7 @@ def inspect_cmd(path, fmt, read, quiet, as_json):
     For a training checkpoint it also says where the model's weights are beside the optimizer's state
     and which --state-dict picks them; classes in the pickle are listed with their counts.
     """
-    found = inspect(path, format=fmt, only=read.only, allow_globals=read.allow_globals, state_dict=read.state_dict,
-                    skip_unsupported=read.skip_unsupported, workers=read.workers, reader_options=read.declared,
-                    max_extra_size=read.max_extra_size)
+    found = inspection(Source(path, fmt, read))
     if as_json:
         emit("inspect", {"path": found.path, "format": found.format, "source": found.source,
                          "tensor_count": len(found.tensors), "total_bytes": found.total_bytes, "dtypes": found.dtypes,

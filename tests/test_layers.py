@@ -14,7 +14,7 @@ LAYERS = [
     ["formats"],
     ["tp", "readers.pickle", "readers.ziparchive"],
     ["readers"],
-    ["writers", "recipe"],
+    ["writers", "recipe", "requests"],
     ["cluster_wire", "cluster", "runner", "device"],
     ["convert", "reshard", "plan", "verify"],
     ["cli", "api", ""],        # "": the package itself (ckptconv/__init__.py exports the API)
