@@ -223,9 +223,9 @@ def test_every_tensor_size_is_checked_whichever_thread_digests_it(tmp_path, monk
     neighbours; larger ones go to the hash threads chunk by chunk. A flipped byte is named, each way."""
     import importlib
     import torch
-    verify_module = importlib.import_module("ckptconv.verify")   # (the package exports the function verify)
-    monkeypatch.setattr(verify_module, "SMALL", 1024)
-    monkeypatch.setattr(verify_module, "CHUNK", 4096)
+    shards = importlib.import_module("ckptconv.verify.shards")   # (where _hash_shard reads them)
+    monkeypatch.setattr(shards, "SMALL", 1024)
+    monkeypatch.setattr(shards, "CHUNK", 4096)
     sizes = {"empty": 0, "one": 1, "small": 100, "at_small": 256, "above": 257, "chunks": 2500, "tail": 3}
     torch.save({k: torch.arange(n, dtype=torch.float32) for k, n in sizes.items()}, tmp_path / "m.pt")
     good = tmp_path / "good"
@@ -254,14 +254,14 @@ def test_a_run_of_small_tensors_does_not_stay_mapped(tmp_path, monkeypatch):
     import types
     import torch
     from ckptconv.io.mapped import MappedFile
-    verify_module = importlib.import_module("ckptconv.verify")
-    monkeypatch.setattr(verify_module, "CHUNK", 4096)
+    shards = importlib.import_module("ckptconv.verify.shards")   # (where _hash_shard reads them)
+    monkeypatch.setattr(shards, "CHUNK", 4096)
     torch.save({f"w{i}": torch.full((100,), float(i)) for i in range(200)}, tmp_path / "m.pt")   # 400 B each
     assert run("convert", tmp_path / "m.pt", tmp_path / "out", "--quiet").exit_code == 0
     events = []
     release = MappedFile.release
     monkeypatch.setattr(MappedFile, "release", lambda self, o, n: events.append("release") or release(self, o, n))
-    monkeypatch.setattr(verify_module, "hashlib", types.SimpleNamespace(
+    monkeypatch.setattr(shards, "hashlib", types.SimpleNamespace(
         sha256=lambda *a: (a and events.append("read")) or hashlib.sha256(*a)))   # (with bytes: a tensor)
     assert problems(tmp_path / "out")[0] == 0
     reads = [i for i, e in enumerate(events) if e == "read"]

@@ -598,16 +598,16 @@ def test_a_shard_replaced_before_the_library_reads_it_is_named(copy, monkeypatch
     """The library's check comes after verify's own pass: a shard swapped in between (another valid
     header) is reported as changed, not passed because the library agrees with the new file."""
     import importlib
-    verify_module = importlib.import_module("ckptconv.verify")
+    shards = importlib.import_module("ckptconv.verify.shards")   # (where _library_view calls it)
     out = copy("conv")
     shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
-    real = verify_module._library
+    real = shards._library
 
     def swapped(path, view):
         if path == shard:
             rewrite_header(shard, lambda h: h.__setitem__("renamed", h.pop("lm_head.weight")))
         return real(path, view)
-    monkeypatch.setattr(verify_module, "_library", swapped)
+    monkeypatch.setattr(shards, "_library", swapped)
     code, lines, _ = verify(out)
     assert code == 1 and lines[:-1] == [f"{shard}: changed while verify read it: its header is not the one checked "
                                         "(verify again)"], lines
@@ -617,10 +617,10 @@ def test_a_library_view_that_changes_between_its_reads_is_named(copy, monkeypatc
     """The library's digest differs from ours, yet its second read (to name the differences) finds
     none: the file changed between the two, and that is what is reported."""
     import importlib
-    verify_module = importlib.import_module("ckptconv.verify")
+    shards = importlib.import_module("ckptconv.verify.shards")   # (where _library_view calls it)
     out = copy("conv")
     shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
-    real, calls = verify_module._library, []
+    real, calls = shards._library, []
 
     def flaky(path, view):
         seen = real(path, view)
@@ -628,7 +628,7 @@ def test_a_library_view_that_changes_between_its_reads_is_named(copy, monkeypatc
             calls.append(path)
             return b"x" * 32
         return seen
-    monkeypatch.setattr(verify_module, "_library", flaky)
+    monkeypatch.setattr(shards, "_library", flaky)
     code, lines, _ = verify(out)
     assert code == 1 and lines[:-1] == [f"{shard}: changed while verify read it: the safetensors library saw another "
                                         "header (verify again)"], lines
@@ -638,10 +638,10 @@ def test_a_single_file_replaced_before_the_library_reads_it_is_named(tmp_path, m
     """A single-file output is re-read too when the library's view differs: the change is named,
     not blamed on the library."""
     import importlib
-    verify_module = importlib.import_module("ckptconv.verify")
+    shards = importlib.import_module("ckptconv.verify.shards")   # (where _library_view calls it)
     one = tmp_path / "one.safetensors"
     assert run("convert", outputs / "conv", one).exit_code == 0
-    real = verify_module._library
+    real = shards._library
 
     def swapped(path, view):
         if path == one and not swapped.done:
@@ -649,7 +649,7 @@ def test_a_single_file_replaced_before_the_library_reads_it_is_named(tmp_path, m
             rewrite_header(one, lambda h: h.__setitem__("renamed", h.pop("lm_head.weight")))
         return real(path, view)
     swapped.done = False
-    monkeypatch.setattr(verify_module, "_library", swapped)
+    monkeypatch.setattr(shards, "_library", swapped)
     code, lines, _ = verify(one)
     assert code == 1 and f"{one}: changed while verify read it: its header is not the one checked (verify again)" \
         in lines, lines
@@ -667,7 +667,7 @@ def test_differences_of_two_row_streams_in_name_order():
     """The name-by-name comparison on plain rows: names on one side only, at either end or between,
     and a row that differs; equal rows say nothing."""
     import importlib
-    differences = importlib.import_module("ckptconv.verify")._differences
+    differences = importlib.import_module("ckptconv.verify.shards")._differences
     ours = [("a", "F32", [2]), ("c", "F32", [1]), ("d", "I8", [3])]
     theirs = [("b", "F32", [2]), ("c", "F32", [2]), ("d", "I8", [3]), ("e", "BOOL", [])]
     assert list(differences(ours, theirs)) == [("a", None, ("F32", [2])), ("b", ("F32", [2]), None),

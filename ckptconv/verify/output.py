@@ -1,0 +1,174 @@
+"""An output ckptconv wrote, checked against its own records: a directory's shards, index, manifest.json
+and SHA256SUMS agreeing, every file and tensor digest as recorded, nothing unlisted (`verify_dir`); or a
+single file against the manifest facts in its header (`verify_file`)."""
+import stat
+from pathlib import Path
+
+from .. import signals
+from ..errors import BadInput, brief
+from ..io.mapped import MappedFile
+from ..limits import MAX_NDIM
+from ..formats.safetensors import parse_header
+from ..formats.sums import NAME as SUMS
+from ..formats import manifest as manifest_format
+from ..formats.manifest import MANIFEST
+from .foreign import _verify_foreign_files
+from .report import Report, _detail
+from .scan import _kind, _read_meta, _regular, _scan, _sha256_regular
+from .shards import _hash_shard, _library_view, _our_view, _parsed
+
+
+def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structural=True):
+    """Check one output directory. `hash_only` limits the (expensive) hashing to some shards;
+    `structural=False` skips everything else (another process of a multi-process run does it)."""
+    consumer = _check_dir(d, report, progress, hash_only, structural)
+    # last, once the directory's tables are let go: the library's own table of a header is about
+    # 0.7 KB per tensor (1 KB at its peak), and is never held beside ours
+    for path, ours in consumer:
+        signals.check()
+        _library_view(path, ours, report)
+
+
+def _check_dir(d: Path, report: Report, progress, hash_only, structural) -> list:
+    """Every check of verify_dir but the safetensors library's; returns the shards that check is
+    still owed, as [(path, _our_view of its header)]."""
+    found = report if structural else Report()  # what every process would find alike: reported once
+    entries = _scan(d, found)
+    index, weight_map, index_names, m_files, m_tensors, sums = _read_meta(d, entries, found)
+    manifest_ok = m_files is not None
+    m_files, m_tensors, sums_ok = m_files or {}, m_tensors or {}, sums is not None
+    sums = sums or {}
+    shard_names = sorted(set((weight_map or {}).values()) | {f for f in (*m_files, *sums) if f.endswith(".safetensors")})
+
+    located, consumer = {}, []   # tensor -> (file, HeaderEntry); (shard, our view's digest)
+    for shard in shard_names:
+        signals.check()
+        path = d / shard
+        if shard not in entries:
+            found.add(path, "shard is missing", "missing")
+            continue
+        if not _regular(entries, shard):
+            continue  # never opened; the directory check below reports what it is
+        parsed = _parsed(path, found)
+        if parsed is None:
+            continue
+        m, header = parsed
+        if structural and not header.problems:
+            consumer.append((path, _our_view(header)))   # checked at the end (_library_view)
+        for e in header.entries:
+            if e.name in located:
+                found.add(path, f"tensor {e.name!r} also appears in {located[e.name][0]}", "misplaced", tensor=e.name)
+            else:
+                located[e.name] = (shard, e)
+        if hash_only is None or shard in hash_only:
+            _hash_shard(m, header, shard, m_files, lambda name: getattr(m_tensors.get(name), "sha256", None), sums,
+                        report, progress)
+            report.files += 1
+    if not structural:
+        return []
+
+    for name, file in (weight_map or {}).items():
+        if name not in located:
+            report.add(d / index, f"tensor {name!r} is listed in the index (in {file}) but is in no shard",
+                       "missing", tensor=name)
+        elif located[name][0] != file:
+            report.add(d / index, f"tensor {name!r} is listed in {file} but is in {located[name][0]}",
+                       "misplaced", tensor=name)
+    for name, (file, _) in located.items():
+        if index_names is not None and name not in index_names:
+            report.add(d / file, f"tensor {name!r} is in the shard but missing from the index", "unlisted", tensor=name)
+        if manifest_ok and name not in m_tensors:
+            report.add(d / file, f"tensor {name!r} is in the shard but missing from manifest.json",
+                       "unlisted", tensor=name)
+    for name, entry in m_tensors.items():
+        if name not in located:
+            report.add(d / MANIFEST, f"tensor {name!r} is in the manifest but in no shard", "missing", tensor=name)
+            continue
+        if entry is None:
+            continue  # malformed: reported
+        file, e = located[name]
+        if entry.dtype != e.dtype.code or entry.shape != e.shape:
+            report.add(d / file, f"tensor {name!r} is {e.dtype.code}{list(e.shape)}, the manifest says "
+                                 f"{_as_said(entry.dtype, entry.shape)}", "metadata", tensor=name)
+        if entry.file != file:
+            report.add(d / file, f"tensor {name!r} is here, the manifest says {entry.file}",
+                       "misplaced", tensor=name)
+    report.tensors += len(located)
+
+    listed = set(sums) | set(m_files) | set(shard_names)
+    for name in sorted(listed - set(shard_names)):
+        path = d / name
+        if name not in entries:
+            report.add(path, "listed in the manifest or SHA256SUMS but missing", "missing")
+            continue
+        digest = _sha256_regular(path) if _regular(entries, name) else None
+        if digest is None:
+            continue  # not a regular file: reported below, never opened
+        if m_files.get(name) is not None and m_files[name]["sha256"] != digest:
+            report.add(path, "sha256 differs from manifest.json", "digest")
+        if name in sums and sums[name] != digest:
+            report.add(path, "sha256 differs from SHA256SUMS", "digest")
+    if sums_ok:
+        if MANIFEST not in sums:
+            report.add(d / SUMS, "does not list manifest.json", "unlisted")
+        for name in sorted(set(m_files) - set(sums)):
+            report.add(d / name, "listed in manifest.json but not in SHA256SUMS", "unlisted")
+        if manifest_ok:
+            for name in sorted(set(sums) - set(m_files) - {MANIFEST}):
+                report.add(d / name, "listed in SHA256SUMS but not in manifest.json", "unlisted")
+    for name, st in sorted(entries.items()):
+        if not stat.S_ISREG(st.st_mode):
+            report.add(d / name, f"is {_kind(st)}; an output directory holds only regular files (not followed)",
+                       "not-regular")
+        elif name != SUMS and name not in listed:
+            report.add(d / name, "file is not listed in SHA256SUMS or the manifest", "unlisted")
+    return consumer
+
+
+def _as_said(dtype: str, shape) -> str:
+    """A dtype and shape as manifest.json says them, for a problem line: as written where they could
+    be a tensor's, else bounded (a manifest may say a megabyte of dtype or a 4,000-digit size)."""
+    said = dtype if len(dtype) <= 16 else brief(dtype, 16)
+    if len(shape) <= MAX_NDIM and all(n.bit_length() <= 64 for n in shape):
+        return f"{said}{list(shape)}"
+    return said + brief(list(shape))
+
+
+def verify_file(path: Path, report: Report, progress=None):
+    """A single-file output: its header, the safetensors library's view, `format: pt`, and every
+    tensor's digest against the manifest facts in its `__metadata__` (a file cannot hold its own
+    digest; `sha256sum` it apart)."""
+    try:
+        m = MappedFile(path)
+        header = parse_header(m.view, m.size, path)
+        raw = manifest_format.single_document(header.metadata, path)
+    except BadInput as e:
+        report.add(path, _detail(e, path), "metadata")
+        return
+    if raw is None:
+        _verify_foreign_files(path, [path], {}, report)
+        return
+    for p in header.problems:
+        report.add(path, p, "metadata")
+    if header.problems:
+        return
+    _library_view(path, _our_view(header), report)
+    if header.metadata.get("format") != "pt":
+        report.add(path, f"__metadata__ format is {brief(header.metadata.get('format'))}, not 'pt'", "metadata")
+    added = sorted(set(header.metadata) - {"format", manifest_format.SINGLE_KEY})
+    if added:
+        report.add(path, f"__metadata__ holds {', '.join(brief(k, 60) for k in added[:8])}, which ckptconv "
+                         "does not write", "metadata")
+    tensors, problems = manifest_format.check_single(raw)
+    for p in problems:
+        report.add(path, f"__metadata__ {manifest_format.SINGLE_KEY!r}: {p}", "metadata")
+    present = {e.name for e in header.entries}
+    for name in tensors:
+        if name not in present:
+            report.add(path, f"tensor {name!r} is in the manifest but not in the file", "missing", tensor=name)
+    for name in sorted(present - set(tensors)):
+        report.add(path, f"tensor {name!r} is in the file but missing from the manifest", "unlisted", tensor=name)
+    _hash_shard(m, header, path.name, None, tensors.get, {}, report,
+                progress)
+    report.files += 1
+    report.tensors += len(present)
