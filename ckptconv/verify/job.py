@@ -4,7 +4,7 @@ gathers the report); and the bytes an output holds, for the progress bar."""
 import hashlib
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import dtypes, safejson, signals
@@ -29,27 +29,50 @@ def verify(path, against=None, read=None, fmt=None, device=None, allow_fewer=Fal
     (an output's identity, formats/identity.py), the output must also be exactly that one. On several
     processes each checks its share (shards, rank dirs, tensors) and process 0 gathers the report;
     they first agree that they verify the same output the same way."""
-    report = _verify(Path(path), against, read, fmt, device, allow_fewer, progress, cluster)
+    request = VerifyRequest(path, against, read, fmt, device, allow_fewer, expect)
+    report = _verify(request, progress, cluster)
     if expect is not None and (cluster is None or cluster.is_main):
-        try:
-            found = identity(path)
-        except BadInput as e:
-            found, why = None, f"has nothing to name it by ({_detail(e, path)})"
-        if found is not None and found != expect:
-            why = f"is not the expected output: its identity is {found}, not {expect}"
-        if found != expect:
-            report.add(path, why, "identity")
-        else:
-            report.expected = True
+        _check_expected(request, report)
     return report
 
 
-def _verify(path: Path, against, read, fmt, device, allow_fewer, progress, cluster) -> Report:
+@dataclass(frozen=True)
+class VerifyRequest:
+    """What one verify is asked, as it travels between the stages: the output (`path` as given), the
+    source to compare it with (--against, read with `read` as --from `fmt`), the devices to load it
+    onto (--device, --allow-fewer-devices), and the identity it must have (--expect)."""
+
+    path: object
+    against: object = None
+    read: ReadOptions | None = None
+    fmt: str | None = None
+    device: str | None = None
+    allow_fewer: bool = False
+    expect: str | None = None
+
+
+def _check_expected(request: VerifyRequest, report: Report):
+    """--expect: the output is exactly the one named by its identity (formats/identity.py)."""
+    path, expect = request.path, request.expect
+    try:
+        found = identity(path)
+    except BadInput as e:
+        found, why = None, f"has nothing to name it by ({_detail(e, path)})"
+    if found is not None and found != expect:
+        why = f"is not the expected output: its identity is {found}, not {expect}"
+    if found != expect:
+        report.add(path, why, "identity")
+    else:
+        report.expected = True
+
+
+def _verify(request: VerifyRequest, progress, cluster) -> Report:
+    path = Path(request.path)
     if cluster is not None and cluster.num_processes > 1:
         from ..cluster import agree
-        agree(cluster, _job(path, against, fmt, device, allow_fewer))
+        agree(cluster, _job(request))
     if path.name.endswith(".safetensors") and path.is_file():
-        return _verify_single(path, against, read, fmt, device, allow_fewer, progress, cluster)
+        return _verify_single(request, progress, cluster)
     if not path.is_dir():
         raise UsageError(f"{path}: neither an output directory nor a .safetensors file")
     is_mesh = os.path.lexists(path / MESH)
@@ -58,7 +81,7 @@ def _verify(path: Path, against, read, fmt, device, allow_fewer, progress, clust
         if not any(n.endswith((".safetensors", manifest_format.INDEX_SUFFIX)) for n in names):
             raise UsageError(f"{path}: holds no safetensors files, index, {MANIFEST} or {MESH}; not a ckptconv output "
                              "nor any other safetensors output")
-        return _verify_single(path, against, read, fmt, device, allow_fewer, progress, cluster, _verify_foreign_dir)
+        return _verify_single(request, progress, cluster, _verify_foreign_dir)
     mine = _share(path, is_mesh, cluster)
     report = Report()
     if is_mesh:
@@ -70,31 +93,31 @@ def _verify(path: Path, against, read, fmt, device, allow_fewer, progress, clust
         shards = None if cluster is None else {f for f in _shard_sizes(path) if mine("shard", f)}
         verify_dir(path, report, progress, shards, structural=cluster is None or cluster.is_main)
     _merge(cluster, "structure", report)
-    if against is not None and not report.problems:
-        compare_against(path, against, read or ReadOptions(), fmt, report, mine)
+    if request.against is not None and not report.problems:
+        compare_against(path, request.against, request.read or ReadOptions(), request.fmt, report, mine)
         _merge(cluster, "against", report)
-    if device is not None and not report.problems:
+    if request.device is not None and not report.problems:
         from ..device import device_check
-        report.device = device_check(path, device, allow_fewer, report, cluster)
+        report.device = device_check(path, request.device, request.allow_fewer, report, cluster)
         _merge(cluster, "device", report)
     _merge(cluster, "totals", report)
     return report
 
 
-def _verify_single(path, against, read, fmt, device, allow_fewer, progress, cluster, check=None) -> Report:
+def _verify_single(request: VerifyRequest, progress, cluster, check=None) -> Report:
     """One file (or an output ckptconv did not write) is checked whole by process 0; the others wait
     for its report."""
-    report = Report()
+    path, report = Path(request.path), Report()
     if cluster is None or cluster.is_main:
         (check or verify_file)(path, report, progress)
-        if against is not None and not report.problems:
-            compare_against(path, against, read or ReadOptions(), fmt, report)
-        if device is not None and not report.problems and report.foreign:
+        if request.against is not None and not report.problems:
+            compare_against(path, request.against, request.read or ReadOptions(), request.fmt, report)
+        if request.device is not None and not report.problems and report.foreign:
             report.notes.append(f"{path}: --device compares what reaches the device with the recorded digests; "
                                 "there are none here, so nothing was placed")
-        elif device is not None and not report.problems:
+        elif request.device is not None and not report.problems:
             from ..device import device_check
-            report.device = device_check(path, device, allow_fewer, report)
+            report.device = device_check(path, request.device, request.allow_fewer, report)
     _merge(cluster, "totals", report)
     return report
 
@@ -161,17 +184,18 @@ def _merge(cluster, stage, report: Report):
         report.files, report.tensors, report.bytes = total["files"], total["tensors"], total["bytes"]
 
 
-def _job(path: Path, against, fmt, device, allow_fewer) -> dict:
+def _job(request: VerifyRequest) -> dict:
     """What one process of a verify is about to check, for `cluster.agree`: the options, and the
     output by what names every file of it (its SHA256SUMS, or a single file's header), as digests."""
+    path = Path(request.path)
     first = path / SUMS if path.is_dir() else path
     try:
         with safejson.open_regular(first, follow=False) as fd:
             head = os.read(fd, 1 << 20)
     except BadInput:
         head = b""
-    return {"options": {"--against": against is not None, "--from": fmt, "--device": device,
-                        "--allow-fewer-devices": allow_fewer},
+    return {"options": {"--against": request.against is not None, "--from": request.fmt, "--device": request.device,
+                        "--allow-fewer-devices": request.allow_fewer},
             "output": {"name": path.name, "digest": hashlib.sha256(head).hexdigest()}}
 
 
