@@ -2,6 +2,7 @@
 and SHA256SUMS agreeing, every file and tensor digest as recorded, nothing unlisted (`verify_dir`); or a
 single file against the manifest facts in its header (`verify_file`)."""
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import signals
@@ -33,15 +34,52 @@ def _check_dir(d: Path, report: Report, progress, hash_only, structural) -> list
     """Every check of verify_dir but the safetensors library's; returns the shards that check is
     still owed, as [(path, _our_view of its header)]."""
     found = report if structural else Report()  # what every process would find alike: reported once
+    meta = _dir_meta(d, found)
+    located, consumer = _check_shards(meta, found, report, progress, hash_only, structural)
+    if not structural:
+        return []
+    _check_tensors_listed(meta, located, report)
+    report.tensors += len(located)
+    _check_other_files(meta, report)
+    return consumer
+
+
+@dataclass(frozen=True)
+class _DirMeta:
+    """What an output directory's own metadata lists, for _check_dir's steps: its entries (lstat), its
+    index (no index: weight_map and index_names None), manifest.json's files and tensors and SHA256SUMS
+    (empty when unreadable: `manifest_ok`, `sums_ok` say whether they were read), and its shards."""
+
+    d: Path
+    entries: dict
+    index: str
+    weight_map: dict | None
+    index_names: object
+    m_files: dict
+    m_tensors: dict
+    sums: dict
+    manifest_ok: bool
+    sums_ok: bool
+    shard_names: list
+
+
+def _dir_meta(d: Path, found: Report) -> _DirMeta:
     entries = _scan(d, found)
     index, weight_map, index_names, m_files, m_tensors, sums = _read_meta(d, entries, found)
     manifest_ok = m_files is not None
     m_files, m_tensors, sums_ok = m_files or {}, m_tensors or {}, sums is not None
     sums = sums or {}
     shard_names = sorted(set((weight_map or {}).values()) | {f for f in (*m_files, *sums) if f.endswith(".safetensors")})
+    return _DirMeta(d, entries, index, weight_map, index_names, m_files, m_tensors, sums, manifest_ok, sums_ok,
+                    shard_names)
 
+
+def _check_shards(meta: _DirMeta, found: Report, report: Report, progress, hash_only, structural):
+    """Each shard's header (tensors in one shard only) and, for those in `hash_only`, its digests.
+    Returns ({tensor: (file, HeaderEntry)}, [(shard path, our view's digest)] for the library's check)."""
+    d, entries, m_files, m_tensors, sums = meta.d, meta.entries, meta.m_files, meta.m_tensors, meta.sums
     located, consumer = {}, []   # tensor -> (file, HeaderEntry); (shard, our view's digest)
-    for shard in shard_names:
+    for shard in meta.shard_names:
         signals.check()
         path = d / shard
         if shard not in entries:
@@ -64,10 +102,14 @@ def _check_dir(d: Path, report: Report, progress, hash_only, structural) -> list
             _hash_shard(m, header, shard, m_files, lambda name: getattr(m_tensors.get(name), "sha256", None), sums,
                         report, progress)
             report.files += 1
-    if not structural:
-        return []
+    return located, consumer
 
-    for name, file in (weight_map or {}).items():
+
+def _check_tensors_listed(meta: _DirMeta, located: dict, report: Report):
+    """The tensors in the shards (`located`) are those the index and manifest.json list, where they
+    list them, with the dtype and shape the manifest says."""
+    d, index, m_tensors = meta.d, meta.index, meta.m_tensors
+    for name, file in (meta.weight_map or {}).items():
         if name not in located:
             report.add(d / index, f"tensor {name!r} is listed in the index (in {file}) but is in no shard",
                        "missing", tensor=name)
@@ -75,9 +117,9 @@ def _check_dir(d: Path, report: Report, progress, hash_only, structural) -> list
             report.add(d / index, f"tensor {name!r} is listed in {file} but is in {located[name][0]}",
                        "misplaced", tensor=name)
     for name, (file, _) in located.items():
-        if index_names is not None and name not in index_names:
+        if meta.index_names is not None and name not in meta.index_names:
             report.add(d / file, f"tensor {name!r} is in the shard but missing from the index", "unlisted", tensor=name)
-        if manifest_ok and name not in m_tensors:
+        if meta.manifest_ok and name not in m_tensors:
             report.add(d / file, f"tensor {name!r} is in the shard but missing from manifest.json",
                        "unlisted", tensor=name)
     for name, entry in m_tensors.items():
@@ -93,10 +135,14 @@ def _check_dir(d: Path, report: Report, progress, hash_only, structural) -> list
         if entry.file != file:
             report.add(d / file, f"tensor {name!r} is here, the manifest says {entry.file}",
                        "misplaced", tensor=name)
-    report.tensors += len(located)
 
-    listed = set(sums) | set(m_files) | set(shard_names)
-    for name in sorted(listed - set(shard_names)):
+
+def _check_other_files(meta: _DirMeta, report: Report):
+    """The files besides the shards: each listed one present with its recorded digest, manifest.json
+    and SHA256SUMS listing the same files, and every entry a regular file that one of them lists."""
+    d, entries, m_files, sums = meta.d, meta.entries, meta.m_files, meta.sums
+    listed = set(sums) | set(m_files) | set(meta.shard_names)
+    for name in sorted(listed - set(meta.shard_names)):
         path = d / name
         if name not in entries:
             report.add(path, "listed in the manifest or SHA256SUMS but missing", "missing")
@@ -108,12 +154,12 @@ def _check_dir(d: Path, report: Report, progress, hash_only, structural) -> list
             report.add(path, "sha256 differs from manifest.json", "digest")
         if name in sums and sums[name] != digest:
             report.add(path, "sha256 differs from SHA256SUMS", "digest")
-    if sums_ok:
+    if meta.sums_ok:
         if MANIFEST not in sums:
             report.add(d / SUMS, "does not list manifest.json", "unlisted")
         for name in sorted(set(m_files) - set(sums)):
             report.add(d / name, "listed in manifest.json but not in SHA256SUMS", "unlisted")
-        if manifest_ok:
+        if meta.manifest_ok:
             for name in sorted(set(sums) - set(m_files) - {MANIFEST}):
                 report.add(d / name, "listed in SHA256SUMS but not in manifest.json", "unlisted")
     for name, st in sorted(entries.items()):
@@ -122,7 +168,6 @@ def _check_dir(d: Path, report: Report, progress, hash_only, structural) -> list
                        "not-regular")
         elif name != SUMS and name not in listed:
             report.add(d / name, "file is not listed in SHA256SUMS or the manifest", "unlisted")
-    return consumer
 
 
 def _as_said(dtype: str, shape) -> str:
