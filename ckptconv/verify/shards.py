@@ -122,12 +122,26 @@ def _library_view(path: Path, ours: bytes, report: Report):
 
 
 def _hash_shard(m, header, shard, m_files, recorded, sums, report, progress):
-    """Digest the file and each tensor in one streaming pass (hashing.HashLanes), while this thread
+    """Digest the file and each tensor in one streaming pass (_digest_shard), and compare the digests
+    with those recorded: the file's in manifest.json (`m_files`, None for a single-file output: no
+    file digest to compare) and SHA256SUMS (`sums`), each tensor's as `recorded(name)` gives it."""
+    path = Path(m.path)
+    ranges, digests, file_digest = _digest_shard(m, header, progress)
+    report.bytes += m.size
+    _check_file_digest(path, m.size, file_digest, shard, m_files, sums, report)
+    for (entry, _, _), digest in zip(ranges[1:], digests):   # (a digest per entry of `ranges`, in order)
+        want = recorded(entry.name)
+        if want is not None and want != digest:
+            report.add(path, f"tensor {entry.name!r}: sha256 differs from the manifest (its bytes "
+                             f"{entry.begin}..{entry.end} are corrupted)", "digest", tensor=entry.name)
+
+
+def _digest_shard(m, header, progress):
+    """The file's digest and each tensor's, in one streaming pass (hashing.HashLanes), while this thread
     maps the next chunk's pages in; pages are dropped once the hashes are done with them. A tensor
     of at most SMALL bytes is digested here, in this thread, and its bytes go to the file's digest with
-    its neighbours' in CHUNK pieces (hashing.SMALL). `m_files` is None for a single-file output (no
-    file digest to compare)."""
-    path = Path(m.path)
+    its neighbours' in CHUNK pieces (hashing.SMALL). Returns (the ranges read: the header's, then each
+    tensor's as (entry, begin, end), the tensors' Digests in that order, the file's digest)."""
     hashes, file_h, chunks, digests = HashLanes(), sha256.new(), deque(), Digests()
     fed = released = 0   # the file's bytes before `fed` are on their way to its digest
 
@@ -172,22 +186,22 @@ def _hash_shard(m, header, shard, m_files, recorded, sums, report, progress):
     finally:
         hashes.close()
         m.release(0, m.size)
-    report.bytes += m.size
+    return ranges, digests, file_digest
+
+
+def _check_file_digest(path: Path, size: int, file_digest, shard, m_files, sums, report: Report):
+    """A shard's size and digest as manifest.json (`m_files`; None for a single-file output, which
+    cannot record its own digest) and SHA256SUMS record them."""
     info = (m_files or {}).get(shard)
     if m_files is None:
         pass  # a single-file output: it cannot record its own digest
     elif shard not in m_files:
         report.add(path, "shard is not listed in manifest.json files", "unlisted")
     elif info is not None:  # (a malformed entry is reported with the manifest)
-        if info.get("size") != m.size:
-            report.add(path, f"size is {m.size} bytes, the manifest says {brief(info.get('size'))} (truncated?)",
+        if info.get("size") != size:
+            report.add(path, f"size is {size} bytes, the manifest says {brief(info.get('size'))} (truncated?)",
                        "digest")
         if info.get("sha256") != file_digest:
             report.add(path, "sha256 differs from manifest.json", "digest")
     if shard in sums and sums[shard] != file_digest:
         report.add(path, "sha256 differs from SHA256SUMS", "digest")
-    for (entry, _, _), digest in zip(ranges[1:], digests):   # (a digest per entry of `ranges`, in order)
-        want = recorded(entry.name)
-        if want is not None and want != digest:
-            report.add(path, f"tensor {entry.name!r}: sha256 differs from the manifest (its bytes "
-                             f"{entry.begin}..{entry.end} are corrupted)", "digest", tensor=entry.name)
