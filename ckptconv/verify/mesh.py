@@ -30,16 +30,7 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
     entries = _scan(path, found)
     sums = _sums(path, entries, found)
     data = _read(path, MESH, entries, found, MESH)
-    dirs = {}  # every rank-XXXXX directory on disk
-    for name, st in sorted(entries.items()):
-        r = rank_number(name)
-        if r is not None and stat.S_ISDIR(st.st_mode):
-            dirs[r] = name
-        elif not stat.S_ISREG(st.st_mode):
-            found.add(path / name, f"is {_kind(st)}; a reshard output holds only its rank directories and regular "
-                                   "files (not followed)", "not-regular")
-        elif name != SUMS and name not in (sums or {}):
-            found.add(path / name, "file is not listed in SHA256SUMS", "unlisted")
+    dirs = _top_entries(path, entries, sums, found)  # every rank-XXXXX directory on disk
     mesh = None
     if data is not None:
         try:  # its rank count must be the number of rank directories before anything loops over it
@@ -53,29 +44,8 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
     # (against its manifest; its SHA256SUMS line is tied to the same digest below): not read twice
     linked = {n for n, (shard, _) in (vllm_parts or {}).items() if _same_file(path / n, path / shard)}
     if sums is not None:
-        if MESH not in sums:
-            found.add(path / SUMS, "does not list mesh.json", "unlisted")
-        for name in sorted(sums):
-            if name not in entries:
-                found.add(path / name, "listed in SHA256SUMS but missing", "missing")
-            elif stat.S_ISDIR(entries[name].st_mode):
-                found.add(path / name, "listed in SHA256SUMS but is a directory", "not-regular")
-            elif _regular(entries, name) and name not in linked:
-                digest = hashlib.sha256(data).hexdigest() if name == MESH and data is not None \
-                    else _sha256_regular(path / name)
-                if digest is not None and digest != sums[name]:
-                    found.add(path / name, "sha256 differs from SHA256SUMS", "digest")
-    present = dirs
-    if mesh is not None:  # as many directories as ranks (checked): rank-00000 … exactly, or some are off
-        ranks = mesh["ranks"]
-        present = {r: n for r, n in dirs.items() if r < ranks}
-        for r, name in sorted(dirs.items()):
-            if r >= ranks:
-                found.add(path / name, f"rank directory beyond the {ranks} ranks of mesh.json", "unlisted")
-        for r in range(ranks):
-            if r not in dirs:
-                found.add(path / rank_dir(r), "rank directory is missing", "missing")
-    for r, name in sorted(present.items()):
+        _check_top_sums(path, entries, sums, data, linked, found)
+    for r, name in sorted(_ranks_present(path, mesh, dirs, found).items()):
         if mine("rank", r):
             verify_dir(path / name, report, progress)
     if vllm_parts is not None and sums is not None:
@@ -85,6 +55,55 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
             if rank_number(name) is None:
                 found.add(path / name, "is listed in SHA256SUMS, but reshard writes no such file here", "unlisted")
     return mesh
+
+
+def _top_entries(path: Path, entries: dict, sums, found: Report) -> dict:
+    """{rank: name} of the rank directories at the top of a reshard output; any other entry must be a
+    regular file SHA256SUMS lists (`sums`: None when it could not be read)."""
+    dirs = {}
+    for name, st in sorted(entries.items()):
+        r = rank_number(name)
+        if r is not None and stat.S_ISDIR(st.st_mode):
+            dirs[r] = name
+        elif not stat.S_ISREG(st.st_mode):
+            found.add(path / name, f"is {_kind(st)}; a reshard output holds only its rank directories and regular "
+                                   "files (not followed)", "not-regular")
+        elif name != SUMS and name not in (sums or {}):
+            found.add(path / name, "file is not listed in SHA256SUMS", "unlisted")
+    return dirs
+
+
+def _check_top_sums(path: Path, entries: dict, sums: dict, data, linked: set, found: Report):
+    """Every file the top-level SHA256SUMS lists is there with that digest (mesh.json's from `data`,
+    the bytes already read; a `linked` part is checked with its rank directory)."""
+    if MESH not in sums:
+        found.add(path / SUMS, "does not list mesh.json", "unlisted")
+    for name in sorted(sums):
+        if name not in entries:
+            found.add(path / name, "listed in SHA256SUMS but missing", "missing")
+        elif stat.S_ISDIR(entries[name].st_mode):
+            found.add(path / name, "listed in SHA256SUMS but is a directory", "not-regular")
+        elif _regular(entries, name) and name not in linked:
+            digest = hashlib.sha256(data).hexdigest() if name == MESH and data is not None \
+                else _sha256_regular(path / name)
+            if digest is not None and digest != sums[name]:
+                found.add(path / name, "sha256 differs from SHA256SUMS", "digest")
+
+
+def _ranks_present(path: Path, mesh, dirs: dict, found: Report) -> dict:
+    """The rank directories to check, {rank: name}: all of them without a valid mesh.json, else those of
+    its ranks; with one, as many directories as ranks (checked): rank-00000 … exactly, or some are off."""
+    present = dirs
+    if mesh is not None:
+        ranks = mesh["ranks"]
+        present = {r: n for r, n in dirs.items() if r < ranks}
+        for r, name in sorted(dirs.items()):
+            if r >= ranks:
+                found.add(path / name, f"rank directory beyond the {ranks} ranks of mesh.json", "unlisted")
+        for r in range(ranks):
+            if r not in dirs:
+                found.add(path / rank_dir(r), "rank directory is missing", "missing")
+    return present
 
 
 def _vllm_parts(path: Path, ranks: int):
