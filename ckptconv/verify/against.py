@@ -153,6 +153,19 @@ def _compare_facts(recorded: Path, document: dict, manifest: dict, source, repor
         report.add(recorded, f"source is {brief(document.get('source'), 80)}, not the object ckptconv records",
                    "source")
         return
+    document = _compare_description(recorded, document, manifest, source, report)
+    _compare_extras(recorded, document, source, report)
+    files = document.get("files")
+    if not isinstance(files, dict) or recorded.name != MANIFEST:
+        return   # (a single file carries no model files)
+    _compare_model_files(recorded, files, manifest, source, report, beside)
+
+
+def _compare_description(recorded: Path, document: dict, manifest: dict, source, report: Report) -> dict:
+    """The reader's description of the source, as the output records it (`manifest`, its "source"
+    entry, less what convert applied), is what the reader says today. Returns the document to compare
+    further: when another reader made the output, the source's own facts stand in for what is not
+    compared (a note says so)."""
     fresh = {k: v for k, v in _plain(source.source).items() if k != "path"}
     kept = {k: v for k, v in _plain(manifest).items() if k not in _APPLIED}
     if kept.get("format") != fresh.get("format"):
@@ -169,6 +182,12 @@ def _compare_facts(recorded: Path, document: dict, manifest: dict, source, repor
                                  f"{brief(fresh[key], 120)}", "source")
         elif key not in fresh:
             report.add(recorded, f"source.{key} ({brief(kept[key], 120)}) is not what the source gives", "source")
+    return document
+
+
+def _compare_extras(recorded: Path, document: dict, source, report: Report):
+    """The extras, and the other facts the reader records beside its tensors (`quantization` …), are
+    the source's."""
     extras, theirs = _plain(document.get("extras", {})), _plain(source.extras)
     for key in sorted(set(extras) | set(theirs), key=str) if extras != theirs else ():
         if extras.get(key) != theirs.get(key):
@@ -180,9 +199,11 @@ def _compare_facts(recorded: Path, document: dict, manifest: dict, source, repor
         if others.get(key) != theirs_top.get(key):
             report.add(recorded, f"{key} is {brief(others.get(key), 120)}, the source's reader gives "
                                  f"{brief(theirs_top.get(key), 120)}", "source")
-    files = document.get("files")
-    if not isinstance(files, dict) or recorded.name != MANIFEST:
-        return   # (a single file carries no model files)
+
+
+def _compare_model_files(recorded: Path, files: dict, manifest: dict, source, report: Report, beside: bool):
+    """The model files the output lists as carried (`files`) are the source's: each one the source
+    has, with its bytes (config.json as --dtype edits it), and none it lacks; --with files aside."""
     carried, edited = source.out_files()   # (the files a reader makes, as it makes them from the source today)
     try:
         target = Recipe.recorded(manifest).cast
