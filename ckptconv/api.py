@@ -161,6 +161,6 @@ def inspection(source: Source) -> Inspection:
     # the rows come from plain facts, not from the sources: a result kept must not keep files mapped
     facts = [(t.name, t.dtype.code, t.shape, t.nbytes) for t in ckpt.tensors]
     return Inspection(str(path), ckpt.format, RowView(facts, _tensor_row),
-                      ckpt.total_bytes, dict(sorted(hist.items())), ckpt.extras, ckpt.source,
+                      ckpt.total_bytes, dict(sorted(hist.items())), ckpt.extras, ckpt.source.to_json(),
                       [rel for rel, _ in ckpt.out_files()[0]], ckpt.skipped_files, ckpt.also, ckpt.layout,
-                      ckpt.source.get("placeholders", []))
+                      ckpt.source.placeholders)

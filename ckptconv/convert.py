@@ -94,7 +94,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     target = None if options.dtype == "keep" else dtypes.CAST_TARGETS[options.dtype]
     recipe = Recipe(options.strip_prefix, target)
     tensors, aliases = recipe.apply(ckpt.tensors, src, untie=True, same_bytes=config.get("tie_word_embeddings") is True)
-    described = {**ckpt.source, "path": source_name(src), **recipe.records()}
+    described = {**ckpt.source.to_json(), "path": source_name(src), **recipe.records()}
     if source.options.only:
         described["only"] = list(source.options.only)   # verify --against compares the same selection
     carry = options.copy_extras and not one_file  # one file carries no model files
@@ -121,8 +121,8 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     result = ConvertResult(str(out), ckpt.format, len(tensors), total, facts.get("files", []), round(seconds, 3),
                            round(total / seconds / 1e9, 3) if seconds else None, facts.get("resumed_bytes", 0),
                            facts.get("resume_note"), content.skipped_files, ckpt.also,
-                           None if ckpt.source.get("state_dict") in (None, "none") else ckpt.source["state_dict"],
-                           ckpt.source.get("dropped", []), ckpt.source.get("placeholders", []), ckpt.layout)
+                           None if ckpt.source.state_dict in (None, "none") else ckpt.source.state_dict,
+                           ckpt.source.dropped, ckpt.source.placeholders, ckpt.layout)
     if cluster is None or cluster.is_main:
         result.identity = identity(out)
     if cluster is not None:

@@ -32,7 +32,7 @@ PER_TENSOR_SECONDS = {"convert": 95e-6, "reshard": 80e-6}
 def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
     """(name, bytes) of every output file (convert) or rank directory (reshard, with `mesh`), in
     output order, and the rules chosen."""
-    write, content = named_after(write or WriteOptions(), ckpt, ckpt.source.get("path", "")), Content(ckpt.source)
+    write, content = named_after(write or WriteOptions(), ckpt, ckpt.source.path), Content(ckpt.source.to_json())
     if mesh is None:
         return [(u.name, u.size) for u in WRITERS["sharded"](write, content).plan(ckpt.tensors)], None
     rules = choose_rules(ckpt, mesh)
@@ -60,7 +60,7 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
                              else per_tensor_rss * pieces),
                           "seconds": max(2 * written / (disk_gbps * 1e9), written / (cpu_gbps * 1e9))
                           + per_tensor * pieces})
-    return {"source": ckpt.source.get("path"), "format": ckpt.format,
+    return {"source": ckpt.source.path, "format": ckpt.format,
             "tensors": len(ckpt.tensors), "source_bytes": sum(math.prod(t.shape) * t.dtype.itemsize for t in ckpt.tensors),
             "job": job, "tp": mesh.tp if mesh else None, "ep": mesh.ep if mesh else 1,
             "rules": rules.name if rules else None, "hosts": hosts, "disk_gbps": disk_gbps,

@@ -72,7 +72,7 @@ def reshard(source: Source, out, mesh: MeshSpec, write: WriteOptions = None, dry
     engine, rules = _for_vllm(ckpt, mesh) if target == vllm.TARGET else (None, None)
     recipe = Recipe(strip_prefix, cast_to, engine)
     tensors, _ = recipe.apply(ckpt.tensors, source.path)
-    described = {**ckpt.source, "path": source_name(source.path), **recipe.records(),
+    described = {**ckpt.source.to_json(), "path": source_name(source.path), **recipe.records(),
                  **({"only": list(source.options.only)} if source.options.only else {})}
     if rules is None:
         rules = choose_rules(ckpt if tensors is ckpt.tensors else dataclasses.replace(ckpt, tensors=tensors), mesh)

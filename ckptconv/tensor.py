@@ -345,13 +345,43 @@ def as_bytes(block: np.ndarray) -> memoryview:
     return memoryview(block.reshape(-1).view(np.uint8))
 
 
+@dataclass(kw_only=True)
+class SourceFacts:
+    """What a reader says about the source it read: the manifest's "source" (the commands add what
+    the run did: the recipe, the selection), each fact typed, written out in one place (to_json)."""
+
+    format: str
+    path: str
+    files: list | int | None = None    # the files read, relative to path (Grok-1: how many)
+    state_dict: str | None = None      # the entry of a training checkpoint written ("none": everything)
+    dropped: list = field(default_factory=list)        # {"name", "reason"}: state left out, and why
+    placeholders: list = field(default_factory=list)   # {"global", "count"}: classes recorded as inert data
+    skipped: list = field(default_factory=list)        # {"name", ...}: tensors --skip-unsupported left out
+    unindexed: list = field(default_factory=list)      # .safetensors files beside an index that lists none
+    layout: str | None = None          # a reader's layout of its format (Grok-1 "mixtral", Megatron "legacy")
+    dequantize: str | None = None      # Grok-1 --dequantize
+    to: str | None = None              # Megatron --to
+    more: dict = field(default_factory=dict)   # the reader's own facts (tp, pp, tag, zero_stage, rules ...)
+
+    _OPTIONAL = ("files", "state_dict", "layout", "dequantize", "to")
+    _LISTS = ("dropped", "placeholders", "skipped", "unindexed")
+
+    def to_json(self) -> dict:
+        """The facts as the manifest records them: a fact not established is not written."""
+        out = {"format": self.format, "path": self.path}
+        out.update({k: getattr(self, k) for k in self._OPTIONAL if getattr(self, k) is not None})
+        out.update({k: getattr(self, k) for k in self._LISTS if getattr(self, k)})
+        out.update(self.more)
+        return out
+
+
 @dataclass
 class Checkpoint:
-    """What a reader returns: ordered tensors, JSON-able extras, a description of the source."""
+    """What a reader returns: ordered tensors, JSON-able extras, what it found out about the source."""
 
     tensors: list
     extras: dict = field(default_factory=dict)
-    source: dict = field(default_factory=dict)
+    source: SourceFacts = None
     model_files: list = field(default_factory=list)  # (relative name, path) carried into OUT unchanged
     mapped: list = field(default_factory=list)       # MappedFiles to check for changes during a run
     manifest: dict = field(default_factory=dict)     # extra top-level manifest entries (quantization)
@@ -367,7 +397,9 @@ class Checkpoint:
     def __post_init__(self):
         """Every reader's tensors meet the same rules before anything is planned or written: distinct
         names that UTF-8 can spell (a safetensors header is UTF-8 JSON) and shapes consumers can load."""
-        where = self.source.get("path", "checkpoint")
+        if self.source is None:
+            self.source = SourceFacts(format="", path="checkpoint")
+        where = self.source.path
         seen = set()
         for t in self.tensors:
             if not isinstance(t.name, str) or not encodable(t.name):

@@ -32,7 +32,7 @@ from ..limits import MAX_NDIM, Budget, shape_problem
 from ..io.mapped import MappedFile, MemoryFile
 from ..io.outfile import pwrite_all
 from ..formats.safetensors import parse_header
-from ..tensor import Checkpoint, Concat, TensorSource
+from ..tensor import Checkpoint, SourceFacts, Concat, TensorSource
 from .pickle.torch_globals import TORCH_OWNED, TorchTensor, flatten, torch_globals
 from .pickle.unpickler import Function, InertClass, InertObject, Marker
 from . import ReadOptions, confined, model_files, source_root, wanted
@@ -684,7 +684,7 @@ def read(path: Path, options: ReadOptions, allow, keep) -> Checkpoint:
             if c.numel and not c.transformed:
                 c.source()
         tensors.append(_global(fqn, dt, shape, chunks, grid))
-    source = {"format": NAME, "path": str(path), "files": sorted(p.name for p in path.glob("*.distcp"))}
+    source = SourceFacts(format=NAME, path=str(path), files=sorted(p.name for p in path.glob("*.distcp")))
     return Checkpoint(tensors, extras, source, model_files(path), [meta] + list(reader.files.values()))
 
 

@@ -35,7 +35,7 @@ from .. import dtypes
 from ..errors import BadInput, brief, printable
 from ..io.mapped import MappedFile
 from ..limits import Budget, shape_problem
-from ..tensor import Checkpoint, Concat, MappedView, TensorSource, cast
+from ..tensor import Checkpoint, SourceFacts, Concat, MappedView, TensorSource, cast
 from . import DEEPSPEED_RANK_FILE, ReadOptions, confined, deepspeed_tag_directory, model_files, source_root, wanted
 from . import ziparchive
 from .pickle import unpickler
@@ -602,11 +602,12 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     for t in kept:   # what is read: ahead of where it is touched, never behind (where the moments lie)
         _advise_sequential(t, advised)
     files = [str(p.relative_to(path)) for p in layout.optim + _model_files(layout, stage)]
-    source = {"format": NAME, "path": str(path), "files": files, "tag": tag, "zero_stage": stage,
-              "world_size": world, "ds_version": first.ds_version, "master_dtype": first.groups[0].dtype.code}
+    source = SourceFacts(format=NAME, path=str(path), files=files, more={
+        "tag": tag, "zero_stage": stage, "world_size": world, "ds_version": first.ds_version,
+        "master_dtype": first.groups[0].dtype.code})
     left = [n for n in s0.module_params if n not in by_name]
     if left:   # ZeRO-1 does not save frozen parameters among the fp32 state: DeepSpeed's merge leaves them out
-        source["dropped"] = [{"name": n, "reason": "a parameter saved only in the 16-bit module state (a frozen one, "
+        source.dropped = [{"name": n, "reason": "a parameter saved only in the 16-bit module state (a frozen one, "
                                                   "at ZeRO stage 1), not among the fp32 masters; DeepSpeed's merge "
                                                   "leaves it out too"} for n in left[:1000]]
     files_beside = model_files(carry, [directory]) if carry.is_dir() else []

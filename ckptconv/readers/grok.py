@@ -20,7 +20,7 @@ from .pickle import unpickler
 from ..errors import BadInput, UsageError
 from ..io.mapped import MappedFile
 from .pickle.numpy_globals import NUMPY_OWNED, NumpyArray, numpy_globals, numpy_source
-from ..tensor import Checkpoint, Computed, Concat, cast
+from ..tensor import Checkpoint, SourceFacts, Computed, Concat, cast
 from .pickle.unpickler import StandIn
 from . import ReadOptions, confined, model_files, source_root, wanted
 
@@ -201,15 +201,14 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
             raise BadInput(f"{d}: {name} has several host files but no known axis to join them on "
                            "(use --host-axis)")
     leaves = {names[i]: _join(names[i], i, [parsed[(i, h)] for h in range(hosts)], host_axis) for i in keep}
-    source = {"format": NAME, "path": str(path), "files": len(files) * hosts, "hosts": hosts, "names": naming}
+    source = SourceFacts(format=NAME, path=str(path), files=len(files) * hosts, dequantize=dequantize or None,
+                         more={"hosts": hosts, "names": naming})
     if layout == "mixtral":
         tensors, quant = _mixtral(d, leaves, dequantize or "bf16"), {}
-        source["layout"] = "mixtral"
+        source.layout = "mixtral"
     else:
         tensors, quant = _tensors(leaves, dequantize)
     tensors = [t for t in tensors if wanted(t.name, options.only)]
-    if dequantize:
-        source["dequantize"] = dequantize
     manifest = {"quantization": quant} if quant else {}
     mapped = [m for m, _ in parsed.values()]
     return Checkpoint(tensors, {}, source, model_files(path) if path != d else [], mapped, manifest)

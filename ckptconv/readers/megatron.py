@@ -29,7 +29,7 @@ from .. import safejson
 from ..errors import BadInput, UsageError, brief, printable
 from ..io.mapped import MappedFile
 from ..limits import Budget
-from ..tensor import Checkpoint, TensorSource
+from ..tensor import Checkpoint, SourceFacts, TensorSource
 from ..tp import megatron as mt
 from ..tp.layout import joined
 from ..tp.presets import PRESETS
@@ -474,7 +474,7 @@ def _torch_dist(d: Path, root: str, options: ReadOptions, meta: dict):
     extras = unpickler.extras_json({"args": InertObject("argparse.Namespace", state=dict(args)),
                                     "checkpoint_version": top.get("checkpoint_version"),
                                     "iteration": top.get("iteration")}, Budget(common))
-    described = {"layout": "torch_dist", "files": ckpt.source.get("files", []), "tp": a.tp, "pp": a.pp, "ep": a.ep,
+    described = {"layout": "torch_dist", "files": ckpt.source.files or [], "tp": a.tp, "pp": a.pp, "ep": a.ep,
                  **({"vp": a.vp} if a.vp else {})}
     return tensors, a, extras, described, dropped, [m] + ckpt.mapped
 
@@ -575,13 +575,11 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         config = mt.hf_config(a)
         made = {"config.json": mt.config_bytes(config)}
     tensors = [t for t in tensors if wanted(t.name, options.only)]
-    source = {"format": NAME, "path": str(path), "iteration": tag, **described}
-    if to == "hf":
-        source["to"] = "hf"
-    if dropped:
-        source["dropped"] = dropped
-    if d != path:
-        source["files"] = [f"{tag}/{f}" for f in source["files"]]
+    files = described.pop("files")
+    source = SourceFacts(format=NAME, path=str(path), layout=described.pop("layout"),
+                         files=[f"{tag}/{f}" for f in files] if d != path else files,
+                         placeholders=described.pop("placeholders", []), to="hf" if to == "hf" else None,
+                         dropped=dropped, more={"iteration": tag, **described})
     carried = [(rel, p) for rel, p in model_files(top, [d, d / "metadata.json"]) if rel not in made]
     return Checkpoint(tensors, extras, source, carried, mapped, config=config, made=made)
 

@@ -11,7 +11,7 @@ from .. import dtypes
 from ..errors import BadInput
 from ..formats.mesh import MESH, intervals, outer_cut, parse_mesh, rank_dir, rank_dirs, read_regular
 from ..tp.rules import check_recorded
-from ..tensor import Checkpoint, Concat
+from ..tensor import Checkpoint, SourceFacts, Concat
 from . import ReadOptions, model_files, wanted
 from . import safetensors as st
 
@@ -56,7 +56,8 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         tensors = [assemble(name, mesh["tensors"][name], pieces, ranks) for name in names]
     except BadInput as e:
         raise BadInput(f"{path / MESH}: {e}") from None
-    source = {"format": NAME, "path": str(path), "tp": mesh.get("tp"), "ep": mesh.get("ep"), "rules": mesh["rules"]}
+    source = SourceFacts(format=NAME, path=str(path), more={"tp": mesh.get("tp"), "ep": mesh.get("ep"),
+                                                            "rules": mesh["rules"]})
     files = model_files(path / rank_dir(0)) if (path / rank_dir(0)).is_dir() else []
     return Checkpoint(tensors, {}, source, files, mapped, recorded_rules=mesh["rules"])
 

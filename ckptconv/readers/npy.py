@@ -25,7 +25,7 @@ from ..errors import BadInput, OutputError, printable
 from ..io.mapped import MappedFile, MemoryFile
 from ..io.outfile import pwrite_all
 from ..limits import MAX_NDIM, shape_problem
-from ..tensor import Checkpoint, MappedView, Strided, TensorSource
+from ..tensor import Checkpoint, SourceFacts, MappedView, Strided, TensorSource
 from . import ReadOptions, confined, inside, model_files, source_root, wanted
 from . import ziparchive
 from .base import Reader, register
@@ -365,9 +365,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
                 _add(tensors, skipped, name, *_npy(m), options)
         else:
             _npz(m, options, tensors, skipped)
-    source = {"format": NAME, "path": str(path), "files": [p.name for p in files]}
-    if skipped:
-        source["skipped"] = skipped
+    source = SourceFacts(format=NAME, path=str(path), files=[p.name for p in files], skipped=skipped)
     return Checkpoint(tensors, {}, source, model_files(path, files) if path.is_dir() else [], mapped)
 
 

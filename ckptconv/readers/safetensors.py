@@ -11,7 +11,7 @@ from ..errors import BadInput
 from ..io.mapped import MappedFile
 from ..formats.manifest import INDEX_SUFFIX
 from ..formats.safetensors import parse_header
-from ..tensor import Checkpoint, MappedView
+from ..tensor import Checkpoint, SourceFacts, MappedView
 from . import ReadOptions, by_shard, check_listed, model_files, source_root, wanted, weight_map, weights_file
 
 NAME = "safetensors"
@@ -62,11 +62,9 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
             check_listed(target, f.name, listed[f.name], {t.name for t in held})
         tensors += [t for t in held if wanted(t.name, options.only)]
     consumed = files + targets
-    source = {"format": NAME, "path": str(path), "files": [p.name for p in files]}
-    if path.is_dir():
-        unindexed = [p.name for p in sorted(path.glob("*.safetensors")) if p not in files]
-        if listed is not None and unindexed:
-            source["unindexed"] = unindexed
+    source = SourceFacts(format=NAME, path=str(path), files=[p.name for p in files])
+    if path.is_dir() and listed is not None:
+        source.unindexed = [p.name for p in sorted(path.glob("*.safetensors")) if p not in files]
     return Checkpoint(tensors, {}, source, model_files(path, consumed) if path.is_dir() else [], mapped)
 
 

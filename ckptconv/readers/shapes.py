@@ -16,7 +16,7 @@ from .. import dtypes
 from .. import safejson
 from ..errors import BadInput, brief
 from ..limits import shape_problem
-from ..tensor import Checkpoint, TensorSource
+from ..tensor import Checkpoint, SourceFacts, TensorSource
 from . import ReadOptions, wanted
 
 NAME = "shapes"
@@ -81,8 +81,8 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         raise BadInput(f"{path}: not a shapes description (each tensor needs name/path, shape, dtype): "
                        f"{type(e).__name__}") from None
     tensors = [t for t in tensors if wanted(t.name, options.only)]
-    source = {"format": NAME, "path": str(path), "config": config,
-              "bytes": sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)}
+    source = SourceFacts(format=NAME, path=str(path), more={
+        "config": config, "bytes": sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)})
     return Checkpoint(tensors, {}, source, [], [], config=config)
 
 

@@ -14,7 +14,7 @@ from .base import Reader, register
 from ..errors import BadInput, brief
 from ..limits import Budget
 from ..io.mapped import MappedFile
-from ..tensor import Checkpoint
+from ..tensor import Checkpoint, SourceFacts
 from .pickle.torch_globals import TORCH_OWNED, Storage, flatten, storage_dtype, torch_globals
 from . import (DEEPSPEED_RANK_FILE, ReadOptions, by_shard, check_listed, inside, model_files, source_root,
                training_state, wanted, weight_map, weights_file)
@@ -107,16 +107,12 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         layouts.append(wrappers.layout(found, options.state_dict, written, rest_counts))
         found = None   # (the pickle's records: the sources replace them)
         placeholders += unlisted.listing()
-    source = {"format": NAME, "path": str(path), "files": [str(p.relative_to(path) if path.is_dir() else p.name)
-                                                            for p in shards]}
-    if skipped:
-        source["skipped"] = skipped
-    if unwrapped is not None or options.state_dict == "none":
-        source["state_dict"] = unwrapped or "none"   # verify --against reads the source the same way
-    if dropped:
-        source["dropped"] = dropped
-    if placeholders:
-        source["placeholders"] = placeholders
+    source = SourceFacts(format=NAME, path=str(path), files=[str(p.relative_to(path) if path.is_dir() else p.name)
+                                                            for p in shards],
+                         skipped=skipped, dropped=dropped, placeholders=placeholders,
+                         # (verify --against reads the source the same way)
+                         state_dict=unwrapped or "none" if unwrapped is not None or options.state_dict == "none"
+                         else None)
     consumed = shards + ([target] if target not in shards else [])
     files = model_files(path, consumed) if path.is_dir() else []
     return Checkpoint(tensors, extras, source, files, mapped, layout=layouts[0] if len(layouts) == 1 else None)

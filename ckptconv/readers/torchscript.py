@@ -23,7 +23,7 @@ from .torch_pickle import archive_prefix, justified, load_zip
 from ..errors import BadInput, printable
 from ..io.mapped import MappedFile
 from ..limits import MAX_DEPTH, Budget
-from ..tensor import Checkpoint
+from ..tensor import Checkpoint, SourceFacts
 
 NAME = "torchscript"
 BOOKKEEPING = ("training", "_is_full_backward_hook")   # every nn.Module's, not model state
@@ -88,13 +88,8 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     justified(m, tensors)
     tensors = [t for t in tensors if wanted(t.name, options.only)]
     extras = unpickler.extras_json({k: v for k, v in tree.extras.items() if wanted(k, options.only)}, budget)
-    source = {"format": NAME, "path": str(path), "files": [path.name], "module": root.qualname}
-    if tree.skipped:
-        source["skipped"] = tree.skipped
-    if tree.dropped:
-        source["dropped"] = tree.dropped
-    if unlisted.found:
-        source["placeholders"] = unlisted.listing()
+    source = SourceFacts(format=NAME, path=str(path), files=[path.name], skipped=tree.skipped, dropped=tree.dropped,
+                         placeholders=unlisted.listing(), more={"module": root.qualname})
     return Checkpoint(tensors, extras, source, [], [m])
 
 

@@ -166,7 +166,7 @@ def _compare_description(recorded: Path, document: dict, manifest: dict, source,
     entry, less what convert applied), is what the reader says today. Returns the document to compare
     further: when another reader made the output, the source's own facts stand in for what is not
     compared (a note says so)."""
-    fresh = {k: v for k, v in _plain(source.source).items() if k != "path"}
+    fresh = {k: v for k, v in _plain(source.source.to_json()).items() if k != "path"}
     kept = {k: v for k, v in _plain(manifest).items() if k not in _APPLIED}
     if kept.get("format") != fresh.get("format"):
         report.notes.append(f"{recorded}: made from a {brief(kept.get('format'), 40)} source, compared with a "
