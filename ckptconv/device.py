@@ -52,7 +52,8 @@ def _rank_tensors(d: Path):
     ckpt = st_reader.load(d, ReadOptions())
     if d.is_file():
         header = parse_header(ckpt.mapped[0].view, ckpt.mapped[0].size, d)
-        digests = manifest_format.check_single(manifest_format.single_document(header.metadata, d))[0]
+        digests = {n: None if v is None else v.hex()
+                   for n, v in manifest_format.check_single(manifest_format.single_document(header.metadata, d))[0].items()}
     else:
         digests = {n: e["sha256"] for n, e in json.loads((d / MANIFEST).read_text())["tensors"].items()}
     return {t.name: (t, digests[t.name]) for t in ckpt.tensors}

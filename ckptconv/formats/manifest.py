@@ -4,6 +4,7 @@ import bisect
 import itertools
 import json
 import os
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -209,8 +210,8 @@ def read_index(text, where) -> tuple:
         with safejson.no_gc():
             for key, value in safejson.members(text, where, "the index", nested="weight_map"):
                 if key == "weight_map" and isinstance(value, safejson.Members):
-                    listed = {name: files.setdefault(file, file) if file.__class__ is str else file
-                              for name, file in value}
+                    listed = {sys.intern(name): files.setdefault(file, file) if file.__class__ is str else file
+                              for name, file in value}   # (names interned: verify holds three tables of them)
     except safejson.NotAnObject:
         pass
     if listed is None:
@@ -235,7 +236,7 @@ class ManifestTensor(NamedTuple):
     dtype: str
     shape: tuple
     file: str
-    sha256: str
+    sha256: bytes     # its 32 bytes (the hex text is twice the size, held a million times)
 
 
 _ABSENT = object()
@@ -271,13 +272,14 @@ def read_manifest(data, where) -> tuple:
                 odd.append("'tensors' is not an object")
             elif key == "tensors":
                 for name, entry in value:
-                    tensors[name] = _tensor(name, entry, safe, shapes, tensor_problems)
+                    tensors[sys.intern(name)] = _tensor(name, entry, safe, shapes, tensor_problems)
     problems = [] if fmt == FORMAT else [f"format is {brief(None if fmt is _ABSENT else fmt)}, not {FORMAT}"]
     return files, tensors, problems + sorted(odd) + file_problems + tensor_problems
 
 
 def _tensor(name, entry, safe: set, shapes: dict, problems: list) -> ManifestTensor | None:
-    """A "tensors" member checked: its ManifestTensor (shapes shared), or None (and a problem)."""
+    """A "tensors" member checked: its ManifestTensor (shapes, dtypes and files shared through
+    `shapes`), or None (and a problem)."""
     ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
           and all(type(n) is int and n >= 0 for n in entry["shape"]) and isinstance(entry.get("file"), str)
           and is_digest(entry.get("sha256")))
@@ -291,8 +293,10 @@ def _tensor(name, entry, safe: set, shapes: dict, problems: list) -> ManifestTen
         else:
             problems.append(f"tensor {name!r}: file {entry['file']!r} is not a plain file name in this directory "
                             f"({why})")
-    shape = tuple(entry["shape"])
-    return ManifestTensor(entry["dtype"], shapes.setdefault(shape, shape), entry["file"], entry["sha256"])
+    shape, dtype, file = tuple(entry["shape"]), entry["dtype"], entry["file"]
+    # (one object per distinct shape, dtype and file: a manifest of a million tensors repeats them)
+    return ManifestTensor(shapes.setdefault(dtype, dtype), shapes.setdefault(shape, shape),
+                          shapes.setdefault(file, file), bytes.fromhex(entry["sha256"]))
 
 
 def single_document(metadata: dict, where):
@@ -304,7 +308,8 @@ def single_document(metadata: dict, where):
 
 
 def check_single(raw) -> tuple:
-    """({tensor: sha256 or None if malformed}, problems) of a single-file output's manifest facts."""
+    """({tensor: its sha256's 32 bytes, or None if malformed}, problems) of a single-file output's
+    manifest facts."""
     if not isinstance(raw, dict):
         return {}, ["is not a JSON object"]
     problems = []
@@ -317,5 +322,5 @@ def check_single(raw) -> tuple:
         ok = isinstance(entry, dict) and is_digest(entry.get("sha256"))
         if not ok:
             problems.append(f"tensor {name!r}: entry {brief(entry)} is not {{sha256}}")
-        tensors[name] = entry["sha256"] if ok else None
+        tensors[name] = bytes.fromhex(entry["sha256"]) if ok else None   # (32 bytes, as read_manifest's)
     return tensors, problems

@@ -2,6 +2,7 @@
 and SHA256SUMS agreeing, every file and tensor digest as recorded, nothing unlisted (`verify_dir`); or a
 single file against the manifest facts in its header (`verify_file`)."""
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +36,10 @@ def _check_dir(d: Path, report: Report, progress, hash_only, structural) -> list
     still owed, as [(path, _our_view of its header)]."""
     found = report if structural else Report()  # what every process would find alike: reported once
     meta = _dir_meta(d, found)
-    located, consumer = _check_shards(meta, found, report, progress, hash_only, structural)
+    located, differs, consumer = _check_shards(meta, found, report, progress, hash_only, structural)
     if not structural:
         return []
-    _check_tensors_listed(meta, located, report)
+    _check_tensors_listed(meta, located, differs, report)
     report.tensors += len(located)
     _check_other_files(meta, report)
     return consumer
@@ -76,9 +77,12 @@ def _dir_meta(d: Path, found: Report) -> _DirMeta:
 
 def _check_shards(meta: _DirMeta, found: Report, report: Report, progress, hash_only, structural):
     """Each shard's header (tensors in one shard only) and, for those in `hash_only`, its digests.
-    Returns ({tensor: (file, HeaderEntry)}, [(shard path, our view's digest)] for the library's check)."""
+    Returns ({tensor: file}, {tensor: (dtype code, shape)} of those whose dtype or shape is not what
+    the manifest says, [(shard path, our view's digest)] for the library's check). What is kept of a
+    tensor is its name, interned as the index's and the manifest's are, and its shard's name: a
+    million of them are held at once."""
     d, entries, m_files, m_tensors, sums = meta.d, meta.entries, meta.m_files, meta.m_tensors, meta.sums
-    located, consumer = {}, []   # tensor -> (file, HeaderEntry); (shard, our view's digest)
+    located, differs, consumer = {}, {}, []   # tensor -> file; tensor -> (dtype, shape); (shard, view digest)
     for shard in meta.shard_names:
         signals.check()
         path = d / shard
@@ -95,28 +99,31 @@ def _check_shards(meta: _DirMeta, found: Report, report: Report, progress, hash_
             consumer.append((path, _our_view(header)))   # checked at the end (_library_view)
         for e in header.entries:
             if e.name in located:
-                found.add(path, f"tensor {e.name!r} also appears in {located[e.name][0]}", "misplaced", tensor=e.name)
-            else:
-                located[e.name] = (shard, e)
+                found.add(path, f"tensor {e.name!r} also appears in {located[e.name]}", "misplaced", tensor=e.name)
+                continue
+            located[sys.intern(e.name)] = shard
+            said = m_tensors.get(e.name)
+            if said is not None and (said.dtype != e.dtype.code or said.shape != e.shape):
+                differs[e.name] = (e.dtype.code, e.shape)   # (reported in the manifest's order, below)
         if hash_only is None or shard in hash_only:
             _hash_shard(m, header, shard, m_files, lambda name: getattr(m_tensors.get(name), "sha256", None), sums,
                         report, progress)
             report.files += 1
-    return located, consumer
+    return located, differs, consumer
 
 
-def _check_tensors_listed(meta: _DirMeta, located: dict, report: Report):
+def _check_tensors_listed(meta: _DirMeta, located: dict, differs: dict, report: Report):
     """The tensors in the shards (`located`) are those the index and manifest.json list, where they
-    list them, with the dtype and shape the manifest says."""
+    list them, with the dtype and shape the manifest says (`differs`: those that have another)."""
     d, index, m_tensors = meta.d, meta.index, meta.m_tensors
     for name, file in (meta.weight_map or {}).items():
         if name not in located:
             report.add(d / index, f"tensor {name!r} is listed in the index (in {file}) but is in no shard",
                        "missing", tensor=name)
-        elif located[name][0] != file:
-            report.add(d / index, f"tensor {name!r} is listed in {file} but is in {located[name][0]}",
+        elif located[name] != file:
+            report.add(d / index, f"tensor {name!r} is listed in {file} but is in {located[name]}",
                        "misplaced", tensor=name)
-    for name, (file, _) in located.items():
+    for name, file in located.items():
         if meta.index_names is not None and name not in meta.index_names:
             report.add(d / file, f"tensor {name!r} is in the shard but missing from the index", "unlisted", tensor=name)
         if meta.manifest_ok and name not in m_tensors:
@@ -128,9 +135,10 @@ def _check_tensors_listed(meta: _DirMeta, located: dict, report: Report):
             continue
         if entry is None:
             continue  # malformed: reported
-        file, e = located[name]
-        if entry.dtype != e.dtype.code or entry.shape != e.shape:
-            report.add(d / file, f"tensor {name!r} is {e.dtype.code}{list(e.shape)}, the manifest says "
+        file = located[name]
+        if name in differs:
+            code, shape = differs[name]
+            report.add(d / file, f"tensor {name!r} is {code}{list(shape)}, the manifest says "
                                  f"{_as_said(entry.dtype, entry.shape)}", "metadata", tensor=name)
         if entry.file != file:
             report.add(d / file, f"tensor {name!r} is here, the manifest says {entry.file}",

@@ -130,8 +130,8 @@ def _hash_shard(m, header, shard, m_files, recorded, sums, report, progress):
     report.bytes += m.size
     _check_file_digest(path, m.size, file_digest, shard, m_files, sums, report)
     for (entry, _, _), digest in zip(ranges[1:], digests):   # (a digest per entry of `ranges`, in order)
-        want = recorded(entry.name)
-        if want is not None and want != digest:
+        want = recorded(entry.name)   # (32 bytes; `digest` is hex)
+        if want is not None and want.hex() != digest:
             report.add(path, f"tensor {entry.name!r}: sha256 differs from the manifest (its bytes "
                              f"{entry.begin}..{entry.end} are corrupted)", "digest", tensor=entry.name)
 
