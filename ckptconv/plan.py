@@ -22,11 +22,11 @@ PER_TENSOR_RSS = {"convert": 260, "reshard": 380}
 # ... and per rank piece it writes, the piece's packed digest and its place in its shard plan (pieces
 # themselves are made as they are written)
 PER_PIECE_RSS = 48
-CPU_GBPS = {"convert": 1.0,    # read, hash (file and tensor digests) and write, one process, warm cache
-            "reshard": 0.6}    # the same and a third digest (the global tensor's), gathered row splits
+CPU_GBPS = {"convert": 0.8,    # read, hash (file and tensor digests) and write, one process, warm cache
+            "reshard": 0.5}    # the same and a third digest (the global tensor's), gathered row splits
 # reading a tensor's record, planning, hashing and listing it; a convert's small tensors are digested
 # in bulk (hashing.SMALL), a reshard's rank pieces one by one through the hash threads
-PER_TENSOR_SECONDS = {"convert": 95e-6, "reshard": 80e-6}
+PER_TENSOR_SECONDS = {"convert": 115e-6, "reshard": 110e-6}
 
 
 def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
