@@ -26,21 +26,25 @@ def depth(data, piece: int = 16 << 20) -> int:
     `piece` bytes or characters at a time (a 230 MB manifest is not copied whole), each piece ending
     after one that is not a backslash, so that no escape sequence is cut in two."""
     text = isinstance(data, str)
-    view, kept, at = data if text else memoryview(data).cast("B"), [], 0
+    view, at = data if text else memoryview(data).cast("B"), 0
     backslash = "\\" if text else 0x5C
+    quotes, level, deepest = 0, 0, 0   # carried from piece to piece: quotes so far (mod 2), the depth
     while at < len(view):
         end = min(at + piece, len(view))
         while end < len(view) and view[end - 1] == backslash:   # the piece takes what it escapes
             end += 1
         chunk = view[at:end].encode("utf-8") if text else view[at:end]
-        kept.append(_ESCAPE.sub(b"", chunk).translate(None, _KEEP))
+        marks = np.frombuffer(_ESCAPE.sub(b"", chunk).translate(None, _KEEP), np.uint8)
         at = end
-    marks = np.frombuffer(b"".join(kept), np.uint8)
-    if not len(marks):
-        return 0
-    outside = np.cumsum(marks == 0x22) % 2 == 0
-    step = ((marks == 0x5B) | (marks == 0x7B)).astype(np.int8) - ((marks == 0x5D) | (marks == 0x7D))
-    return max(0, int(np.cumsum(step * outside, dtype=np.int32).max()))
+        if not len(marks):
+            continue
+        # (a running count of quotes in uint8 wraps at 256, an even number: its parity is exact)
+        seen = np.cumsum(marks == 0x22, dtype=np.uint8) + np.uint8(quotes)
+        outside = (seen & 1) == 0
+        step = ((marks == 0x5B) | (marks == 0x7B)).astype(np.int8) - ((marks == 0x5D) | (marks == 0x7D))
+        running = np.cumsum(step * outside, dtype=np.int64) + level
+        deepest, level, quotes = max(deepest, int(running.max())), int(running[-1]), int(seen[-1]) & 1
+    return max(0, deepest)
 
 
 @contextlib.contextmanager
@@ -114,14 +118,16 @@ _COLON = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
 _NEXT = re.compile(r"[ \t\n\r]*([,}])[ \t\n\r]*")   # after a member: the next one, or the object's end
 
 
-def members(data, where, what="JSON", nested: str | None = None):
+def members(data, where, what="JSON", nested: str | None = None, nested_keys=None):
     """The members of the JSON object `data` (bytes or str) as (key, value), one at a time: the
     checks and errors of `loads` without the whole object built first (a safetensors header of a
     million tensors is a million small objects, each a dict, a list and its numbers, before any
     is checked). Each value is parsed by the C decoder; the caller keeps what it needs of it. The
     value of the top-level member `nested`, when it is an object, comes as Members: an iterator of
-    its own members, read as the caller goes (a manifest's "tensors"). A document that is not an
-    object: BadInput "... is not a JSON object" (when it is valid JSON)."""
+    its own members, read as the caller goes (a manifest's "tensors"). `nested_keys`: a container
+    the caller puts every key of `nested` in as it reads it; a repeated key is then looked for there
+    rather than in a set of a million keys of its own. A document that is not an object: BadInput
+    "... is not a JSON object" (when it is valid JSON)."""
     text = _text(data, where, what)
     at = _SPACE.match(text).end()
     if text[at:at + 1] != "{":
@@ -132,6 +138,9 @@ def members(data, where, what="JSON", nested: str | None = None):
     def walk(top: bool):
         """The members of the object whose '{' is just before state[0]; leaves state[0] after its '}'."""
         seen, repeated = set(), None   # a repeated key is refused when its object closes, as loads does
+        kept = not top and nested_keys is not None   # (the caller keeps the keys: they are looked for there)
+        if kept:
+            seen = nested_keys
         try:
             at = _SPACE.match(text, state[0]).end()
             closed = text[at:at + 1] == "}"
@@ -146,7 +155,8 @@ def members(data, where, what="JSON", nested: str | None = None):
                 at = colon.end()
                 if key in seen and repeated is None:
                     repeated = key
-                seen.add(key)
+                if not kept:
+                    seen.add(key)
                 if top and key == nested and text[at:at + 1] == "{" and repeated is None:
                     state[0] = at + 1
                     inner = Members(walk(False))
@@ -172,7 +182,10 @@ def members(data, where, what="JSON", nested: str | None = None):
         except ValueError as e:
             raise BadInput(f"{where}: {what} is not valid JSON: {e}") from None
 
-    yield from walk(True)
+    try:
+        yield from walk(True)
+    finally:   # walk names itself: a cycle that would hold the whole text until a full collection
+        walk = None
 
 
 class NotAnObject(BadInput):
