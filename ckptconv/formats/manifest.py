@@ -5,6 +5,7 @@ import itertools
 import json
 import os
 import sys
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -239,6 +240,42 @@ class ManifestTensor(NamedTuple):
     sha256: bytes     # its 32 bytes (the hex text is twice the size, held a million times)
 
 
+class ManifestTensors(Mapping):
+    """manifest.json's "tensors" as read back: name -> ManifestTensor, or None where malformed. A
+    million are held at once (verify), so each is kept packed: one bytes object of its digest's 32
+    bytes and the number of its (dtype, shape, file) among the distinct ones the manifest names; its
+    ManifestTensor is made when asked for."""
+
+    def __init__(self):
+        self._rows, self._kinds, self._kind_of = {}, [], {}
+
+    def put(self, name: str, tensor: ManifestTensor | None):
+        if tensor is None:
+            self._rows[name] = None
+            return
+        kind = (tensor.dtype, tensor.shape, tensor.file)
+        k = self._kind_of.get(kind)
+        if k is None:
+            k = self._kind_of[kind] = len(self._kinds)
+            self._kinds.append(kind)
+        self._rows[name] = tensor.sha256 + k.to_bytes(4, "little")
+
+    def __getitem__(self, name) -> ManifestTensor | None:
+        row = self._rows[name]
+        if row is None:
+            return None
+        return ManifestTensor(*self._kinds[int.from_bytes(row[32:], "little")], row[:32])
+
+    def __contains__(self, name):
+        return name in self._rows
+
+    def __iter__(self):
+        return iter(self._rows)
+
+    def __len__(self):
+        return len(self._rows)
+
+
 _ABSENT = object()
 
 
@@ -247,10 +284,10 @@ def read_manifest(data, where) -> tuple:
     if malformed}, problems) of manifest.json's bytes, read member by member (safejson.members): its
     "tensors" are checked as they come, never first built as a million dicts. BadInput when it is
     not a JSON object."""
-    fmt, files, tensors = _ABSENT, {}, {}
+    fmt, files, tensors = _ABSENT, {}, ManifestTensors()
     odd, file_problems, tensor_problems, safe, shapes = [], [], [], set(), {}
     with safejson.no_gc():   # (tuples by the million, see safejson)
-        for key, value in safejson.members(data, where, MANIFEST, nested="tensors"):
+        for key, value in safejson.members(data, where, MANIFEST, nested="tensors", nested_keys=tensors):
             if key == "format":
                 fmt = value
             elif key == "files" and not isinstance(value, dict):
@@ -272,7 +309,7 @@ def read_manifest(data, where) -> tuple:
                 odd.append("'tensors' is not an object")
             elif key == "tensors":
                 for name, entry in value:
-                    tensors[sys.intern(name)] = _tensor(name, entry, safe, shapes, tensor_problems)
+                    tensors.put(sys.intern(name), _tensor(name, entry, safe, shapes, tensor_problems))
     problems = [] if fmt == FORMAT else [f"format is {brief(None if fmt is _ABSENT else fmt)}, not {FORMAT}"]
     return files, tensors, problems + sorted(odd) + file_problems + tensor_problems
 

@@ -145,6 +145,22 @@ def test_json_member_stream_agrees_with_the_whole_parse(seed, data):
             assert streamed == whole
         else:
             assert str(streamed) == "f: doc is not a JSON object"
+    for nested in ("a", "c"):   # the caller keeping the nested keys (read_manifest): the same outcome
+        kept = {}
+        try:
+            streamed = {}
+            for k, v in safejson.members(text, "f", "doc", nested, nested_keys=kept):
+                if isinstance(v, safejson.Members):
+                    for kk, vv in v:
+                        kept[kk] = vv
+                    v = dict(kept)
+                streamed[k] = v
+        except BadInput as e:
+            streamed = e
+        if isinstance(whole, BadInput):
+            assert isinstance(streamed, BadInput) and str(streamed) == str(whole)
+        elif isinstance(whole, dict):
+            assert streamed == whole
 
 
 def test_every_reader_is_fuzzed():
