@@ -1,0 +1,330 @@
+"""The DCP reader's bytes (readers/dcp.py reads with them): each chunk's torch.save zip or
+SAFETENSORS blob member, zstd items inflated into an unlinked temporary file, and the global tensors
+whose regions are filled from the chunks. Registers nothing: dcp.py is the reader.
+"""
+import bisect
+import itertools
+import mmap
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from .. import safejson
+from ..errors import BadInput, OutputError, UsageError
+from ..io.mapped import MappedFile, MemoryFile
+from ..io.outfile import pwrite_all
+from ..formats.safetensors import parse_header
+from ..tensor import Concat, TensorSource
+from .pickle.torch_globals import TorchTensor
+from . import confined, source_root
+from .dcp_metadata import (ARCHIVE_ALLOWANCE, MAPPED_INFLATED, ZSTD_BYTES_LIMIT, ZSTD_MAX_WINDOW, _PIECE, Chunk, Grid,
+                           Loc)
+from .safetensors import file_tensors
+from .torch_pickle import load_zip
+
+_ZIP = b"PK\x03\x04"
+
+
+# --- Reading the bytes --------------------------------------------------------------------------
+
+class _Inflated(MemoryFile):
+    """A decompressed item: a read-only mapping of its extent of the reader's unlinked temporary
+    file. Pages are the kernel's page cache (clean, file-backed); `release` drops them from our RSS."""
+
+    def __init__(self, mm, path):
+        super().__init__(mm, path)
+        self._mm = mm
+
+    def release(self, offset: int, length: int):
+        start = offset - offset % mmap.PAGESIZE
+        end = min(self.size, offset + length)
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+class DCPReader:
+    def __init__(self, path: Path, allow):
+        self.path, self.allow, self.root = path, allow, source_root(path)
+        self.files = {}
+        self._blobs = {}                 # (file, offset) -> ({name: source}, DCP_SHARDING_INFO)
+        self._members = {}               # (file, blob offset, name) -> offsets of the chunk it backs
+        self._inflated = OrderedDict()   # id(chunk) -> source over its inflated bytes, most recent last
+        self._spill = None               # the unlinked temporary file inflated items go to
+        self._spill_end = 0
+        self._bytes_left = ZSTD_BYTES_LIMIT
+
+    def file(self, rel) -> MappedFile:
+        if rel not in self.files:
+            p = self.path / rel
+            if not p.is_file():
+                raise BadInput(f"{p}: .distcp file named by .metadata is missing")
+            self.files[rel] = MappedFile(confined(p, self.root))
+        return self.files[rel]
+
+    def claim(self, bytes_locs, chunk_locs):
+        """Every item's range must lie inside its file, and items must not share bytes: each one is
+        parsed or inflated on its own, so shared bytes would multiply the work the file can cause.
+        Untransformed chunks without a zip at their offset are members of a SAFETENSORS blob, which
+        they all point at and which is parsed once: they are exempt."""
+        by_file = {}
+        for loc in itertools.chain(bytes_locs, chunk_locs):
+            m = self.file(loc.rel)
+            m.check(loc.offset, loc.length, loc.what)
+            if loc.length and not loc.blob:
+                by_file.setdefault(loc.rel, []).append(loc)
+        for rel, group in by_file.items():
+            group.sort(key=lambda loc: (loc.offset, loc.length))
+            for a, b in zip(group, group[1:]):
+                if b.offset < a.offset + a.length:
+                    raise BadInput(f"{self.files[rel].path}: {a.what} and {b.what} share bytes "
+                                   f"{b.offset}..{min(a.offset + a.length, b.offset + b.length)}; every item's "
+                                   "bytes must be its own")
+
+    def mark_blob_members(self, chunk_locs):
+        for loc in chunk_locs:
+            if not loc.zstd:
+                m = self.file(loc.rel)
+                m.check(loc.offset, loc.length, loc.what)
+                loc.blob = bytes(m.view[loc.offset:loc.offset + 4]) != _ZIP
+
+    # -- zstd
+
+    def _spill_file(self):
+        if self._spill is None:
+            try:
+                self._spill = tempfile.TemporaryFile(prefix="ckptconv-dcp-")
+            except OSError as e:
+                raise OutputError(f"{tempfile.gettempdir()}: cannot create a temporary file for inflated zstd "
+                                  f"chunks: {e.strerror} (set TMPDIR)") from None
+        return self._spill
+
+    def inflate(self, loc: Loc, limit: int, too_big) -> MemoryFile:
+        """The decompressed bytes of a zstd item: streamed into the temporary file (at most `limit`
+        bytes; `too_big(limit)` is the error past it, found after reading limit + 1), then mapped.
+        An item is inflated once; later calls map its extent again."""
+        if loc.extent is None:
+            loc.extent = self._inflate(loc, limit, too_big)
+        start, size = loc.extent
+        path = f"{self.file(loc.rel).path}[{loc.what}, inflated]"
+        if not size:
+            return MemoryFile(b"", path)
+        try:
+            mm = mmap.mmap(self._spill.fileno(), size, access=mmap.ACCESS_READ, offset=start)
+        except OSError as e:
+            raise OutputError(f"{path}: cannot map the inflated bytes: {e.strerror}") from None
+        return _Inflated(mm, path)
+
+    def _inflate(self, loc, limit, too_big):
+        m = self.file(loc.rel)
+        try:
+            import zstandard
+        except ImportError:
+            raise UsageError(f"{m.path}: {loc.what} is zstd-compressed; install zstandard: "
+                             "pip install 'ckptconv[zstd]'") from None
+        spill = self._spill_file()
+        start = -(-self._spill_end // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
+        size = 0
+        dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+        try:
+            with dctx.stream_reader(m.view[loc.offset:loc.offset + loc.length], closefd=False) as stream:
+                while True:
+                    piece = stream.read(min(_PIECE, limit + 1 - size))
+                    if not piece:
+                        break
+                    if size + len(piece) > limit:
+                        raise too_big(limit)
+                    pwrite_all(spill.fileno(), memoryview(piece), start + size)
+                    size += len(piece)
+        except zstandard.ZstdError as e:
+            raise BadInput(f"{m.path}: {loc.what}: corrupt or unsupported zstd stream: {e}") from None
+        except OSError as e:
+            raise OutputError(f"{tempfile.gettempdir()}: cannot write inflated zstd data of {loc.what} to a "
+                              f"temporary file: {e.strerror} (set TMPDIR to a larger disk)") from None
+        self._spill_end = start + size
+        return start, size
+
+    def inflated_source(self, chunk: Chunk) -> TensorSource:
+        """The source of a zstd chunk: inflated on first use (to at most its declared bytes plus the
+        archive allowance), kept mapped while among the MAPPED_INFLATED most recently used."""
+        key = id(chunk)
+        src = self._inflated.get(key)
+        if src is None:
+            def too_big(limit):
+                return BadInput(f"{self.file(chunk.loc.rel).path}: {chunk.loc.what}: zstd stream inflates beyond its "
+                                f"declared {chunk.nbytes} bytes (+{ARCHIVE_ALLOWANCE} for the torch.save archive "
+                                "around them)")
+            m = self.inflate(chunk.loc, chunk.nbytes + ARCHIVE_ALLOWANCE, too_big)
+            src = self._parse_chunk(chunk, m, 0, m.size, cache_blob=False)
+            self._inflated[key] = src
+            while len(self._inflated) > MAPPED_INFLATED:
+                self._inflated.popitem(last=False)[1].release()
+        self._inflated.move_to_end(key)
+        return src
+
+    def release_inflated(self, chunk: Chunk):
+        src = self._inflated.get(id(chunk))
+        if src is not None:
+            src.release()
+
+    def item_bytes(self, loc: Loc):
+        """(mapped, offset, length) of a bytes item, inflated into the temporary file if it is zstd."""
+        m = self.file(loc.rel)
+        if not loc.zstd:
+            return m, loc.offset, loc.length
+
+        def too_big(limit):
+            return BadInput(f"{m.path}: {loc.what}: zstd stream inflates beyond what zstd bytes items may take in all "
+                            f"({ZSTD_BYTES_LIMIT} bytes, {limit} of them left)")
+        inflated = self.inflate(loc, self._bytes_left, too_big)
+        self._bytes_left -= inflated.size
+        return inflated, 0, inflated.size
+
+    # -- chunks
+
+    def chunk_source(self, chunk: Chunk) -> TensorSource:
+        return self._parse_chunk(chunk, self.file(chunk.loc.rel), chunk.loc.offset, chunk.loc.length, cache_blob=True)
+
+    def _parse_chunk(self, chunk, m, offset, length, cache_blob):
+        what = chunk.loc.what
+        try:
+            src = self._chunk(chunk, m, offset, length, cache_blob)
+        except BadInput as e:
+            if what in str(e):
+                raise
+            raise BadInput(f"{m.path}: {what} (bytes {offset}..{offset + length}): "
+                           f"{str(e).removeprefix(m.path + ': ')}") from None
+        if src.shape != chunk.sizes:
+            raise BadInput(f"{m.path}: {what} holds shape {list(src.shape)}, .metadata says {list(chunk.sizes)}")
+        if src.dtype != chunk.dtype:
+            raise BadInput(f"{self.path / '.metadata'}: tensor {chunk.fqn!r}: chunk holds {src.dtype.code}, "
+                           f".metadata says {chunk.dtype.code}")
+        return src
+
+    def _chunk(self, chunk, m, offset, length, cache_blob):
+        if bytes(m.view[offset:offset + 4]) == _ZIP:
+            obj = load_zip(m, self.allow, offset, length)
+            if not isinstance(obj, TorchTensor):
+                raise BadInput(f"{m.path}: chunk of {chunk.fqn!r} at offset {offset} is not a tensor")
+            src = obj.source(chunk.fqn) if not obj.unsupported else None
+            if src is None:
+                raise BadInput(f"{m.path}: chunk of {chunk.fqn!r} has dtype {obj.unsupported}")
+            return src
+        sources, info = self._blob(m, offset) if cache_blob else self._parse_blob(m, offset)
+        src = sources.get(chunk.fqn)
+        mine = info.get(chunk.fqn, {})
+        if not isinstance(mine, dict):
+            raise BadInput(f"{m.path}: DCP_SHARDING_INFO of {chunk.fqn!r} in the safetensors blob at offset {offset} "
+                           "is not an object")
+        saved = mine.get("saved_offsets")
+        if src is None or (saved is not None and (not isinstance(saved, list) or tuple(saved) != chunk.offsets)):
+            raise BadInput(f"{m.path}: chunk of {chunk.fqn!r} at {list(chunk.offsets)} is not in the safetensors blob "
+                           f"at offset {offset}")
+        # a blob holds one tensor per name: a second chunk naming it would repeat its bytes
+        first = self._members.setdefault((m.path, offset, chunk.fqn), chunk.offsets)
+        if first != chunk.offsets:
+            raise BadInput(f"{m.path}: chunks of {chunk.fqn!r} at {list(first)} and {list(chunk.offsets)} both name "
+                           f"its one tensor in the safetensors blob at offset {offset}")
+        return src
+
+    def _blob(self, m, offset):
+        """SAFETENSORS variant: the rank's tensors are one safetensors blob; parsed once per blob."""
+        key = (m.path, offset)
+        if key not in self._blobs:
+            self._blobs[key] = self._parse_blob(m, offset)
+        return self._blobs[key]
+
+    def _parse_blob(self, m, offset):
+        if offset + 8 > m.size:
+            raise BadInput(f"{m.path}: item at offset {offset} is neither a torch zip nor safetensors")
+        blob = MemoryFile(m.view[offset:], m.path)  # the blob seen as a file of its own
+        sources = {s.name: s for s in file_tensors(blob)}  # refuses a header with any problem
+        header = parse_header(blob.view, blob.size, m.path)
+        info = safejson.loads(header.metadata.get("DCP_SHARDING_INFO", "{}") or "{}", m.path,
+                              f"DCP_SHARDING_INFO of the safetensors blob at offset {offset}")
+        if not isinstance(info, dict):
+            raise BadInput(f"{m.path}: DCP_SHARDING_INFO of the safetensors blob at offset {offset} is not an object")
+        return sources, info
+
+
+class ChunkedTensor(TensorSource):
+    """A global tensor whose regions are filled from the chunks that overlap them (found through the
+    coverage grid, so a region costs what it overlaps, not the number of chunks)."""
+
+    def __init__(self, name, dtype, shape, chunks, grid: Grid = None):
+        self.name, self.dtype, self.shape, self.chunks, self.grid = name, dtype, tuple(shape), chunks, grid
+        self._touched = {}  # chunks read since the last release
+
+    def _region(self, index):
+        out = np.empty(tuple(s.stop - s.start for s in index), self.dtype.numpy)
+        if self.grid is None or not out.size:
+            return out
+        for i in self.grid.overlapping(index):
+            c = self.chunks[i]
+            lo = [max(s.start, o) for s, o in zip(index, c.offsets)]
+            hi = [min(s.stop, o + n) for s, o, n in zip(index, c.offsets, c.sizes)]
+            local = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, c.offsets))
+            dest = tuple(slice(a - s.start, b - s.start) for a, b, s in zip(lo, hi, index))
+            out[dest] = c.source().region(local)
+            self._touched[i] = c
+        return out
+
+    def release(self):
+        for c in self._touched.values():
+            c.release()
+        self._touched.clear()
+
+
+class _Tiles(Concat):
+    """Chunks that tile one axis, joined along it: a region finds its first part by bisection and
+    `release` advises away only the parts read since the last one (both per block, with thousands
+    of parts)."""
+
+    def __init__(self, name, parts, axis):
+        super().__init__(name, parts, axis)
+        self._ends = list(itertools.accumulate(p.shape[axis] for p in self.parts))
+        self._touched = {}
+
+    def _region(self, index):
+        want, axis = index[self.axis], self.axis
+        pieces = []
+        i = bisect.bisect_right(self._ends, want.start)
+        while i < len(self.parts) and self._ends[i] - self.parts[i].shape[axis] < want.stop:
+            p, at = self.parts[i], self._ends[i] - self.parts[i].shape[axis]
+            lo, hi = max(want.start, at), min(want.stop, self._ends[i])
+            pieces.append(p.region(index[:axis] + (slice(lo - at, hi - at),) + index[axis + 1:]))
+            self._touched[i] = p
+            i += 1
+        if not pieces:  # an empty region
+            return np.empty(tuple(s.stop - s.start for s in index), self.dtype.numpy)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis)
+
+    def release(self):
+        for p in self._touched.values():
+            p.release()
+        self._touched.clear()
+
+
+def _tile_axis(shape, chunks):
+    """The axis along which the chunks tile the tensor whole (each full in every other axis), if any."""
+    for axis in range(len(shape)):
+        if all(all(c.offsets[k] == 0 and c.sizes[k] == shape[k] for k in range(len(shape)) if k != axis)
+               for c in chunks):
+            return axis
+    return None
+
+
+def _global(fqn, dt, shape, chunks, grid):
+    """One chunk: its own source; chunks tiling one axis: a join (keeps slices contiguous); else
+    a region-filling tensor. Transformed chunks are always read lazily."""
+    live = [c for c in chunks if c.numel]
+    if grid is None or any(c.transformed for c in live):
+        return ChunkedTensor(fqn, dt, shape, chunks, grid)
+    if len(live) == 1:
+        return live[0].source().renamed(fqn)
+    axis = _tile_axis(shape, live)
+    if axis is not None:
+        ordered = sorted(live, key=lambda c: c.offsets[axis])
+        return _Tiles(fqn, [c.source() for c in ordered], axis)
+    return ChunkedTensor(fqn, dt, shape, chunks, grid)
