@@ -9,7 +9,8 @@ from .policy import (CODE_LAST, CODE_MODULES, CODE_NAMES, CODE_PARTS, SAFE_BUILT
                      allow_globals, allowing, hint, record_parts, runs_code, unread_in)
 from .standins import (BENIGN, PAYLOAD_MIN, Function, InertClass, InertObject, Marker, Payload, StandIn, StateDict,
                        as_buffer)
-from .vm import fetched_memo, load, load_prefix
+from .memo import fetched_memo
+from .vm import load, load_prefix
 
 __all__ = ["BENIGN", "CODE_LAST", "CODE_MODULES", "CODE_NAMES", "CODE_PARTS", "PAYLOAD_MIN", "SAFE_BUILTINS",
            "Allowlist", "Context", "Function", "InertClass", "InertObject", "Marker", "Payload", "Placeholder", "Ref",

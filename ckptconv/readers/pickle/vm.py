@@ -8,22 +8,23 @@ global, an EXT code, an out-of-band buffer, a call on a non-callable - stops the
 BYTEARRAY8 payloads are not copied: they come back as `Payload` views of the caller's (memory-mapped)
 buffer, with their offset.
 
-The VM is a table from opcode to handler (`_OPS`, filled by `@_op`); the handlers that resolve
-globals, call, instantiate or set state are grouped under one SECURITY comment below. An opcode
-without a handler stops the run. (Measured against the previous 267-line if/elif loop: a 6 MB torch
-data.pkl of 50,000 tensors parsed in 2.0 s instead of 2.5 s, plain pickles twice as fast.)
+The VM is a table from opcode to handler (`_OPS`, filled by `@_op`; the data opcodes are
+opcodes.py's); the handlers that resolve globals, call, instantiate or set state are here, grouped
+under one SECURITY comment below. An opcode without a handler stops the run. Before a run, one pass
+over the opcodes finds the memo keys it reads back (memo.py). (Measured against the previous
+267-line if/elif loop: a 6 MB torch data.pkl of 50,000 tensors parsed in 2.0 s instead of 2.5 s,
+plain pickles twice as fast.)
 """
-import codecs
-import pickletools
 import struct
 
 from ...errors import BadInput, brief, printable
 from ...limits import Budget
 
 from .context import Context
+from .memo import fetched_memo
+from .opcodes import _OPS, _op
 from .policy import CODE_MODULES, CODE_NAMES, hint, runs_code
-from .standins import PAYLOAD_MIN, Function, InertObject, Marker, Payload, StandIn, StateDict
-
+from .standins import PAYLOAD_MIN, Function, Marker, Payload, StandIn
 
 
 def load(data, allowlist: dict, path, base_offset=0, persistent_load=None, budget: Budget = None, unlisted=None,
@@ -59,78 +60,6 @@ def load_prefix(data, allowlist: dict, path, base_offset=0, persistent_load=None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError,
             UnicodeDecodeError, struct.error, MemoryError) as e:
         raise ctx.bad(f"malformed pickle: {type(e).__name__}: {printable(e, 200)}") from None
-
-
-def _arg_sizes() -> list:
-    """Per opcode byte, how its argument is laid out, from the standard library's opcode table (data
-    only: pickletools describes the format, it runs nothing): a fixed size, LINE or LINES (one or two
-    newline-terminated), or the Struct of a length prefix; None for a byte that is no opcode."""
-    prefix = {pickletools.TAKEN_FROM_ARGUMENT1: "<B", pickletools.TAKEN_FROM_ARGUMENT4: "<i",
-              pickletools.TAKEN_FROM_ARGUMENT4U: "<I", pickletools.TAKEN_FROM_ARGUMENT8U: "<Q"}
-    sizes = [None] * 256
-    for op in pickletools.opcodes:
-        arg = op.arg
-        if arg is None:
-            sizes[ord(op.code)] = 0
-        elif arg.n == pickletools.UP_TO_NEWLINE:
-            sizes[ord(op.code)] = _LINES if arg.name.endswith("_pair") else _LINE
-        else:
-            sizes[ord(op.code)] = arg.n if arg.n >= 0 else struct.Struct(prefix[arg.n])
-    return sizes
-
-
-_LINE, _LINES = "line", "lines"
-_ARG_SIZES = _arg_sizes()
-_GETS = {0x67: _LINE, 0x68: struct.Struct("<B"), 0x6A: struct.Struct("<I")}   # GET, BINGET, LONG_BINGET
-_PUTS, _MEMOIZE, _STOP = {0x70, 0x71, 0x72}, 0x94, 0x2E
-_WATCH = set(_GETS) | _PUTS | {_MEMOIZE, _STOP}
-
-
-def _line_end(mv, pos) -> int:
-    """Just past the newline ending the line at `pos` (a line over 1 KiB: ValueError, store all);
-    a short window first, as almost every line is (a stream of short text opcodes is not copied
-    a kilobyte per opcode)."""
-    at = bytes(mv[pos:pos + 32]).find(b"\n")
-    return pos + (at if at >= 0 else bytes(mv[pos:pos + 1024]).index(b"\n")) + 1
-
-
-def fetched_memo(mv):
-    """The memo keys the pickle in `mv` ever reads back (GET), found by stepping over its opcodes
-    without building anything, so the run stores only those: torch.save memoizes every object it
-    writes (~8 per tensor) and reads back a handful, and a million-tensor file must not hold eight
-    million dead objects until its end. None (store everything) when the stream cannot be stepped
-    over to its STOP, or mixes MEMOIZE with explicit PUTs (MEMOIZE's key is the memo's length)."""
-    sizes, n, pos, keys, puts, memoize = _ARG_SIZES, len(mv), 0, set(), False, False
-    try:
-        while pos < n:
-            op = mv[pos]
-            pos += 1
-            size = sizes[op]
-            if op in _WATCH:
-                if op == _STOP:
-                    return None if puts and memoize else keys
-                get = _GETS.get(op)
-                if get is _LINE:
-                    keys.add(int(bytes(mv[pos:_line_end(mv, pos) - 1])))
-                elif get is not None:
-                    keys.add(get.unpack_from(mv, pos)[0])
-                puts, memoize = puts or op in _PUTS, memoize or op == _MEMOIZE
-            if size.__class__ is int:
-                pos += size
-            elif size is _LINE:
-                pos = _line_end(mv, pos)
-            elif size is _LINES:
-                pos = _line_end(mv, _line_end(mv, pos))
-            elif size is None:
-                return None
-            else:
-                length = size.unpack_from(mv, pos)[0]
-                if length < 0:
-                    return None
-                pos += size.size + length
-    except (ValueError, struct.error):
-        return None
-    return None
 
 
 RELEASE_STEP = 16 << 20   # with `release`, the pages of each this many bytes read are dropped
@@ -237,289 +166,6 @@ class _Machine:
         if idx not in self.memo:
             raise self.ctx.bad(f"memo key {idx} was never stored")
         self.stack.append(self.memo[idx])
-
-
-_OPS = [None] * 256   # opcode -> handler(vm, op); a true result means STOP
-_U16, _U32, _U64, _I32, _F64BE = (struct.Struct(f) for f in ("<H", "<I", "<Q", "<i", ">d"))
-
-
-def _op(*codes):
-    def add(handler):
-        for code in codes:
-            _OPS[code] = handler
-        return handler
-    return add
-
-
-def _pushing(code, value):
-    _OPS[code] = lambda vm, op: vm.stack.append(value)
-
-
-# --- framing and the stack
-
-@_op(0x80)  # PROTO
-def _proto(vm, op):
-    if vm.byte() > 5:
-        raise vm.ctx.bad("unsupported pickle protocol")
-
-
-@_op(0x95)  # FRAME: a length hint; opcodes run on regardless
-def _frame(vm, op):
-    if vm.unpack(_U64) > vm.n - vm.pos:
-        raise vm.ctx.bad("FRAME longer than the data")
-
-
-@_op(0x2E)  # STOP
-def _stop(vm, op):
-    if len(vm.stack) != 1 or vm.metastack:
-        raise vm.ctx.bad("STOP with an unbalanced stack")
-    return True
-
-
-@_op(0x28)  # MARK
-def _mark(vm, op):
-    vm.metastack.append(vm.stack)
-    vm.stack = []
-
-
-@_op(0x30)  # POP
-def _pop(vm, op):
-    if vm.stack:
-        vm.stack.pop()
-    else:
-        vm.pop_mark()
-
-
-@_op(0x31)  # POP_MARK
-def _pop_mark(vm, op):
-    vm.pop_mark()
-
-
-@_op(0x32)  # DUP
-def _dup(vm, op):
-    vm.stack.append(vm.stack[-1])
-
-
-# --- scalars
-
-_pushing(0x4E, None)   # NONE
-_pushing(0x88, True)   # NEWTRUE
-_pushing(0x89, False)  # NEWFALSE
-_pushing(0x29, ())     # EMPTY_TUPLE
-
-
-@_op(0x4B)  # BININT1
-def _binint1(vm, op):
-    vm.stack.append(vm.byte())
-
-
-@_op(0x4D)  # BININT2
-def _binint2(vm, op):
-    vm.stack.append(vm.unpack(_U16))
-
-
-@_op(0x4A)  # BININT
-def _binint(vm, op):
-    vm.stack.append(vm.unpack(_I32))
-
-
-@_op(0x8A)  # LONG1
-def _long1(vm, op):
-    vm.stack.append(int.from_bytes(vm.take(vm.byte()), "little", signed=True))
-
-
-@_op(0x8B)  # LONG4
-def _long4(vm, op):
-    k = vm.unpack(_I32)
-    if k > 1 << 20:
-        raise vm.ctx.bad(f"LONG4 of {k} bytes")
-    vm.stack.append(int.from_bytes(vm.take(k), "little", signed=True))
-
-
-@_op(0x47)  # BINFLOAT
-def _binfloat(vm, op):
-    vm.stack.append(vm.unpack(_F64BE))
-
-
-@_op(0x49)  # INT (text): also spells True/False in protocol 0
-def _int(vm, op):
-    text = vm.line()
-    vm.stack.append(True if text == b"01" else False if text == b"00" else int(text))
-
-
-@_op(0x4C)  # LONG (text)
-def _long(vm, op):
-    vm.stack.append(int(vm.line().rstrip(b"L")))
-
-
-@_op(0x46)  # FLOAT (text)
-def _float(vm, op):
-    vm.stack.append(float(vm.line()))
-
-
-# --- strings and bytes
-
-@_op(0x58)  # BINUNICODE
-def _binunicode(vm, op):
-    vm.stack.append(str(vm.take(vm.unpack(_U32)), "utf-8", "surrogatepass"))
-
-
-@_op(0x8C)  # SHORT_BINUNICODE
-def _short_binunicode(vm, op):
-    vm.stack.append(str(vm.take(vm.byte()), "utf-8", "surrogatepass"))
-
-
-@_op(0x8D)  # BINUNICODE8
-def _binunicode8(vm, op):
-    vm.stack.append(str(vm.take(vm.unpack(_U64)), "utf-8", "surrogatepass"))
-
-
-@_op(0x56)  # UNICODE (text)
-def _unicode(vm, op):
-    vm.stack.append(vm.line().decode("raw-unicode-escape"))
-
-
-@_op(0x43)  # SHORT_BINBYTES
-def _short_binbytes(vm, op):
-    vm.push_bytes(vm.byte())
-
-
-@_op(0x42)  # BINBYTES
-def _binbytes(vm, op):
-    vm.push_bytes(vm.unpack(_U32))
-
-
-@_op(0x8E)  # BINBYTES8
-def _binbytes8(vm, op):
-    vm.push_bytes(vm.unpack(_U64))
-
-
-@_op(0x96)  # BYTEARRAY8
-def _bytearray8(vm, op):
-    vm.push_bytes(vm.unpack(_U64), mutable=True)
-
-
-@_op(0x55)  # SHORT_BINSTRING (py2 str)
-def _short_binstring(vm, op):
-    vm.stack.append(str(vm.take(vm.byte()), "latin1"))
-
-
-@_op(0x54)  # BINSTRING
-def _binstring(vm, op):
-    vm.stack.append(str(vm.take(vm.unpack(_I32)), "latin1"))
-
-
-@_op(0x53)  # STRING (text, quoted)
-def _string(vm, op):
-    text = vm.line()
-    if len(text) < 2 or text[0] != text[-1] or text[:1] not in (b"'", b'"'):
-        raise vm.ctx.bad("STRING opcode argument is not quoted")
-    vm.stack.append(str(codecs.escape_decode(text[1:-1])[0], "latin1"))
-
-
-# --- containers (tuples and frozensets record their depth and size, ctx.tuple; keys are checked
-# before they are hashed, ctx.hashing)
-
-@_op(0x85, 0x86, 0x87)  # TUPLE1/2/3
-def _tuple_n(vm, op):
-    k = op - 0x84
-    if len(vm.stack) < k:
-        _underflow(vm.ctx)
-    vm.stack[-k:] = [vm.ctx.tuple(vm.stack[-k:])]
-
-
-@_op(0x74)  # TUPLE
-def _tuple(vm, op):
-    items = vm.pop_mark()
-    vm.stack.append(vm.ctx.tuple(items))
-
-
-@_op(0x5D)  # EMPTY_LIST
-def _empty_list(vm, op):
-    vm.stack.append([])
-
-
-@_op(0x6C)  # LIST
-def _list(vm, op):
-    items = vm.pop_mark()  # (before `vm.stack` is looked up: popping the mark replaces it)
-    vm.stack.append(items)
-
-
-@_op(0x61)  # APPEND
-def _append(vm, op):
-    item = vm.stack.pop()
-    _as(vm.stack[-1], list, vm.ctx, "APPEND").append(item)
-
-
-@_op(0x65)  # APPENDS
-def _appends(vm, op):
-    items = vm.pop_mark()
-    _as(vm.stack[-1], list, vm.ctx, "APPENDS").extend(items)
-
-
-@_op(0x7D)  # EMPTY_DICT
-def _empty_dict(vm, op):
-    vm.stack.append({})
-
-
-@_op(0x64)  # DICT
-def _dict(vm, op):
-    items = vm.pop_mark()
-    vm.stack.append(dict(zip(vm.ctx.hashing(items[0::2]), items[1::2])))
-
-
-@_op(0x73)  # SETITEM
-def _setitem(vm, op):
-    v = vm.stack.pop()
-    k = vm.stack.pop()
-    _as(vm.stack[-1], dict, vm.ctx, "SETITEM")[vm.ctx.hashing((k,))[0]] = v
-
-
-@_op(0x75)  # SETITEMS
-def _setitems(vm, op):
-    items = vm.pop_mark()
-    if len(items) % 2:
-        raise vm.ctx.bad("SETITEMS with an odd number of items")
-    d = _as(vm.stack[-1], dict, vm.ctx, "SETITEMS")
-    vm.ctx.hashing(items[0::2])
-    for i in range(0, len(items), 2):
-        d[items[i]] = items[i + 1]
-
-
-@_op(0x8F)  # EMPTY_SET
-def _empty_set(vm, op):
-    vm.stack.append(set())
-
-
-@_op(0x90)  # ADDITEMS
-def _additems(vm, op):
-    items = vm.pop_mark()
-    _as(vm.stack[-1], set, vm.ctx, "ADDITEMS").update(vm.ctx.hashing(items))
-
-
-@_op(0x91)  # FROZENSET
-def _frozenset_op(vm, op):
-    items = vm.pop_mark()
-    vm.stack.append(vm.ctx.frozenset(items))
-
-
-# --- memo
-
-def _memo_ops(put, get, index):
-    """PUT/GET in one spelling of the memo index (text line, one byte, four bytes)."""
-    _OPS[put] = lambda vm, op: vm.memo_put(index(vm))
-    _OPS[get] = lambda vm, op: vm.memo_get(index(vm))
-
-
-_memo_ops(0x70, 0x67, lambda vm: int(vm.line()))    # PUT, GET (text)
-_memo_ops(0x71, 0x68, lambda vm: vm.byte())         # BINPUT, BINGET
-_memo_ops(0x72, 0x6A, lambda vm: vm.unpack(_U32))   # LONG_BINPUT, LONG_BINGET
-
-
-@_op(0x94)  # MEMOIZE
-def _memoize(vm, op):
-    vm.memo_put(len(vm.memo) if vm.fetched is None else vm.memoized)   # (no PUTs beside: fetched_memo)
-    vm.memoized += 1
 
 
 # --- SECURITY: every opcode that names a global, calls, instantiates, sets state or reaches outside
@@ -649,21 +295,6 @@ def _ext(vm, op):
 @_op(0x97, 0x98)  # NEXT_BUFFER, READONLY_BUFFER
 def _buffer(vm, op):
     raise vm.ctx.unsafe("out-of-band buffers (NEXT_BUFFER/READONLY_BUFFER) are not accepted")
-
-
-def _underflow(ctx):
-    raise ctx.bad("stack underflow")
-
-
-def _as(obj, kind, ctx, opname):
-    """The container an item opcode fills: a plain one, or the items of a record (an instance of a
-    dict or list subclass: Lightning's AttributeDict)."""
-    if type(obj) is kind or (kind is dict and isinstance(obj, StateDict)):
-        return obj
-    if isinstance(obj, InertObject) and kind in (dict, list):
-        return obj.mapping(ctx, opname) if kind is dict else obj.sequence(ctx, opname)
-    what = f"the global {printable(obj.qualname, 200)}" if isinstance(obj, StandIn) else f"a {type(obj).__name__}"
-    raise ctx.unsafe(f"{opname} on {what}")
 
 
 def _persistent(hook, pid, ctx):
