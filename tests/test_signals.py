@@ -8,7 +8,7 @@ import click
 import pytest
 import torch
 
-from ckptconv import cli as cli_module, signals
+from ckptconv import cli_options, signals
 from ckptconv.io import output
 from ckptconv.io.hashing import Digests
 from ckptconv.rowview import RowView
@@ -186,7 +186,7 @@ def test_a_signal_that_comes_while_publishing_says_the_output_is_complete(restor
         assert e.value.published == out
         assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "x").read_bytes() == b"x"
         with pytest.raises(SystemExit) as code:
-            cli_module._interrupted(e.value)
+            cli_options._interrupted(e.value)
         assert code.value.code == 128 + signal.SIGTERM
         assert capsys.readouterr().err == f"ckptconv: error: interrupted by SIGTERM; {out} was published before it " \
                                           "and is complete\n"

@@ -1,0 +1,263 @@
+"""What every command of the command line (cli.py) shares: the click decorators that turn flags into
+typed requests (`read_options`, `write_options`, `mesh_options`, `cluster_options`, `with_option`),
+`command` (--debug, --quiet, --verbose, --json, and every error as one line), the group that answers
+click's own usage errors in one line too, and `emit`, the --json summary an error is also given as.
+"""
+import functools
+import json
+import sys
+import traceback
+
+import click
+
+from .cluster import MAX_PROCESSES, join
+from .tp.layout import MAX_RANKS
+from .convert import single_file
+from . import requests, signals
+from .io import mapped
+from .errors import CkptError, printable
+from .formats.manifest import HUB_STEMS, STEM, stem_problem
+from .tp.presets import PRESETS
+from .readers import readers
+
+
+def _fail(message: str, code: int = 2, as_json=False):
+    if as_json:
+        emit("error", {"ok": False, "exit_code": code, "error": printable(message)})
+    click.echo(f"ckptconv: error: {printable(message)}", err=True)
+    sys.exit(code)
+
+
+# verify/2: problems are objects (kind, file, tensor, detail, message); reshard/2: rows may have
+# `boxes`, and with --ep stacked experts are cut on two axes (no `ranges` no longer means even there)
+SCHEMA_VERSIONS = {"verify": 2, "reshard": 2}
+
+
+def emit(command_name: str, document: dict):
+    """A --json summary on stdout, tagged with its schema (docs/json.md): `ckptconv.COMMAND/N`."""
+    version = SCHEMA_VERSIONS.get(command_name, 1)
+    click.echo(json.dumps({"schema": f"ckptconv.{command_name}/{version}", **document}, indent=2))
+
+
+_VERBOSE = "ckptconv.verbose"
+
+
+def verbose() -> bool:
+    """Whether this command was given -v."""
+    return click.get_current_context().meta.get(_VERBOSE, False)
+
+
+def command(fn):
+    """Common flags and error handling: one line per error unless --debug (and with --json, the error
+    as a JSON object on stdout too); terminating signals clean up and exit 128 + n (signals.py)."""
+
+    @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+    @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+    @click.option("--verbose", "-v", is_flag=True, help="Say more in the summary: the files written (convert), each "
+                  "tensor's rule (reshard), each problem's kind and what was checked (verify).")
+    @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout (docs/json.md).")
+    @functools.wraps(fn)
+    def wrapper(*args, debug, verbose, **kwargs):
+        click.get_current_context().meta[_VERBOSE] = verbose
+        mapped.forget_changes()
+        as_json = kwargs.get("as_json")
+        with signals.handled():
+            try:
+                try:
+                    return fn(*args, **kwargs)
+                finally:   # one that came while the summary or problems were printed (outside our code)
+                    signals.check()
+            except signals.Interrupted as e:
+                _interrupted(e, as_json)
+            except BrokenPipeError:  # stdout closed early (`| head`): not an error of ours
+                sys.stderr.close()
+                sys.exit(0)
+            except Exception as e:
+                with signals.deferred():   # the error is reported whole, not cut by a signal
+                    if debug:
+                        traceback.print_exc()
+                    if signals.received():
+                        _interrupted(signals.received(), as_json)
+                    _fail(*_reason(e), as_json=as_json)
+
+    return wrapper
+
+
+def _interrupted(e: signals.Interrupted, as_json=False):
+    after = f"{e.published} was published before it and is complete" if e.published else "no output was published"
+    _fail(f"interrupted by {e.name}; {after}", e.exit_code, as_json)
+
+
+def _reason(e: Exception) -> tuple:
+    """(one-line message, exit status) for a failure. A file that shrank under its mapping was read
+    as zeros (mapped.py): whatever a reader then made of them, the cause is the change."""
+    changed = mapped.changed_files()
+    if changed:
+        return f"{changed[0]}: changed while it was being read; nothing was written", 2
+    if isinstance(e, CkptError):
+        return str(e), e.exit_code
+    if isinstance(e, OSError):
+        return f"{e.filename or ''}: {e.strerror or e}".lstrip(": "), 2
+    return f"unexpected {type(e).__name__}: {e} (rerun with --debug for a traceback)", 2  # a bug
+
+
+def read_options(fn):
+    """How to read a source (every command): the common options and those each reader declares."""
+    for reader in reversed(list(readers().values())):
+        for opt in reversed(reader.options):
+            kind = (click.Path(path_type=str) if opt.path else click.Choice(list(opt.choices))   # (the reader opens it)
+                    if opt.choices else opt.type)
+            fn = click.option(opt.flag, opt.dest, type=kind, help=opt.help)(fn)
+    declared = [opt.dest for reader in readers().values() for opt in reader.options]
+
+    @click.option("--from", "fmt", type=click.Choice(sorted(readers())), help="Force the input format.")
+    @click.option("--only", multiple=True, metavar="PREFIX",
+                  help="Keep only tensors whose name starts with PREFIX (repeatable); skips unread items.")
+    @click.option("--allow-global", multiple=True, metavar="MODULE.NAME",
+                  help="Accept one more pickled class as inert data (never imported or called); MODULE.* accepts "
+                  "a module and those below it. Globals that can run code are refused all the same.")
+    @click.option("--skip-unsupported", is_flag=True,
+                  help="Leave out tensors safetensors cannot store (complex, quantized; numpy object arrays, "
+                  "never unpickled) and list them.")
+    @click.option("--state-dict", default="auto", show_default=True, metavar="auto|KEY|none",
+                  help="Training checkpoints: auto writes the model's tensors under their bare names when it "
+                  "finds them (a top-level 'state_dict', or the one of model, model_state_dict, module, net, ema ... "
+                  "beside optimizer, scheduler and scaler state; inspect says which); KEY or a dotted path "
+                  "(model.state_dict) unwraps that entry; none keeps every tensor under its flattened name.")
+    @click.option("--workers", type=click.IntRange(1, requests.MAX_WORKERS), default=2, show_default=True,
+                  help="Files parsed in parallel.")
+    @click.option("--max-extra-size", default="256MB", show_default=True, metavar="SIZE",
+                  help="Largest model file (config, tokenizer, README ...) carried into OUT; larger ones are "
+                  "skipped and listed.")
+    @functools.wraps(fn)
+    def wrapper(*args, only, allow_global, skip_unsupported, state_dict, workers, max_extra_size, **kwargs):
+        given = {d: kwargs.pop(d) for d in declared}
+        kwargs["read"] = requests.read_options(only=only, allow_globals=allow_global, state_dict=state_dict,
+                                               skip_unsupported=skip_unsupported, workers=workers,
+                                               reader_options=given, max_extra_size=max_extra_size,
+                                               spell=requests.flag_name)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def cluster_options(fn):
+    """--distributed and friends: join a multi-process job (see docs/distributed.md)."""
+    @click.option("--distributed", is_flag=True, help="Work as one of several processes (also implied by "
+                  "JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID or a multi-task SLURM job).")
+    @click.option("--coordinator", metavar="HOST:PORT", help="Address where process 0 serves the job's messages "
+                  "(verify --device also uses PORT+1 for JAX's runtime).")
+    @click.option("--num-processes", type=click.IntRange(1, MAX_PROCESSES), help="Processes in the job.")
+    @click.option("--process-id", type=click.IntRange(0), help="This process's index.")
+    @click.option("--cluster-timeout", type=click.IntRange(1), default=60, show_default=True,
+                  help="Seconds to wait for the coordinator, for every process to join and for other processes' "
+                  "results.")
+    @click.option("--heartbeat-timeout", type=click.IntRange(1), default=10, show_default=True,
+                  help="Seconds without a word from a process after which it counts as stopped or gone.")
+    @functools.wraps(fn)
+    def wrapper(*args, distributed, coordinator, num_processes, process_id, cluster_timeout, heartbeat_timeout, **kw):
+        kw["cluster"] = lambda: join(distributed, coordinator, num_processes, process_id, cluster_timeout,
+                                     heartbeat_timeout)
+        return fn(*args, **kw)
+
+    return wrapper
+
+
+OVERWRITE_HELP = ("Replace OUT if it is a previous ckptconv output (anything else is refused, and OUT is never "
+                  "SRC or a directory holding it). An empty directory needs no --overwrite.")
+
+
+def _stem(ctx, param, value):
+    problem = stem_problem(value) if value is not None else None
+    if problem:
+        raise click.BadParameter(problem)
+    return value
+
+
+def write_options(resume: bool):
+    """How output files are written and named (convert, reshard): a WriteOptions as `write`."""
+    def decorate(fn):
+        @click.option("--max-shard-size", default="5GB", show_default=True,
+                      help="Largest shard file, e.g. 500MB, 5GB, 1GiB. A tensor never spans files.")
+        @click.option("--name", "stem", callback=_stem, metavar="STEM",
+                      help=f"Name the files of an output directory STEM.safetensors, or STEM-00001-of-0000N."
+                      f"safetensors and STEM.safetensors.index.json.  [default: the source's: "
+                      f"{', '.join(f'{stem} for {stem}* weights' for stem in HUB_STEMS)}, else {STEM}]")
+        @click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
+        @click.option("--fsync", is_flag=True, help="fsync every file before OUT is published (durable on power loss).")
+        @click.option("--buffered-io", is_flag=True,
+                      help="Write shards through the page cache instead of O_DIRECT (to read OUT back from memory "
+                      "right away, or where direct writes are slow, as on some network filesystems).")
+        @functools.wraps(fn)
+        def wrapper(*args, max_shard_size, stem, overwrite, fsync, buffered_io, **kwargs):
+            if stem is not None and single_file(kwargs.get("out") or ""):
+                raise click.BadParameter("it names the files of an output directory; an OUT ending in "
+                                         ".safetensors is one file, named by OUT", param_hint="'--name'")
+            kwargs["write"] = requests.write_options(max_shard_size=max_shard_size, name=stem, overwrite=overwrite,
+                                                     fsync=fsync, buffered_io=buffered_io,
+                                                     resume=kwargs.pop("resume", False), spell=requests.flag_name)
+            return fn(*args, **kwargs)
+
+        if resume:
+            wrapper = click.option("--resume", is_flag=True, help="Reuse the shards a killed run of the same "
+                                   "conversion finished (re-verified against its journal).")(wrapper)
+        return wrapper
+    return decorate
+
+
+with_option = click.option(
+    "--with", "with_files", multiple=True, metavar="FILE", type=click.Path(path_type=str),   # (read_added opens it)
+    help="Also write FILE into OUT (into each rank directory of a reshard) under its own name, e.g. a config "
+    "that no file of the source is paired with (repeatable; a regular file of at most --max-extra-size; a name "
+    "OUT or the source's carried files already use is refused).")
+
+
+def mesh_options(tp_required: bool):
+    """The target mesh and its rules (reshard, plan --tp): a MeshSpec as `mesh` (None without --tp)."""
+    def decorate(fn):
+        @click.option("--tp", type=click.IntRange(1, MAX_RANKS), required=tp_required,
+                      help="Tensor-parallel size of the target mesh." + ("" if tp_required else
+                                                                        " Without it: plan a convert."))
+        @click.option("--ep", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True,
+                      help="Expert-parallel groups for MoE models (ranks = tp x ep, rank = group x tp + tp rank).")
+        @click.option("--preset", type=click.Choice(sorted(PRESETS)),
+                      help="Partition preset (default: from config.json model_type, else from tensor names).")
+        @click.option("--rules", "rules_file", type=click.Path(path_type=str),   # (read as it is checked: rules.py)
+                      help="Partition rules file (TOML, see docs/reshard.md).")
+        @click.option("--heads", type=click.IntRange(1), help="Query heads (overrides config.json).")
+        @click.option("--kv-heads", type=click.IntRange(1), help="Key/value heads (overrides config.json).")
+        @click.option("--head-dim", type=click.IntRange(1), help="Head dimension (overrides config.json).")
+        @click.option("--pad-vocab", is_flag=True, help="Zero-pad vocab rows (embeddings, lm_head) up to a multiple "
+                      "of --tp instead of refusing; recorded as padded_shape in mesh.json.")
+        @click.option("--allow-replicate", multiple=True, metavar="PATTERN", help="Tensors (regular expression, full "
+                      "match) that may be copied whole to every rank although no rule says 'replicate' (repeatable).")
+        @functools.wraps(fn)
+        def wrapper(*args, tp, ep, preset, rules_file, heads, kv_heads, head_dim, pad_vocab, allow_replicate,
+                    **kwargs):
+            kwargs["mesh"] = None if tp is None else requests.mesh(
+                tp=tp, ep=ep, preset=preset, rules=rules_file, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                pad_vocab=pad_vocab, allow_replicate=allow_replicate, spell=requests.flag_name)
+            return fn(*args, **kwargs)
+        return wrapper
+    return decorate
+
+
+class _OneLineErrors(click.Group):
+    """click's usage errors (a bad option value, a missing argument) as every other error: one line,
+    `ckptconv: error: …`, exit 2 (click prints the usage and the error on three)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        given = list(sys.argv[1:] if args is None else args)
+        try:
+            code = super().main(given, prog_name, complete_var, False, **extra)
+        except click.ClickException as e:
+            context = getattr(e, "ctx", None)
+            hint = f" (see '{context.command_path} --help')" if context is not None else ""
+            _fail(e.format_message() + hint, e.exit_code, "--json" in given)
+        except click.exceptions.Abort:
+            _fail("aborted", 1, "--json" in given)
+        except Exception as e:   # raised while the options were read, before a command's own handling
+            _fail(*_reason(e), as_json="--json" in given)
+        sys.exit(code if isinstance(code, int) else 0)
