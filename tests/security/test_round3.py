@@ -16,7 +16,7 @@ import torch
 import ckptconv
 from ckptconv.errors import CkptError
 from tests.fixtures import values
-from tests.helpers import ROOT, Run, assert_refused, cli, run, split_all_rules
+from tests.helpers import ROOT, Run, assert_refused, run, split_all_rules
 
 
 def inproc(*args, **_) -> Run:
@@ -163,8 +163,8 @@ def _value(v, tmp_path):
 def test_no_exception_but_a_ckpt_error_leaves_the_api(model, tmp_path):
     escaped = []
     for command, options in API_OPTIONS.items():
-        for option, values in options.items():
-            for i, value in enumerate(values):
+        for option, tried in options.items():
+            for i, value in enumerate(tried):
                 out = tmp_path / f"out-{command}-{option}-{i}"
                 positional = {"convert": (model, out), "reshard": (model, out), "verify": (model,),
                               "inspect": (model,)}[command]
