@@ -111,7 +111,7 @@ class Main(Cluster):
         self.service = service
 
     def put(self, key: str, value) -> None:
-        self.service.put(key, json.dumps(value, default=_hex))
+        self.service.put(key, json.dumps(value, default=_wire))
 
     def _look(self, key: str) -> tuple:
         text = self.service.value(key)
@@ -133,7 +133,7 @@ class Peer(Cluster):
         self.connection = connection
 
     def put(self, key: str, value) -> None:
-        self._request({"op": "put", "key": key, "value": json.dumps(value, default=_hex)})
+        self._request({"op": "put", "key": key, "value": json.dumps(value, default=_wire)})
 
     def _look(self, key: str) -> tuple:
         reply = self._request({"op": "get", "key": key})
@@ -157,8 +157,11 @@ class Peer(Cluster):
         self.connection.close()
 
 
-def _hex(value) -> str:
-    """Bytes in a message (a writer's packed digests) go as hex; the receiver knows to read them back."""
+def _wire(value):
+    """A typed value in a message (a writer's result) goes as its `to_json()` (its bytes as hex; the
+    receiver reads it back with the type's `from_json`); other bytes go as hex."""
+    if hasattr(value, "to_json"):
+        return value.to_json()
     if isinstance(value, (bytes, bytearray, memoryview)):
         return value.hex()
     raise TypeError(f"{type(value).__name__} cannot cross processes")

@@ -118,16 +118,16 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     facts = runner.run(writer, tensors, out, write, ckpt.reads(src), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started
     total = sum(t.nbytes for t in tensors)
-    result = ConvertResult(str(out), ckpt.format, len(tensors), total, facts.get("files", []), round(seconds, 3),
-                           round(total / seconds / 1e9, 3) if seconds else None, facts.get("resumed_bytes", 0),
-                           facts.get("resume_note"), content.skipped_files, ckpt.also,
+    result = ConvertResult(str(out), ckpt.format, len(tensors), total, facts.files, round(seconds, 3),
+                           round(total / seconds / 1e9, 3) if seconds else None, facts.resumed_bytes,
+                           facts.resume_note, content.skipped_files, ckpt.also,
                            None if ckpt.source.state_dict in (None, "none") else ckpt.source.state_dict,
                            ckpt.source.dropped, ckpt.source.placeholders, ckpt.layout)
     if cluster is None or cluster.is_main:
         result.identity = identity(out)
     if cluster is not None:
-        mine = facts["unit_bytes"]
-        result.files, result.resumed_bytes = sorted(facts["units"]), 0
+        mine = facts.unit_bytes
+        result.files, result.resumed_bytes = sorted(facts.units), 0
         result.process, result.processes = cluster.process_id, cluster.num_processes
         result.gb_per_s = round(mine / seconds / 1e9, 3) if seconds else None
     return result

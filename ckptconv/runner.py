@@ -2,6 +2,7 @@
 gather the results, and process 0 finishes inside the atomic output. A single process is a cluster
 of one (`cluster.Solo`), so there is one path, and the plan `ckptconv plan` prints is the plan run."""
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from .cluster import Solo, on_cluster, run_guarded
 from .errors import OutputError
-from .writers.base import assign
+from .writers.base import ResultError, RunFacts, assign
 from .io.output import Inputs, temp_path
 
 # what the manifest's "source" records of the options that made it, as the user spells them
@@ -24,36 +25,41 @@ def shares(units, cluster) -> list:
     return [u for u, o in zip(units, owner) if o == cluster.process_id]
 
 
-def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, cluster=None, progress=None) -> dict:
+def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, cluster=None,
+        progress=None) -> RunFacts:
     """Write `tensors` to `out` with `writer`; returns the writer's facts (process 0) and this
     process's units. `progress(total)` gives a context manager yielding an update(nbytes) callable."""
     cluster = cluster or Solo()
     units = writer.plan(tensors)
     mine = shares(units, cluster)
     share = (cluster.process_id, cluster.num_processes)
-    facts = {}
+    facts, own = RunFacts(), []
 
     def work(tmp):
         with (progress or _no_progress)(sum(u.size for u in mine)) as update:
             result = writer.write(mine, tmp, update, share)
         check_unchanged()
+        own.append(result)
         return result
 
     def publish(tmp):  # process 0, inside the atomic output: its share, everyone's results, the metadata
-        results = run_guarded(cluster, "units", lambda: work(tmp))
+        sent = run_guarded(cluster, "units", lambda: work(tmp))
         owner = assign([u.size for u in units], cluster.num_processes)
-        for p, result in enumerate(results[1:], 1):
-            why = writer.accepts(result, [u for u, o in zip(units, owner) if o == p], tmp)
-            if why:
-                raise OutputError(f"process {p} sent a result that does not fit its share: {why}")
-        facts.update(writer.finish(tmp, results) or {})
+        results = own[:1]   # (its own as it is; the others' as they crossed: read and checked)
+        for p, data in enumerate(sent[1:], 1):
+            try:
+                results.append(writer.received(data, [u for u, o in zip(units, owner) if o == p], tmp))
+            except ResultError as e:
+                raise OutputError(f"process {p} sent a result that does not fit its share: {e}") from None
+        nonlocal facts
+        facts = writer.finish(tmp, results)
 
     def contribute():  # the other processes: their share, into process 0's temporary directory
         run_guarded(cluster, "units", lambda: work(temp_path(Path(os.path.abspath(out)))))
 
     job = job_of(writer, tensors, units, inputs) if cluster.num_processes > 1 else None
     on_cluster(cluster, out, options.overwrite, publish, contribute, inputs, options.resume, writer.single_file, job)
-    return {**facts, "units": [u.name for u in mine], "unit_bytes": sum(u.size for u in mine)}
+    return dataclasses.replace(facts, units=[u.name for u in mine], unit_bytes=sum(u.size for u in mine))
 
 
 def job_of(writer, tensors, units, inputs) -> dict:

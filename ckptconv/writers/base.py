@@ -7,9 +7,10 @@ several:
 - `plan(tensors) -> units`: which tensor bytes go to which file or directory, with their sizes.
   Pure data: `ckptconv plan` prints exactly what a run will do.
 - `write(units, tmp, progress, share) -> result`: write the units this process was given into the
-  temporary output directory. The result crosses processes: JSON, where bytes (packed digests)
-  go as hex (cluster.py).
-- `finish(tmp, results) -> facts`: on process 0, once every process's result is in (in process
+  temporary output directory. The result is the writer's `Result` type (FilesResult, or the mesh
+  writer's MeshResult); it crosses processes as its `to_json()` (packed digests as hex, cluster.py),
+  and process 0 reads another's back with `received` (`Result.from_json`, then `accepts`).
+- `finish(tmp, results) -> RunFacts`: on process 0, once every process's result is in (in process
   order): the index, manifest, SHA256SUMS, mesh.json ...; returns facts for the summary.
 
 A writer is one module with one registration (`@register("name")`).
@@ -83,9 +84,73 @@ class Content:
         return {"skipped_files": self.skipped_files} if self.skipped_files else {}
 
 
-def result_bytes(value) -> bytes:
-    """Bytes in a writer's result, as they are (one process) or as the hex they crossed as (cluster.py)."""
-    return bytes.fromhex(value) if isinstance(value, str) else value
+class ResultError(ValueError):
+    """Another process's result is not one, or not one of the share it was given: why, in one line."""
+
+
+def is_digest(value) -> bool:
+    """A SHA-256 as a result carries it: 64 lowercase hex digits."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def from_hex(value, what: str) -> bytes:
+    """Packed bytes that crossed as hex (to_json); ResultError naming `what` when they are not hex."""
+    try:
+        data = bytes.fromhex(value) if isinstance(value, str) else None
+    except ValueError:
+        data = None
+    if data is None or 2 * len(data) != len(value):   # (fromhex would skip spaces)
+        raise ResultError(f"{what} are not hex")
+    return data
+
+
+@dataclass
+class FilesResult:
+    """What a writer of shard files (sharded, single) wrote of its share: each file's manifest entry
+    by name ({"sha256", "size"}), each shard's tensor digests packed in plan order (32 bytes a
+    tensor, never an object per tensor), and with --resume, the bytes of shards reused from an
+    interrupted run (`reused`) and why not more (`note`)."""
+
+    files: dict
+    digests: dict
+    reused: int = 0
+    note: str | None = None
+
+    def to_json(self) -> dict:
+        """As it crosses processes (cluster.py): the packed digests as hex."""
+        return {"files": self.files, "digests": {name: row.hex() for name, row in self.digests.items()},
+                "reused": self.reused, "note": self.note}
+
+    @classmethod
+    def from_json(cls, data) -> "FilesResult":
+        """A result that crossed from another process, read, not trusted: ResultError when a part
+        is not of its type (whether it fits the share is `Writer.accepts`)."""
+        if not (isinstance(data, dict) and isinstance(data.get("files"), dict)
+                and isinstance(data.get("digests"), dict)):
+            raise ResultError("not {files, digests}")
+        for name, info in data["files"].items():
+            if not (isinstance(info, dict) and set(info) == {"sha256", "size"} and is_digest(info["sha256"])
+                    and type(info["size"]) is int and info["size"] >= 0):
+                raise ResultError(f"{brief(name, 80)}: {brief(info, 80)} is not {{sha256, size}}")
+        reused, note = data.get("reused", 0), data.get("note")
+        if type(reused) is not int or reused < 0 or not (note is None or isinstance(note, str)):
+            raise ResultError(f"its reused bytes {brief(reused, 40)} and note {brief(note, 80)} are not a count "
+                              "and a text")
+        digests = {name: from_hex(row, f"{brief(name, 80)}: its tensor digests")
+                   for name, row in data["digests"].items()}
+        return cls(data["files"], digests, reused, note)
+
+
+@dataclass
+class RunFacts:
+    """What a run wrote, for the command's summary: from `finish` (process 0), the files of OUT, the
+    bytes --resume reused and why not more; from the runner, this process's units and their bytes."""
+
+    files: list = field(default_factory=list)
+    resumed_bytes: int = 0
+    resume_note: str | None = None
+    units: list = field(default_factory=list)
+    unit_bytes: int = 0
 
 
 def assign(sizes, processes: int) -> list:
@@ -104,6 +169,7 @@ class Writer:
 
     name = "?"
     single_file = False   # the output is one file, not a directory
+    Result = FilesResult  # what write() returns (to_json / from_json: how it crosses processes)
 
     def __init__(self, options: WriteOptions, content: Content, out):
         # (the commands name the stem after the source, named_after; a writer made without one: `model`)
@@ -116,24 +182,31 @@ class Writer:
     def write(self, units, tmp, progress=None, share=(0, 1)):
         raise NotImplementedError
 
-    def finish(self, tmp, results) -> dict:
+    def finish(self, tmp, results) -> RunFacts:
         raise NotImplementedError
 
-    def accepts(self, result, units, tmp) -> str | None:
+    def received(self, data, units, tmp):
+        """Another process's result, from the JSON it crossed as (cluster.py): read with
+        `Result.from_json`, then checked to fit the `units` it was given (`accepts`); ResultError
+        saying why not. A result crossed a network: it is read, not trusted."""
+        result = self.Result.from_json(data)
+        why = self.accepts(result, units, tmp)
+        if why:
+            raise ResultError(why)
+        return result
+
+    def accepts(self, result: FilesResult, units, tmp) -> str | None:
         """Why another process's `result` does not fit the `units` it was given (None when it does):
         its files are exactly those units, each on disk with the size the plan says, and a digest
-        row of 32 bytes per tensor. A result crossed a network: it is read, not trusted."""
-        if not (isinstance(result, dict) and isinstance(result.get("files"), dict)
-                and isinstance(result.get("digests"), dict)):
-            return "not {files, digests}"
+        row of 32 bytes per tensor."""
         planned = {u.name: u for u in units}
-        if set(result["files"]) != set(planned) or set(result["digests"]) != set(planned):
-            return f"it names files {sorted(result['files'])[:4]}, not its share {sorted(planned)[:4]}"
+        if set(result.files) != set(planned) or set(result.digests) != set(planned):
+            return f"it names files {sorted(result.files)[:4]}, not its share {sorted(planned)[:4]}"
         for name, unit in planned.items():
-            info, row = result["files"][name], result["digests"][name]
-            if not (isinstance(info, dict) and info.get("size") == unit.size and isinstance(info.get("sha256"), str)):
+            info, row = result.files[name], result.digests[name]
+            if info["size"] != unit.size:
                 return f"{name}: {brief(info, 80)} is not {{sha256, size {unit.size}}}"
-            if not isinstance(row, str) or len(row) != 64 * len(unit.tensors):
+            if len(row) != 32 * len(unit.tensors):
                 return f"{name}: not one digest per tensor"
             try:
                 size = os.stat(os.path.join(tmp, name), follow_symlinks=False).st_size

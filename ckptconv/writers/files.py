@@ -26,7 +26,7 @@ from ..io.hashing import CHUNK, GATHERED, SMALL, Digests, Pipeline, write_all
 from ..io.outfile import OutFile
 from ..readers import weight_suffixes
 from ..tensor import as_bytes, iter_blocks
-from .base import AddedFile, result_bytes
+from .base import AddedFile, FilesResult
 
 
 @dataclass
@@ -96,14 +96,11 @@ class Written:
             for k, t in enumerate(s.tensors):
                 yield t.name, row[32 * k:32 * k + 32].hex()
 
-    def result(self) -> dict:
-        """{"files", "digests"}: a writer's result (writers/base.py). Packed digests cross to another
-        process as hex (cluster.py); a run of one process hands them over as they are."""
-        return {"files": self.files, "digests": self.digests}
-
-    @classmethod
-    def from_result(cls, data: dict) -> "Written":
-        return cls(data["files"], {name: result_bytes(row) for name, row in data["digests"].items()})
+    def result(self, reused: int = 0, note: str | None = None) -> FilesResult:
+        """A writer's result (writers/base.py): these files and digests, and what --resume reused.
+        Packed digests cross to another process as hex (FilesResult.to_json); a run of one process
+        hands them over as they are."""
+        return FilesResult(self.files, self.digests, reused, note)
 
 
 class OutputStream:

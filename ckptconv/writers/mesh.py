@@ -11,18 +11,18 @@ processes by bytes.
 """
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..io import sha256
-from ..errors import BadInput
+from ..errors import BadInput, brief
 from ..formats import mesh as fmt
 from ..io.hashing import CHUNK, SMALL, Digests, Pipeline
 from ..tensor import Concat, as_bytes, sha256_of, zero_padded
 from ..tp.layout import RankPieces, holds
-from .base import Content, WriteOptions, Writer, assign, register, result_bytes
+from .base import Content, ResultError, RunFacts, WriteOptions, Writer, assign, from_hex, is_digest, register
 from .files import (InlineTap, OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json,
                     write_tensor)
 
@@ -32,6 +32,45 @@ class RankDir:
     rank: int
     name: str
     size: int
+
+
+@dataclass
+class MeshResult:
+    """What a mesh writer wrote of its share: each of its ranks' shard files in order, [name, sha256];
+    the global digests it computed, a bit per tensor of the layout saying which (`global_at`, packed)
+    and 32 bytes for each bit set, in layout order (`global_digests`: no object per tensor); and, in
+    vLLM's layout, the top-level links it made to those shards, name -> sha256."""
+
+    global_digests: bytes       # (or a memoryview of them)
+    global_at: bytes
+    shards: dict                # rank -> [[name, sha256], ...]
+    linked: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """As it crosses processes (cluster.py): bytes as hex, ranks as JSON keys."""
+        return {"global": self.global_digests.hex(), "global_at": self.global_at.hex(),
+                "shards": {str(rank): files for rank, files in self.shards.items()}, "linked": self.linked}
+
+    @classmethod
+    def from_json(cls, data) -> "MeshResult":
+        """A result that crossed from another process, read, not trusted: ResultError when a part is
+        not of its type (whether it fits the share and the layout is MeshWriter.accepts)."""
+        if not (isinstance(data, dict) and isinstance(data.get("shards"), dict) and isinstance(data.get("global"), str)
+                and isinstance(data.get("global_at"), str) and isinstance(data.get("linked", {}), dict)):
+            raise ResultError("not {global, global_at, shards}")
+        shards = {}
+        for rank, files in data["shards"].items():
+            if not (rank.isascii() and rank.isdigit() and len(rank) <= 9 and str(int(rank)) == rank):
+                raise ResultError(f"{brief(rank, 40)} is not a rank")
+            if not (isinstance(files, list) and all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str)
+                                                    and is_digest(f[1]) for f in files)):
+                raise ResultError(f"rank {rank}: its shards are not [name, sha256] pairs")
+            shards[int(rank)] = files
+        linked = data.get("linked", {})
+        if not all(is_digest(d) for d in linked.values()):
+            raise ResultError("its links are not name: sha256")
+        return cls(from_hex(data["global"], "its global digests"), from_hex(data["global_at"], "its global digests"),
+                   shards, linked)
 
 
 def rank_piece(src, p, rank):
@@ -81,6 +120,8 @@ def _scatters(p) -> bool:
 
 @register("mesh")
 class MeshWriter(Writer):
+    Result = MeshResult
+
     def __init__(self, options: WriteOptions, content: Content, out, layout, rules, tp: int, ep: int, sources: list):
         super().__init__(options, content, out)
         self.layout, self.rules, self.tp, self.ep, self.sources = layout, rules, tp, ep, sources   # (in layout order)
@@ -92,23 +133,17 @@ class MeshWriter(Writer):
     def job(self) -> dict:
         return {**super().job(), "--tp": self.tp, "--ep": self.ep, "rules": self.rules.to_json()}
 
-    def accepts(self, result, units, tmp) -> str | None:
+    def accepts(self, result: MeshResult, units, tmp) -> str | None:
         """(see Writer.accepts) Its rank directories are exactly its share, each written; its global
         digests a bit per tensor of the layout and 32 bytes for each bit set."""
-        if not (isinstance(result, dict) and isinstance(result.get("shards"), dict)
-                and isinstance(result.get("global"), str) and isinstance(result.get("global_at"), str)):
-            return "not {global, global_at, shards}"
-        if set(result["shards"]) != {str(u.rank) for u in units}:
-            return f"it names ranks {sorted(result['shards'])[:4]}, not its share {[u.rank for u in units][:4]}"
+        if set(result.shards) != {u.rank for u in units}:
+            return f"it names ranks {sorted(result.shards)[:4]}, not its share {[u.rank for u in units][:4]}"
         if any(not os.path.isdir(os.path.join(tmp, u.name)) or os.path.islink(os.path.join(tmp, u.name)) for u in units):
             return "a rank directory of its share is not there"
-        try:
-            at = np.unpackbits(np.frombuffer(bytes.fromhex(result["global_at"]), np.uint8), count=len(self.layout))
-            rows = len(result["global"]) // 64
-        except ValueError:
-            return "its global digests are not hex"
-        if len(result["global_at"]) != 2 * -(-len(self.layout) // 8) or len(result["global"]) != 64 * int(at.sum()) \
-                or rows != int(at.sum()):
+        if len(result.global_at) != -(-len(self.layout) // 8):
+            return "its global digests do not fit the layout"
+        at = np.unpackbits(np.frombuffer(result.global_at, np.uint8), count=len(self.layout))
+        if len(result.global_digests) != 32 * int(at.sum()):
             return "its global digests do not fit the layout"
         return None
 
@@ -128,7 +163,7 @@ class MeshWriter(Writer):
         have, found = self._global_digests(streams, taps, tapped, share)
         # (only the rows this process has, and a bit per tensor saying which: what crosses to process 0)
         rows = found if have.all() else found[have]
-        return {"global": memoryview(rows).cast("B"), "global_at": np.packbits(have).tobytes(), "shards": shards}
+        return MeshResult(memoryview(rows).cast("B"), np.packbits(have).tobytes(), shards)
 
     def _global_digests(self, streams, taps: Digests, tapped: bytearray, share) -> tuple:
         """(which tensors, their global digests): a bool per tensor of the layout and a 32-byte row
@@ -157,12 +192,12 @@ class MeshWriter(Writer):
                 found[index[whole[index]]], have[index[whole[index]]] = rows[whole[index]], True
         return have, found
 
-    def finish(self, tmp, results) -> dict:
+    def finish(self, tmp, results) -> RunFacts:
         n = len(self.layout)
         digests, have = np.zeros((n, 32), np.uint8), np.zeros(n, bool)
-        for r in results:   # (from another process, bytes come as hex: cluster.py)
-            at = np.unpackbits(np.frombuffer(result_bytes(r["global_at"]), np.uint8), count=n).astype(bool)
-            rows = np.frombuffer(result_bytes(r["global"]), np.uint8).reshape(-1, 32)
+        for r in results:
+            at = np.unpackbits(np.frombuffer(r.global_at, np.uint8), count=n).astype(bool)
+            rows = np.frombuffer(r.global_digests, np.uint8).reshape(-1, 32)
             if len(results) == 1 and at.all():   # (one process: its rows are the table, not copied)
                 digests = rows
             else:
@@ -173,7 +208,7 @@ class MeshWriter(Writer):
         write_json(tmp, fmt.MESH, fmt.document(self.layout, self.rules, self.tp, self.ep, self.content.source,
                                                memoryview(digests).cast("B")))
         fmt.write_top_sums(tmp, self.known_digests(results))
-        return {}
+        return RunFacts()
 
     def known_digests(self, results) -> dict:
         """Top-level files whose digests the run already has (none here; the vLLM layout's links)."""

@@ -11,7 +11,7 @@ import stat
 
 from ..formats import manifest as fmt
 from ..io.hashing import CHUNK, Pipeline
-from .base import Content, WriteOptions, Writer, register
+from .base import Content, RunFacts, WriteOptions, Writer, register
 from .files import Written, check_space, copy_files, finish_dir, plan_shards, write_shards
 
 
@@ -128,11 +128,11 @@ class ShardedWriter(Writer):
                                    self.options.direct)
         finally:
             pipeline.close()
-        return {**written.result(), "reused": sum(v["size"] for v in reuse.files.values()), "note": note}
+        return written.result(sum(v["size"] for v in reuse.files.values()), note)
 
-    def finish(self, tmp, results) -> dict:
+    def finish(self, tmp, results) -> RunFacts:
         written, by_name = Written(), {}
-        for r in map(Written.from_result, results):
+        for r in results:
             by_name.update({name: r for name in r.files})
         for shard in self.shards:  # merged in plan order: the manifest is what one process writes
             r = by_name[shard.name]
@@ -141,6 +141,5 @@ class ShardedWriter(Writer):
         copy_files(tmp, self.content.model_files, written, self.content.edited, self.content.added)
         manifest = finish_dir(tmp, self.shards, written, {**self.content.source, **self.content.skipped()},
                               self.content.extras, self.content.manifest, self.options.stem)
-        notes = [r["note"] for r in results if r.get("note")]
-        return {"files": sorted(manifest["files"]), "resumed_bytes": sum(r["reused"] for r in results),
-                **({"resume_note": notes[0]} if notes else {})}
+        notes = [r.note for r in results if r.note]
+        return RunFacts(sorted(manifest["files"]), sum(r.reused for r in results), notes[0] if notes else None)

@@ -14,7 +14,7 @@ from ..formats import manifest as fmt
 from ..formats.safetensors import header_size
 from ..io.hashing import Pipeline
 from ..io.outfile import pwrite_all
-from .base import Content, WriteOptions, Writer, register
+from .base import Content, RunFacts, WriteOptions, Writer, register
 from .files import ShardFile, Written, check_space, write_shards
 
 
@@ -63,5 +63,5 @@ class SingleWriter(Writer):
             os.close(fd)
         return written.result()
 
-    def finish(self, tmp, results) -> dict:
-        return {"files": [self.file_name]}
+    def finish(self, tmp, results) -> RunFacts:
+        return RunFacts([self.file_name])

@@ -645,18 +645,54 @@ def test_jobs_that_differ_by_a_missing_key_are_named():
 
 
 def test_a_result_that_does_not_fit_its_share_is_refused(tmp_path):
-    from ckptconv.writers.base import Writer
+    from ckptconv.writers.base import FilesResult, ResultError, Writer
     from ckptconv.writers.files import ShardFile
     unit = ShardFile("model-00002-of-00002.safetensors", [object(), object()], 100, 28)
     (tmp_path / unit.name).write_bytes(b"x" * 128)
-    good = {"files": {unit.name: {"sha256": "a" * 64, "size": 128}}, "digests": {unit.name: "ab" * 64}}
+    good = {"files": {unit.name: {"sha256": "a" * 64, "size": 128}}, "digests": {unit.name: "ab" * 64},
+            "reused": 0, "note": None}
     w = Writer.__new__(Writer)
-    assert w.accepts(good, [unit], tmp_path) is None
+    result = w.received(good, [unit], tmp_path)
+    assert result == FilesResult(good["files"], {unit.name: b"\xab" * 64}) and result.to_json() == good
     for bad in (5, [1, 2], {"files": {}, "digests": {}}, {**good, "files": {unit.name: {"sha256": "a", "size": 1}}},
-                {**good, "digests": {unit.name: "ab"}},
+                {**good, "files": {unit.name: {"sha256": "a" * 64, "size": 1}}},
+                {**good, "files": {unit.name: {"sha256": "a\n" * 32, "size": 128}}},
+                {**good, "digests": {unit.name: "ab"}}, {**good, "digests": {unit.name: "ab " * 64}},
+                {**good, "digests": {unit.name: 5}}, {**good, "reused": "7"}, {**good, "reused": -1},
+                {**good, "note": ["x"]},
                 {"files": {"model-00001-of-00002.safetensors": {"sha256": "a" * 64, "size": 128}},
                  "digests": {"model-00001-of-00002.safetensors": "ab" * 64}}):
-        assert w.accepts(bad, [unit], tmp_path) is not None, bad
+        with pytest.raises(ResultError) as e:
+            w.received(bad, [unit], tmp_path)
+        assert "\n" not in str(e.value), bad
+
+
+def test_a_mesh_result_crosses_processes_as_json_and_is_read_not_trusted(tmp_path):
+    from ckptconv.writers.base import ResultError
+    from ckptconv.writers.mesh import MeshResult, MeshWriter, RankDir
+    from ckptconv.writers.vllm import VllmWriter
+    (tmp_path / "rank-00001").mkdir()
+    unit = RankDir(1, "rank-00001", 10)
+    mine = MeshResult(memoryview(b"\x01" * 64), b"\x60", {1: [["model.safetensors", "c" * 64]]})
+    sent = json.loads(json.dumps(mine.to_json()))
+    w = MeshWriter.__new__(MeshWriter)
+    w.layout = [None] * 3
+    back = w.received(sent, [unit], tmp_path)
+    assert (bytes(back.global_digests), back.global_at, back.shards, back.linked) == \
+        (b"\x01" * 64, b"\x60", mine.shards, {})
+    for bad in ({**sent, "global": "zz"}, {**sent, "global": "01" * 31}, {**sent, "global_at": "e0"},
+                {**sent, "global_at": 6}, {**sent, "shards": {"01": sent["shards"]["1"]}},
+                {**sent, "shards": {"2": sent["shards"]["1"]}}, {**sent, "shards": {"1": [["a", "b"]]}},
+                {**sent, "linked": {"x": 1}}, None):
+        with pytest.raises(ResultError):
+            w.received(bad, [unit], tmp_path)
+    v = VllmWriter.__new__(VllmWriter)
+    v.layout = w.layout
+    linked = {"model-rank-1-part-0.safetensors": "c" * 64}
+    assert v.received({**sent, "linked": linked}, [unit], tmp_path).linked == linked
+    for bad in ({}, {"config.json": "c" * 64}, {"model-rank-1-part-0.safetensors": "d" * 64}):
+        with pytest.raises(ResultError, match="links"):
+            v.received({**sent, "linked": bad}, [unit], tmp_path)
 
 
 def test_the_service_takes_only_a_process_own_keys_and_bounds_strangers(monkeypatch):
