@@ -17,7 +17,7 @@ from .errors import UsageError
 from .formats import manifest as manifest_format
 from .formats.manifest import MANIFEST
 from .formats.safetensors import parse_header
-from .formats.mesh import MESH, rank_dir
+from .formats.mesh import MESH, parse_mesh, rank_dir, read_regular
 from .readers import ReadOptions, safetensors as st_reader
 
 CUDA_HINT = "pip install 'ckptconv[cuda]'"
@@ -63,15 +63,15 @@ def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=N
     """Place and check every piece on its device. With several processes (jax.distributed), the mesh
     spans every process's devices; each process places the ranks whose device is local to it, and
     global arrays are assembled over the global mesh from each process's local pieces."""
-    mesh = json.loads((path / MESH).read_text()) if (path / MESH).is_file() else None
-    ranks = mesh["ranks"] if mesh else 1
+    mesh = parse_mesh(read_regular(path / MESH), path / MESH) if (path / MESH).is_file() else None
+    ranks = mesh.ranks if mesh else 1
     jax, devices = import_jax(platform, ranks // (cluster.num_processes if cluster else 1), cluster)
     if len(devices) < ranks and not allow_fewer:
         raise UsageError(f"--device {platform}: {ranks} ranks but only {len(devices)} devices "
                          "(--allow-fewer-devices maps ranks to devices round-robin)")
     placement = [devices[r % len(devices)] for r in range(ranks)]
     local = [d.process_index == jax.process_index() for d in placement]
-    use_global = mesh is not None and len(devices) >= ranks and mesh.get("ep", 1) == 1
+    use_global = mesh is not None and len(devices) >= ranks and mesh.ep == 1
     n_devices = len(devices)
     dirs = [path / rank_dir(r) for r in range(ranks)] if mesh else [path]
     pieces = [_rank_tensors(d) if local[r] else {} for r, d in enumerate(dirs)]
@@ -79,7 +79,7 @@ def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=N
     live = {d.id: 0 for d in devices}
     peak = dict(live)
     placed, started = 0, time.perf_counter()
-    names = list(mesh["tensors"]) if mesh else list(pieces[0] or _rank_tensors(path))
+    names = list(mesh.tensors) if mesh else list(pieces[0] or _rank_tensors(path))
     if use_global:
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
         jmesh = Mesh(np.array(placement), ("tp",))
@@ -103,14 +103,14 @@ def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=N
             if hashlib.sha256(back.reshape(-1).view(np.uint8)).hexdigest() != digest:
                 report.add(dirs[r], f"tensor {name!r} on {placement[r]}: contents differ from the file")
         if use_global and arrays:
-            entry = mesh["tensors"][name]
-            axis = entry["axis"]
-            if axis is None or not {"ranges", "boxes"} & set(entry):
-                spec = [None] * len(entry["shape"])
+            entry = mesh.tensors[name]
+            axis = entry.axis
+            if axis is None or (entry.ranges is None and entry.boxes is None):
+                spec = [None] * len(entry.shape)
                 if axis is not None:
                     spec[axis] = "tp"
                 sharding = NamedSharding(jmesh, PartitionSpec(*spec))
-                shape = tuple(entry.get("padded_shape", entry["shape"]))
+                shape = tuple(entry.full_shape)
                 g = jax.make_array_from_single_device_arrays(shape, sharding, [a for _, a, _, _ in arrays])
                 if tuple(g.shape) != shape or not g.sharding.is_equivalent_to(sharding, g.ndim):
                     report.add(path, f"tensor {name!r}: global array {g.shape} / {g.sharding} is not as recorded")

@@ -2,6 +2,7 @@
 directories beside it. Layout and meaning: docs/output.md ("Reshard outputs")."""
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import dtypes, safejson
@@ -32,11 +33,55 @@ def read_regular(path, limit=MAX_METADATA) -> bytes:
     return safejson.read(path, limit=limit, follow=False)
 
 
-def parse_mesh(data: bytes, where, on_disk: int | None = None) -> dict:
+@dataclass(slots=True)
+class MeshEntry:
+    """One tensor of mesh.json, validated (docs/output.md): its global shape and dtype code, the axis
+    it is split on (None: whole on every rank), its global SHA-256 (hex), the rule that placed it, and
+    how an uneven split is cut: `ranges` (per rank, its [start, stop) intervals along `axis`) or
+    `boxes` (per rank, boxes {axis: [start, stop]} cut on `axis` and one other); `padded_shape` for a
+    --pad-vocab split. Neither: an even split of `full_shape[axis]` over the ranks."""
+
+    shape: list
+    dtype: str
+    axis: int | None
+    sha256: str
+    rule: str | None = None
+    ranges: list | None = None
+    boxes: list | None = None
+    padded_shape: list | None = None
+
+    @property
+    def full_shape(self) -> list:
+        """The shape the ranks' pieces make up: `padded_shape` when the split axis was padded."""
+        return self.shape if self.padded_shape is None else self.padded_shape
+
+
+@dataclass(slots=True)
+class MeshDoc:
+    """mesh.json, validated (`parse_mesh`): the mesh (tp x ep = ranks), the partition rules it records
+    (as data: tp/rules.from_json builds them), what the reshard read and how (`source`, the manifest's
+    source without its rules), and every tensor by name (a MeshEntry), in the file's order."""
+
+    format: str
+    tp: int
+    ep: int
+    ranks: int
+    rules: dict
+    tensors: dict
+    source: dict
+    rank_order: str | None = None
+
+    @property
+    def target(self):
+        """The layout a reshard wrote for an engine (vLLM's: `{"engine": "vllm", ...}`), else None."""
+        return self.source.get("target")
+
+
+def parse_mesh(data: bytes, where, on_disk: int | None = None) -> MeshDoc:
     """Validate everything the readers, reshard and verify rely on (types, ranges, sizes); any fault
     is a BadInput naming mesh.json and what is wrong, never a crash later on. With `on_disk` (how
     many rank directories are on disk), the rank count must be that: a count read from a file is
-    never looped over unchecked."""
+    never looped over unchecked. Returns the document as a MeshDoc."""
     mesh = safejson.loads(data, where, MESH)
     if not isinstance(mesh, dict) or mesh.get("format") not in (FORMAT, FORMAT_BOXES):
         raise BadInput(f"{where}: not a {FORMAT} or {FORMAT_BOXES} description")
@@ -55,11 +100,18 @@ def parse_mesh(data: bytes, where, on_disk: int | None = None) -> dict:
     _check_rules(mesh.get("rules"), bad)
     if not isinstance(mesh.get("tensors"), dict):
         raise bad("'tensors' must be an object")
+    if not isinstance(mesh.get("source", {}), dict):
+        raise bad("'source' must be an object")
+    tensors = {}
     for name, entry in mesh["tensors"].items():
         _check_entry(name, entry, ranks, bad)
         if "boxes" in entry and mesh["format"] != FORMAT_BOXES:
             raise bad(f"tensor {name!r}: 'boxes' are {FORMAT_BOXES}, this file says {mesh['format']}")
-    return mesh
+        tensors[name] = MeshEntry(entry["shape"], entry["dtype"], entry["axis"], entry["sha256"], entry.get("rule"),
+                                  entry.get("ranges"), entry.get("boxes"), entry.get("padded_shape"))
+    order = mesh.get("rank_order")
+    return MeshDoc(mesh["format"], mesh["tp"], mesh["ep"], ranks, mesh["rules"], tensors, mesh.get("source", {}),
+                   order if isinstance(order, str) else None)
 
 
 def _count(v) -> bool:
@@ -163,12 +215,12 @@ def _check_boxes(name, boxes, shape, axis, ranks, bad):
             seen.add(tuple(box[str(axis)]))
 
 
-def outer_cut(entry: dict, rank: int):
+def outer_cut(entry: MeshEntry, rank: int):
     """(axis, (start, stop)) of the other axis a `boxes` entry cuts rank `rank`'s piece on, else None."""
-    if "boxes" not in entry:
+    if entry.boxes is None:
         return None
-    for box in entry["boxes"][rank]:
-        other = next(k for k in box if k != str(entry["axis"]))
+    for box in entry.boxes[rank]:
+        other = next(k for k in box if k != str(entry.axis))
         return int(other), tuple(box[other])
     return None
 
@@ -190,13 +242,13 @@ def rank_dirs(path: Path) -> dict:
     return found
 
 
-def intervals(entry: dict, ranks: int, rank: int, name: str):
+def intervals(entry: MeshEntry, ranks: int, rank: int, name: str):
     """The [start, stop) intervals along the split axis that rank `rank` holds (docs/output.md)."""
-    if "ranges" in entry:
-        return [tuple(iv) for iv in entry["ranges"][rank]]
-    if "boxes" in entry:
-        return [tuple(box[str(entry["axis"])]) for box in entry["boxes"][rank]]
-    n = entry.get("padded_shape", entry["shape"])[entry["axis"]]
+    if entry.ranges is not None:
+        return [tuple(iv) for iv in entry.ranges[rank]]
+    if entry.boxes is not None:
+        return [tuple(box[str(entry.axis)]) for box in entry.boxes[rank]]
+    n = entry.full_shape[entry.axis]
     if n % ranks:
         raise BadInput(f"{MESH}: tensor {name!r} is recorded as an even split of {n} over {ranks} ranks")
     k = n // ranks

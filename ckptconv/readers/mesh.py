@@ -9,7 +9,7 @@ from pathlib import Path
 from .base import Reader, register
 from .. import dtypes
 from ..errors import BadInput
-from ..formats.mesh import MESH, intervals, outer_cut, parse_mesh, rank_dir, rank_dirs, read_regular
+from ..formats.mesh import MESH, MeshDoc, MeshEntry, intervals, outer_cut, parse_mesh, rank_dir, rank_dirs, read_regular
 from ..tp.rules import check_recorded
 from ..tensor import Checkpoint, SourceFacts, Concat
 from . import ReadOptions, model_files, wanted
@@ -22,13 +22,13 @@ def detect(path: Path) -> bool:
     return path.is_dir() and (path / MESH).is_file()
 
 
-def read_mesh(path: Path) -> dict:
+def read_mesh(path: Path) -> MeshDoc:
     """mesh.json of a reshard output, read (a regular file only) and validated (`parse_mesh`), with
     exactly its ranks' directories rank-00000 … beside it."""
     present = rank_dirs(path)
     mesh = check_recorded(parse_mesh(read_regular(path / MESH), path / MESH, len(present)), path / MESH)
-    if max(present) != mesh["ranks"] - 1:  # as many distinct ranks as mesh.json says: 0..ranks-1 or not
-        raise BadInput(f"{path}: its rank directories are not {rank_dir(0)} to {rank_dir(mesh['ranks'] - 1)}")
+    if max(present) != mesh.ranks - 1:  # as many distinct ranks as mesh.json says: 0..ranks-1 or not
+        raise BadInput(f"{path}: its rank directories are not {rank_dir(0)} to {rank_dir(mesh.ranks - 1)}")
     return mesh
 
 
@@ -44,30 +44,29 @@ def rank_pieces(path: Path, ranks: int, only=()):
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
     mesh = read_mesh(path)
-    ranks = mesh["ranks"]
+    ranks = mesh.ranks
     pieces, mapped = rank_pieces(path, ranks, options.only)
     # mesh.json is sorted by name; the rank files keep the source's order, so use that
     order = {}
     for r in range(ranks):
         for name in pieces[r]:
             order.setdefault(name, (r, len(order)))
-    names = sorted((n for n in mesh["tensors"] if wanted(n, options.only)), key=lambda n: order.get(n, (ranks, 0)))
+    names = sorted((n for n in mesh.tensors if wanted(n, options.only)), key=lambda n: order.get(n, (ranks, 0)))
     try:
-        tensors = [assemble(name, mesh["tensors"][name], pieces, ranks) for name in names]
+        tensors = [assemble(name, mesh.tensors[name], pieces, ranks) for name in names]
     except BadInput as e:
         raise BadInput(f"{path / MESH}: {e}") from None
-    source = SourceFacts(format=NAME, path=str(path), more={"tp": mesh.get("tp"), "ep": mesh.get("ep"),
-                                                            "rules": mesh["rules"]})
+    source = SourceFacts(format=NAME, path=str(path), more={"tp": mesh.tp, "ep": mesh.ep, "rules": mesh.rules})
     files = model_files(path / rank_dir(0)) if (path / rank_dir(0)).is_dir() else []
-    return Checkpoint(tensors, {}, source, files, mapped, recorded_rules=mesh["rules"])
+    return Checkpoint(tensors, {}, source, files, mapped, recorded_rules=mesh.rules)
 
 
-def assemble(name, entry, pieces, ranks):
+def assemble(name, entry: MeshEntry, pieces, ranks):
     """A lazy global tensor from the rank pieces, checked against mesh.json's shape and dtype
     (assembled at `padded_shape`, then cut back to `shape`, for a --pad-vocab split; for `boxes`,
     each interval of the other axis from its ranks, then those joined)."""
-    axis, dt = entry["axis"], dtypes.from_code(entry["dtype"])
-    shape = tuple(entry.get("padded_shape", entry["shape"]))
+    axis, dt = entry.axis, dtypes.from_code(entry.dtype)
+    shape = tuple(entry.full_shape)
     holders = [r for r in range(ranks) if name in pieces[r]]
     if not holders:
         raise BadInput(f"tensor {name!r} is in mesh.json but in no rank directory")
@@ -77,9 +76,9 @@ def assemble(name, entry, pieces, ranks):
             raise BadInput(f"tensor {name!r}: rank {holders[0]} holds {src.shape}/{src.dtype.code}, "
                            f"mesh.json says {shape}/{dt.code}")
         return src
-    if "boxes" not in entry:
+    if entry.boxes is None:
         whole = _join(name, entry, axis, shape, dt, holders, pieces, ranks)
-        n = entry["shape"][axis]
+        n = entry.shape[axis]
         return whole if n == shape[axis] else whole.sliced(axis, 0, n).renamed(name)
     groups = {}   # interval of the other axis -> the ranks holding it
     for r in holders:

@@ -59,11 +59,12 @@ def from_json(obj: dict) -> RuleSet:
     return RuleSet(obj["name"], obj["layout"], [_rule(r, "recorded rules") for r in obj["rules"]], obj.get("params", {}))
 
 
-def check_recorded(mesh: dict, where):
-    """The rules a mesh.json records must be rules (patterns compile, kinds and fields are known):
-    BadInput naming `where` otherwise. They are checked as data; `recorded` never runs them."""
+def check_recorded(mesh, where):
+    """The rules a mesh.json (formats/mesh.MeshDoc) records must be rules (patterns compile, kinds and
+    fields are known): BadInput naming `where` otherwise. They are checked as data; `recorded` never
+    runs them."""
     try:
-        from_json(mesh["rules"])
+        from_json(mesh.rules)
     except UsageError as e:
         raise BadInput(f"{where}: its rules: {e}") from None
     return mesh

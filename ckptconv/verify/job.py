@@ -143,12 +143,12 @@ def _share(path: Path, is_mesh: bool, cluster):
             mesh = mesh_reader.read_mesh(path)
         except BadInput:
             mesh = None
-        ranks = sorted(r for r in rank_dirs(path) if mesh is not None and r < mesh["ranks"])
+        ranks = sorted(r for r in rank_dirs(path) if mesh is not None and r < mesh.ranks)
         sizes = [sum(_shard_sizes(path / rank_dir(r)).values()) for r in ranks]
         owners.update({("rank", r): o for r, o in zip(ranks, assign(sizes, cluster.num_processes))})
-        tensors = mesh["tensors"] if mesh is not None else {}
+        tensors = mesh.tensors if mesh is not None else {}
         names = list(tensors)
-        tsizes = [math.prod(tensors[n]["shape"]) * dtypes.from_code(tensors[n]["dtype"]).itemsize for n in names]
+        tsizes = [math.prod(tensors[n].shape) * dtypes.from_code(tensors[n].dtype).itemsize for n in names]
     else:
         shards = _shard_sizes(path)
         owners.update({("shard", n): o for n, o in zip(shards, assign(list(shards.values()), cluster.num_processes))})

@@ -15,7 +15,7 @@ from ..tp.rules import check_recorded
 from ..tensor import sha256_of
 from ..formats import manifest as manifest_format
 from ..formats.manifest import MANIFEST
-from ..formats.mesh import MESH, intervals, outer_cut, parse_mesh, rank_dir, rank_number
+from ..formats.mesh import MESH, MeshDoc, intervals, outer_cut, parse_mesh, rank_dir, rank_number
 from .output import verify_dir
 from .report import Report, _detail
 from .scan import _checked_manifest, _kind, _read, _regular, _scan, _sha256_regular, _sums
@@ -37,9 +37,9 @@ def verify_mesh(path: Path, report: Report, progress=None, mine=lambda kind, key
             mesh = check_recorded(parse_mesh(data, path / MESH, len(dirs)), path / MESH)
         except BadInput as e:
             found.add(path / MESH, _detail(e, path / MESH), "metadata")
-    target = mesh.get("source", {}).get("target") if mesh is not None else None
-    vllm_parts = _vllm_parts(path, mesh["ranks"]) if isinstance(target, dict) and \
-        target.get("engine") == vllm.TARGET and len(dirs) == mesh["ranks"] else None
+    target = mesh.target if mesh is not None else None
+    vllm_parts = _vllm_parts(path, mesh.ranks) if isinstance(target, dict) and \
+        target.get("engine") == vllm.TARGET and len(dirs) == mesh.ranks else None
     # a top-level part that is the very inode of its rank shard is hashed with that shard's directory
     # (against its manifest; its SHA256SUMS line is tied to the same digest below): not read twice
     linked = {n for n, (shard, _) in (vllm_parts or {}).items() if _same_file(path / n, path / shard)}
@@ -90,12 +90,12 @@ def _check_top_sums(path: Path, entries: dict, sums: dict, data, linked: set, fo
                 found.add(path / name, "sha256 differs from SHA256SUMS", "digest")
 
 
-def _ranks_present(path: Path, mesh, dirs: dict, found: Report) -> dict:
+def _ranks_present(path: Path, mesh: MeshDoc | None, dirs: dict, found: Report) -> dict:
     """The rank directories to check, {rank: name}: all of them without a valid mesh.json, else those of
     its ranks; with one, as many directories as ranks (checked): rank-00000 … exactly, or some are off."""
     present = dirs
     if mesh is not None:
-        ranks = mesh["ranks"]
+        ranks = mesh.ranks
         present = {r: n for r, n in dirs.items() if r < ranks}
         for r, name in sorted(dirs.items()):
             if r >= ranks:
@@ -159,7 +159,7 @@ def _verify_vllm_files(path: Path, expected: dict, entries: dict, sums: dict, re
                                     f"{rank_dir(0)}", "unlisted")
 
 
-def _ranks_agree(path: Path, mesh: dict, documents: list, report: Report):
+def _ranks_agree(path: Path, mesh: MeshDoc, documents: list, report: Report):
     """Every rank's manifest says what rank 0's says of the source (its description but the rank it
     holds, its extras and other facts) and carries the same model files, and mesh.json's target is
     the one they record: verify --against compares rank 0's with the source, so none may differ."""
@@ -177,17 +177,17 @@ def _ranks_agree(path: Path, mesh: dict, documents: list, report: Report):
         if differs is not None:
             report.add(path / rank_dir(r) / MANIFEST, f"{differs}: not what {rank_dir(0)}'s manifest records (every "
                                                       "rank records the same source)", "mesh")
-    target = mesh.get("source", {}).get("target")
+    target = mesh.target
     recorded = first["source"].get("target") if isinstance(first["source"], dict) else None
     if target != recorded:
         report.add(path / MESH, f"its source.target is {brief(target, 80)}, the ranks' manifests record "
                                 f"{brief(recorded, 80)}", "mesh")
 
 
-def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind, key: True):
+def verify_mesh_tensors(path: Path, mesh: MeshDoc, report: Report, mine=lambda kind, key: True):
     """With every rank dir intact: the same tensors as mesh.json, replicas equal, shared intervals
     equal, pieces where mesh.json puts them, reassembled digests right."""
-    ranks = mesh["ranks"]
+    ranks = mesh.ranks
     documents = [_checked_manifest(path / rank_dir(r)) for r in range(ranks)]
     per_rank = [d["tensors"] for d in documents]
     if mine("structure", None):
@@ -198,17 +198,17 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
         for name in tensors:
             held.setdefault(name, []).append(r)
     if mine("structure", None):
-        for name in sorted(set(held) - set(mesh["tensors"])):
+        for name in sorted(set(held) - set(mesh.tensors)):
             report.add(path / MESH, f"tensor {name!r} is on ranks {_ranks(held[name])} but not in mesh.json",
                        "unlisted", tensor=name)
-        for name in sorted(set(mesh["tensors"]) - set(held)):
+        for name in sorted(set(mesh.tensors) - set(held)):
             report.add(path / MESH, f"tensor {name!r} is in mesh.json but in no rank directory", "missing", tensor=name)
     pieces, _ = mesh_reader.rank_pieces(path, ranks)  # headers parsed once, for every check below
-    for name, entry in mesh["tensors"].items():
+    for name, entry in mesh.tensors.items():
         if not mine("tensor", name) or name not in held:
             continue
         holders = held[name]
-        if entry["axis"] is None:
+        if entry.axis is None:
             digests = {per_rank[r][name]["sha256"] for r in holders}
             if len(holders) != ranks:
                 report.add(path / MESH, f"replicated tensor {name!r} is missing on ranks "
@@ -224,7 +224,7 @@ def verify_mesh_tensors(path: Path, mesh: dict, report: Report, mine=lambda kind
                 continue
             _check_shared_intervals(name, entry, pieces, path, report)
         try:
-            if sha256_of(mesh_reader.assemble(name, entry, pieces, ranks)) != entry["sha256"]:
+            if sha256_of(mesh_reader.assemble(name, entry, pieces, ranks)) != entry.sha256:
                 report.add(path / MESH, f"tensor {name!r}: the global tensor reassembled from the rank "
                                                "pieces does not match its sha256 (a piece is on the wrong rank "
                                                "or cut on the wrong axis)", "mesh", tensor=name)
@@ -239,16 +239,16 @@ def _ranks(rs, limit=16) -> str:
 
 def _check_shared_intervals(name, entry, pieces, path, report):
     """Where several ranks hold the same interval (a shared kv head), their bytes must be equal."""
-    if "ranges" not in entry and "boxes" not in entry:
+    if entry.ranges is None and entry.boxes is None:
         return
-    axis, ranks = entry["axis"], len(pieces)
+    axis, ranks = entry.axis, len(pieces)
     seen = {}
     for r in range(ranks):
         if name not in pieces[r]:
             continue
         held = intervals(entry, ranks, r, name)
         shape = pieces[r][name].shape
-        if len(shape) != len(entry["shape"]) or shape[axis] != sum(b - a for a, b in held):
+        if len(shape) != len(entry.shape) or shape[axis] != sum(b - a for a, b in held):
             return   # a piece of the wrong shape: reported when the tensor is assembled
         at = 0
         for a, b in held:

@@ -455,6 +455,7 @@ MESH_EDITS = {
     "padded_shape on a replicated tensor": lambda m: _tensor(m, "model.norm.weight").update(padded_shape=[16]),
     "padded_shape smaller": lambda m: _tensor(m, "lm_head.weight").update(padded_shape=[2, 16]),
     "rules missing": lambda m: m.pop("rules"),
+    "source a list": lambda m: m.update(source=[]),
     "rules a list": lambda m: m.update(rules=[]),
     "rule not an object": lambda m: m["rules"]["rules"].insert(0, "x"),
     "rule pattern an int": lambda m: m["rules"]["rules"].insert(0, {"pattern": 5, "kind": "row"}),
