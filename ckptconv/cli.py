@@ -313,21 +313,21 @@ def plan_cmd(src, mesh, hosts, disk_gbps, max_shard_size, fmt, read, quiet, as_j
     ckpt = open_source(Source(src, fmt, read))
     result = plan_run(ckpt, hosts, disk_gbps, mesh, requests.write_options(max_shard_size=max_shard_size, spell=requests.flag_name))
     if as_json:
-        emit("plan", {k if k != "tensors" else "tensor_count": v for k, v in result.items()})
+        emit("plan", result.to_json())
         return
     tp = mesh.tp if mesh else None
     ep = mesh.ep if mesh else 1
-    job = f"reshard --tp {tp}" + (f" --ep {ep}" if ep > 1 else "") + f" ({result['rules']} rules)" if tp else "convert"
-    say(f"{src}: {result['format']}, {result['tensors']} tensors, {format_size(result['source_bytes'])}; "
+    job = f"reshard --tp {tp}" + (f" --ep {ep}" if ep > 1 else "") + f" ({result.rules} rules)" if tp else "convert"
+    say(f"{src}: {result.format}, {result.tensors} tensors, {format_size(result.source_bytes)}; "
         f"{job} on {hosts} host(s) at {disk_gbps} GB/s each")
-    for u in result["units"]:
-        say(f"  {u['name']:<36} {format_size(u['bytes']):>12}  process {u['process']}")
+    for u in result.units:
+        say(f"  {u.name:<36} {format_size(u.bytes):>12}  process {u.process}")
     unit = "rank dirs" if tp else "files"
-    for p in result["processes"]:
-        say(f"process {p['process']}: {len(p['units'])} {unit}, reads {format_size(p['bytes_read'])}, writes "
-            f"{format_size(p['bytes_written'])}, peak RSS ~{p['peak_rss_bytes'] / 2**20:.0f} MiB, "
-            f"~{p['seconds']:.3g} s")
-    say(f"estimated time: {result['seconds']:.3g} s ({result['time_model']})")
+    for p in result.processes:
+        say(f"process {p.process}: {len(p.units)} {unit}, reads {format_size(p.bytes_read)}, writes "
+            f"{format_size(p.bytes_written)}, peak RSS ~{p.peak_rss_bytes / 2**20:.0f} MiB, "
+            f"~{p.seconds:.3g} s")
+    say(f"estimated time: {result.seconds:.3g} s ({result.time_model})")
 
 
 @main.command("inspect")

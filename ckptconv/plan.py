@@ -6,6 +6,7 @@ the job runner splits them (runner.py): the plan printed is the plan run. Peak m
 estimates from ckptconv's measured behaviour (docs/benchmarks.md), stated as such.
 """
 import math
+from dataclasses import dataclass
 
 from .writers.base import assign
 from .tp.layout import plan as reshard_plan
@@ -41,7 +42,67 @@ def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
     return [(u.name, u.size) for u in writer.plan(ckpt.tensors)], rules
 
 
-def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: WriteOptions = None) -> dict:
+@dataclass
+class UnitPlan:
+    """One output file (convert) or rank directory (reshard): its bytes and the process that writes it."""
+
+    name: str
+    bytes: int
+    process: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "bytes": self.bytes, "process": self.process}
+
+
+@dataclass
+class ProcessPlan:
+    """What one process of the run does: its units, the bytes it reads and writes, the tensors (or
+    rank pieces) it writes, and the estimates of its peak memory and time."""
+
+    process: int
+    units: list                 # unit names
+    bytes_read: int
+    bytes_written: int
+    tensors_written: int
+    peak_rss_bytes: int
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {"process": self.process, "units": self.units, "bytes_read": self.bytes_read,
+                "bytes_written": self.bytes_written, "tensors_written": self.tensors_written,
+                "peak_rss_bytes": self.peak_rss_bytes, "seconds": self.seconds}
+
+
+@dataclass
+class PlanReport:
+    """`ckptconv plan`: the source, the job (convert, or a reshard for tp x ep with its rules), every
+    unit and every process's share, and the estimated time, with the model that gives it."""
+
+    source: str
+    format: str
+    tensors: int                # how many
+    source_bytes: int
+    job: str                    # convert | reshard
+    tp: int | None
+    ep: int
+    rules: str | None           # the rules' name (reshard)
+    hosts: int
+    disk_gbps: float
+    units: list                 # UnitPlan, in output order
+    processes: list             # ProcessPlan, in process order
+    seconds: float
+    time_model: str
+
+    def to_json(self) -> dict:
+        """The `--json` document (docs/json.md), less its schema tag."""
+        return {"source": self.source, "format": self.format, "tensor_count": self.tensors,
+                "source_bytes": self.source_bytes, "job": self.job, "tp": self.tp, "ep": self.ep, "rules": self.rules,
+                "hosts": self.hosts, "disk_gbps": self.disk_gbps, "units": [u.to_json() for u in self.units],
+                "processes": [p.to_json() for p in self.processes], "seconds": self.seconds,
+                "time_model": self.time_model}
+
+
+def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: WriteOptions = None) -> PlanReport:
     work, rules = units(ckpt, mesh, write)
     owner = assign([b for _, b in work], hosts)
     processes = []
@@ -53,18 +114,16 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
         written = sum(b for _, b in mine)
         # tensors this process writes: every tensor in each of its rank directories, or its share of a convert's
         pieces = len(ckpt.tensors) * len(mine) if mesh else round(len(ckpt.tensors) * written / total)
-        processes.append({"process": p, "units": [n for n, _ in mine], "bytes_read": written,
-                          "bytes_written": written, "tensors_written": pieces,
-                          "peak_rss_bytes": BASE_RSS + min(IN_FLIGHT, written)
-                          + (per_tensor_rss * len(ckpt.tensors) + PER_PIECE_RSS * pieces if mesh
-                             else per_tensor_rss * pieces),
-                          "seconds": max(2 * written / (disk_gbps * 1e9), written / (cpu_gbps * 1e9))
-                          + per_tensor * pieces})
-    return {"source": ckpt.source.path, "format": ckpt.format,
-            "tensors": len(ckpt.tensors), "source_bytes": sum(math.prod(t.shape) * t.dtype.itemsize for t in ckpt.tensors),
-            "job": job, "tp": mesh.tp if mesh else None, "ep": mesh.ep if mesh else 1,
-            "rules": rules.name if rules else None, "hosts": hosts, "disk_gbps": disk_gbps,
-            "units": [{"name": n, "bytes": b, "process": o} for (n, b), o in zip(work, owner)],
-            "processes": processes, "seconds": max(p["seconds"] for p in processes),
-            "time_model": f"per process, the slower of its disk (2 x bytes / --disk-gbps) and its CPU (bytes / "
-                          f"{cpu_gbps} GB/s), plus {per_tensor * 1e6:.0f} us per tensor written"}
+        processes.append(ProcessPlan(p, [n for n, _ in mine], written, written, pieces,
+                                     BASE_RSS + min(IN_FLIGHT, written)
+                                     + (per_tensor_rss * len(ckpt.tensors) + PER_PIECE_RSS * pieces if mesh
+                                        else per_tensor_rss * pieces),
+                                     max(2 * written / (disk_gbps * 1e9), written / (cpu_gbps * 1e9))
+                                     + per_tensor * pieces))
+    return PlanReport(ckpt.source.path, ckpt.format, len(ckpt.tensors),
+                      sum(math.prod(t.shape) * t.dtype.itemsize for t in ckpt.tensors), job,
+                      mesh.tp if mesh else None, mesh.ep if mesh else 1, rules.name if rules else None, hosts,
+                      disk_gbps, [UnitPlan(n, b, o) for (n, b), o in zip(work, owner)], processes,
+                      max(p.seconds for p in processes),
+                      f"per process, the slower of its disk (2 x bytes / --disk-gbps) and its CPU (bytes / "
+                      f"{cpu_gbps} GB/s), plus {per_tensor * 1e6:.0f} us per tensor written")
