@@ -4,7 +4,6 @@ whose regions are filled from the chunks. Registers nothing: dcp.py is the reade
 """
 import bisect
 import itertools
-import mmap
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
@@ -14,7 +13,7 @@ import numpy as np
 from .. import safejson
 from ..errors import BadInput, OutputError, UsageError
 from ..io.mapped import MappedFile, MemoryFile
-from ..io.outfile import pwrite_all
+from ..io.spill import SpillFile
 from ..formats.safetensors import parse_header
 from ..tensor import Concat, TensorSource
 from .pickle.torch_globals import TorchTensor
@@ -29,21 +28,6 @@ _ZIP = b"PK\x03\x04"
 
 # --- Reading the bytes --------------------------------------------------------------------------
 
-class _Inflated(MemoryFile):
-    """A decompressed item: a read-only mapping of its extent of the reader's unlinked temporary
-    file. Pages are the kernel's page cache (clean, file-backed); `release` drops them from our RSS."""
-
-    def __init__(self, mm, path):
-        super().__init__(mm, path)
-        self._mm = mm
-
-    def release(self, offset: int, length: int):
-        start = offset - offset % mmap.PAGESIZE
-        end = min(self.size, offset + length)
-        if end > start:
-            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-
-
 class DCPReader:
     def __init__(self, path: Path, allow):
         self.path, self.allow, self.root = path, allow, source_root(path)
@@ -51,8 +35,7 @@ class DCPReader:
         self._blobs = {}                 # (file, offset) -> ({name: source}, DCP_SHARDING_INFO)
         self._members = {}               # (file, blob offset, name) -> offsets of the chunk it backs
         self._inflated = OrderedDict()   # id(chunk) -> source over its inflated bytes, most recent last
-        self._spill = None               # the unlinked temporary file inflated items go to
-        self._spill_end = 0
+        self._spill = SpillFile("ckptconv-dcp-", "inflated zstd chunks")   # where inflated items go
         self._bytes_left = ZSTD_BYTES_LIMIT
 
     def file(self, rel) -> MappedFile:
@@ -91,15 +74,6 @@ class DCPReader:
 
     # -- zstd
 
-    def _spill_file(self):
-        if self._spill is None:
-            try:
-                self._spill = tempfile.TemporaryFile(prefix="ckptconv-dcp-")
-            except OSError as e:
-                raise OutputError(f"{tempfile.gettempdir()}: cannot create a temporary file for inflated zstd "
-                                  f"chunks: {e.strerror} (set TMPDIR)") from None
-        return self._spill
-
     def inflate(self, loc: Loc, limit: int, too_big) -> MemoryFile:
         """The decompressed bytes of a zstd item: streamed into the temporary file (at most `limit`
         bytes; `too_big(limit)` is the error past it, found after reading limit + 1), then mapped.
@@ -110,11 +84,7 @@ class DCPReader:
         path = f"{self.file(loc.rel).path}[{loc.what}, inflated]"
         if not size:
             return MemoryFile(b"", path)
-        try:
-            mm = mmap.mmap(self._spill.fileno(), size, access=mmap.ACCESS_READ, offset=start)
-        except OSError as e:
-            raise OutputError(f"{path}: cannot map the inflated bytes: {e.strerror}") from None
-        return _Inflated(mm, path)
+        return self._spill.map(start, size, path)
 
     def _inflate(self, loc, limit, too_big):
         m = self.file(loc.rel)
@@ -123,9 +93,7 @@ class DCPReader:
         except ImportError:
             raise UsageError(f"{m.path}: {loc.what} is zstd-compressed; install zstandard: "
                              "pip install 'ckptconv[zstd]'") from None
-        spill = self._spill_file()
-        start = -(-self._spill_end // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
-        size = 0
+        start, size = self._spill.begin(), 0
         dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
         try:
             with dctx.stream_reader(m.view[loc.offset:loc.offset + loc.length], closefd=False) as stream:
@@ -135,14 +103,14 @@ class DCPReader:
                         break
                     if size + len(piece) > limit:
                         raise too_big(limit)
-                    pwrite_all(spill.fileno(), memoryview(piece), start + size)
+                    self._spill.write(piece, start + size)
                     size += len(piece)
         except zstandard.ZstdError as e:
             raise BadInput(f"{m.path}: {loc.what}: corrupt or unsupported zstd stream: {e}") from None
         except OSError as e:
             raise OutputError(f"{tempfile.gettempdir()}: cannot write inflated zstd data of {loc.what} to a "
                               f"temporary file: {e.strerror} (set TMPDIR to a larger disk)") from None
-        self._spill_end = start + size
+        self._spill.done(start, size)
         return start, size
 
     def inflated_source(self, chunk: Chunk) -> TensorSource:

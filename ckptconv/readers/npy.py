@@ -11,7 +11,6 @@ that is then mapped, to exactly its declared size, and all of a file's deflated 
 INFLATE_RATIO times its bytes plus INFLATE_SLACK. Object arrays (`allow_pickle`) are never unpickled.
 """
 import math
-import mmap
 import re
 import struct
 import tempfile
@@ -22,8 +21,8 @@ from pathlib import Path
 
 from .. import dtypes
 from ..errors import BadInput, OutputError, printable
-from ..io.mapped import MappedFile, MemoryFile
-from ..io.outfile import pwrite_all
+from ..io.mapped import MappedFile
+from ..io.spill import SpillFile
 from ..limits import MAX_NDIM, shape_problem
 from ..tensor import Checkpoint, SourceFacts, MappedView, Strided, TensorSource
 from . import ReadOptions, confined, inside, model_files, source_root, wanted
@@ -208,37 +207,17 @@ def _view(name, header: Header, mapped, start: int) -> MappedView:
                       Strided(stride, header.big_endian, (start, header.nbytes)))
 
 
-class _Inflated(MemoryFile):
-    """A member's inflated bytes: a read-only mapping of its extent of the spill file, whose pages
-    `release` lets go."""
-
-    def __init__(self, mm, path):
-        super().__init__(mm, path)
-        self._mm = mm
-
-    def release(self, offset: int, length: int):
-        start = offset - offset % mmap.PAGESIZE
-        end = min(self.size, offset + length)
-        if end > start:
-            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-
-
 class _Spill:
     """The unlinked temporary file a file's deflated members are inflated into, once each."""
 
     def __init__(self, m: MappedFile):
-        self.m, self.file, self.end, self.lock = m, None, 0, threading.Lock()
+        self.m, self.lock = m, threading.Lock()
+        self.file = SpillFile("ckptconv-npz-", "inflated .npz members")
 
     def inflate(self, entry, where) -> tuple:
         """(offset, size) in the spill file of the member's inflated bytes: exactly its declared size,
         its CRC checked; the stream is read and written a MiB at a time."""
-        if self.file is None:
-            try:
-                self.file = tempfile.TemporaryFile(prefix="ckptconv-npz-")
-            except OSError as e:
-                raise OutputError(f"{tempfile.gettempdir()}: cannot create a temporary file for inflated .npz "
-                                  f"members: {e.strerror} (set TMPDIR)") from None
-        start = -(-self.end // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
+        start = self.file.begin()
         inflater, size, crc = zlib.decompressobj(-15), 0, 0
         src = self.m.view[entry.offset:entry.offset + entry.stored]
 
@@ -246,7 +225,7 @@ class _Spill:
             nonlocal size, crc
             if size + len(piece) > entry.size:
                 raise BadInput(f"{where}: inflates beyond the {entry.size} bytes its zip entry declares")
-            pwrite_all(self.file.fileno(), memoryview(piece), start + size)
+            self.file.write(piece, start + size)
             size, crc = size + len(piece), zlib.crc32(piece, crc)
 
         try:
@@ -268,7 +247,7 @@ class _Spill:
                            "(corrupt file)")
         if crc != entry.crc:
             raise BadInput(f"{where}: fails its CRC check (corrupt file)")
-        self.end = start + size
+        self.file.done(start, size)
         return start, size
 
 
@@ -284,12 +263,8 @@ class Deflated(TensorSource):
         with self._spill.lock:
             if self._base is None:
                 start, size = self._spill.inflate(self._entry, self._where)
-                try:
-                    mm = mmap.mmap(self._spill.file.fileno(), size, access=mmap.ACCESS_READ, offset=start)
-                except OSError as e:
-                    raise OutputError(f"{self._where}: cannot map the inflated bytes: {e.strerror}") from None
-                self._base = _view(self.name, self._header, _Inflated(mm, f"{self._where}, inflated"),
-                                   self._header.data_start)
+                mapped = self._spill.file.map(start, size, f"{self._where}, inflated")
+                self._base = _view(self.name, self._header, mapped, self._header.data_start)
             return self._base
 
     def _region(self, index):
