@@ -163,6 +163,33 @@ def test_json_member_stream_agrees_with_the_whole_parse(seed, data):
             assert streamed == whole
 
 
+@pytest.mark.parametrize("seed", JSON_SEEDS + [b'[[{"a": "[{\\"}"}, [[]]], {"b": [[[1]]]}]'])
+@SETTINGS
+@given(data=st.data(), piece=st.integers(1, 9))
+def test_nesting_measured_piece_by_piece_is_that_of_the_whole_text(seed, data, piece):
+    """safejson.depth carries the quotes' parity and the depth from piece to piece: any piece size
+    gives what one piece of the whole text gives, for bytes and for text, and for valid JSON the real
+    nesting."""
+    import json
+    from ckptconv import safejson
+    blob = data.draw(mutated(seed))
+    whole = safejson.depth(blob, piece=len(blob) + 1)
+    assert safejson.depth(blob, piece=piece) == whole
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError:
+        return
+    assert safejson.depth(text, piece=piece) == whole
+
+    def nesting(v):
+        return 1 + max((nesting(x) for x in v), default=0) if isinstance(v, list) else 0
+    try:   # (objects as lists of their values: a repeated key's first value counts too)
+        parsed = json.loads(text, object_pairs_hook=lambda pairs: [v for _, v in pairs])
+    except (ValueError, RecursionError):
+        return
+    assert whole == nesting(parsed)
+
+
 def test_every_reader_is_fuzzed():
     """parse_any reaches every registered reader through the minimal source it declares (Reader.fuzz):
     a reader added without one would face untrusted bytes unfuzzed."""
