@@ -11,7 +11,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import convert as _convert, requests, reshard as _reshard, verify as _verify
+from .jobs import convert as _convert, reshard as _reshard, verify as _verify
+from . import requests
+from .layouts import targets
 from .errors import BadInput, UsageError, brief, printable
 from .readers import Source, open_source
 from .readers.wrappers import Layout
@@ -81,13 +83,13 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
     return _reshard.reshard(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
                                     reader_options, max_extra_size),
                             None if out is None else requests.path(out, "out"), mesh,
+                            _reshard.ReshardOptions(requests.optional_text(strip_prefix, "strip_prefix"),
+                                                    requests.choice(target, tuple(targets()), "target"),
+                                                    requests.choice(dtype, requests.DTYPES, "dtype"),
+                                                    requests.paths(with_files, "with_files")),
                             requests.write_options(max_shard_size=max_shard_size, name=name, overwrite=overwrite,
                                                    fsync=fsync, buffered_io=buffered_io),
-                            requests.flag(dry_run, "dry_run"), progress=_progress(progress),
-                            strip_prefix=requests.optional_text(strip_prefix, "strip_prefix"),
-                            target=requests.choice(target, _reshard.TARGETS, "target"),
-                            dtype=requests.choice(dtype, requests.DTYPES, "dtype"),
-                            with_files=requests.paths(with_files, "with_files"))
+                            requests.flag(dry_run, "dry_run"), progress=_progress(progress))
 
 
 @_ours
@@ -102,10 +104,10 @@ def verify(path, against=None, *, device=None, allow_fewer_devices=False, format
     read = _source(path, format, (), allow_globals, state_dict, False, workers, reader_options, max_extra_size).options
     if device is not None:
         requests.choice(device, requests.DEVICES, "device")
-    return _verify.verify(requests.path(path, "path"), None if against is None else requests.path(against, "against"),
-                          read, format, device, requests.flag(allow_fewer_devices, "allow_fewer_devices"),
-                          _progress(progress),
-                          expect=expected_identity(expect))
+    return _verify.verify(_verify.VerifyRequest(
+        requests.path(path, "path"), None if against is None else requests.path(against, "against"), read, format,
+        device, requests.flag(allow_fewer_devices, "allow_fewer_devices"), expected_identity(expect)),
+        _progress(progress))
 
 
 def expected_identity(value) -> str | None:

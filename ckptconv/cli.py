@@ -20,19 +20,20 @@ if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
 
 import click
 
-from .cluster import MAX_PROCESSES
+from .run.cluster import MAX_PROCESSES
 from . import __version__
 from .api import expected_identity, inspection
 from .cli_options import (_OneLineErrors, cluster_options, command, emit, mesh_options, read_options, verbose,
                           with_option, write_options)
-from .convert import ConvertOptions, convert
+from .jobs.convert import ConvertOptions, convert
 from . import requests
 from .io import mapped
 from .errors import BadInput, UsageError, printable
-from .plan import plan_run
+from .jobs.plan import plan_run
 from .progress import byte_progress
-from .reshard import TARGETS, reshard
-from .verify import total_bytes, verify
+from .jobs.reshard import ReshardOptions, reshard
+from .layouts import targets
+from .jobs.verify import VerifyRequest, total_bytes, verify
 from .readers import Source, open_source, reader_for
 from .sizes import format_size
 
@@ -163,9 +164,8 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
               "(before the rules match them).")
 @click.option("--dtype", type=click.Choice(requests.DTYPES), default="keep", show_default=True,
               help="Cast floating tensors (round to nearest even); integers are kept; config.json says so.")
-@click.option("--target", type=click.Choice(TARGETS), default="mesh", show_default=True,
-              help="The layout: ckptconv's rank directories, or also vLLM's pre-sharded files "
-              "(model-rank-R-part-P.safetensors with vLLM's own tensor names; docs/reshard.md#vllm).")
+@click.option("--target", type=click.Choice(list(targets())), default="mesh", show_default=True,
+              help="The layout written. " + "; ".join(f"{name}: {line}" for name, line in targets().items()) + ".")
 @with_option
 @write_options(resume=False)
 @read_options
@@ -177,13 +177,13 @@ def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, with_files
 
     Each rank directory is a complete sharded-safetensors output holding exactly what that rank
     loads (column-parallel layers their output features, row-parallel their input features,
-    attention whole heads). With --target vllm, OUT is also what vLLM's load_format="sharded_state"
-    loads. Example: ckptconv reshard model/ out/ --tp 8
+    attention whole heads). With an engine's --target, OUT is also what that engine loads (see
+    --target). Example: ckptconv reshard model/ out/ --tp 8
     """
     if out is None and not dry_run:
         raise UsageError("OUT is required unless --dry-run")
-    result = reshard(Source(src, fmt, read), out, mesh, write, dry_run, None if dry_run else cluster(),
-                     lambda n: byte_progress(n, "reshard", quiet), strip_prefix, target, dtype, with_files)
+    result = reshard(Source(src, fmt, read), out, mesh, ReshardOptions(strip_prefix, target, dtype, with_files), write,
+                     dry_run, None if dry_run else cluster(), lambda n: byte_progress(n, "reshard", quiet))
     if as_json:
         emit("reshard", result.to_json())
     elif dry_run:
@@ -257,7 +257,7 @@ def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cl
     cluster = cluster()
     size = total_bytes(path) if Path(path).is_dir() else Path(path).stat().st_size if Path(path).is_file() else 0
     with byte_progress(size, "verify", quiet) as progress:
-        report = verify(path, against, read, fmt, device, allow_fewer_devices, progress, cluster, expect)
+        report = verify(VerifyRequest(path, against, read, fmt, device, allow_fewer_devices, expect), progress, cluster)
     changed = mapped.changed_files()
     if changed:
         raise BadInput(f"{changed[0]}: changed while it was being read; it could not be verified")

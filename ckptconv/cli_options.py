@@ -10,9 +10,9 @@ import traceback
 
 import click
 
-from .cluster import MAX_PROCESSES, join
+from .run.cluster import MAX_PROCESSES, join
 from .tp.layout import MAX_RANKS
-from .convert import single_file
+from .jobs.convert import single_file
 from . import requests, signals
 from .io import mapped
 from .errors import CkptError, printable

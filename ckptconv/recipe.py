@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 from . import dtypes, transforms
 from .errors import BadInput, brief
-from .tp import vllm
+from .layouts.base import for_target
 
 
 @dataclass(frozen=True)
 class Recipe:
     strip_prefix: str | None = None
     cast: object = None            # a DType of dtypes.CAST_TARGETS, or None
-    target: dict | None = None     # reshard --target vllm: {"engine", "model_type", "tied", "params"}
+    target: dict | None = None     # an engine's layout (reshard --target vllm): {"engine", ...}, as it records it
 
     def records(self) -> dict:
         """What the output's manifest records of it, in its "source" entry."""
@@ -36,7 +36,7 @@ class Recipe:
         dtype = next((d for d in dtypes.CAST_TARGETS.values() if d.code == cast), None)
         if cast is not None and dtype is None:
             raise BadInput(f"source.cast {brief(cast)} is not a --dtype ckptconv casts to")
-        if target is not None and not _is_target(target):
+        if target is not None and for_target(target) is None:
             raise BadInput(f"source.target {brief(target)} is not a layout ckptconv writes")
         return cls(prefix, dtype, target)
 
@@ -49,16 +49,6 @@ class Recipe:
         if untie:
             tensors, aliases = transforms.untie(tensors, same_bytes=same_bytes)
         tensors = transforms.cast_floats(tensors, self.cast)   # (before any layout: the engine's dtype)
-        if self.target is not None:
-            t = self.target
-            tensors = vllm.to_vllm(tensors, t["model_type"], t["tied"], t["params"])
+        if self.target is not None:   # (the engine's own names and shapes: its layout says how)
+            tensors = for_target(self.target).to_target(tensors, self.target)
         return tensors, aliases
-
-
-def _is_target(engine) -> bool:
-    params = engine.get("params") if isinstance(engine, dict) else None
-    return (isinstance(engine, dict) and engine.get("engine") == vllm.TARGET
-            and engine.get("model_type") in vllm.MODEL_TYPES and isinstance(engine.get("tied"), bool)
-            and isinstance(params, dict) and all(type(params.get(k)) is int and params[k] > 0
-                                                 for k in ("heads", "kv_heads", "head_dim"))
-            and (params.get("layers") is None or (type(params["layers"]) is int and params["layers"] > 0)))

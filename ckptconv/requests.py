@@ -14,7 +14,7 @@ from .formats.manifest import stem_problem
 from .readers import ReadOptions, Source
 from .sizes import parse_size
 from .tp.presets import MeshSpec
-from .writers.base import WriteOptions
+from .layouts.base import WriteOptions
 
 DTYPES = ("keep", *CAST_TARGETS)     # --dtype: keep, or what a float is cast to
 DEVICES = ("cpu", "cuda", "tpu")     # verify --device

@@ -433,7 +433,7 @@ class Checkpoint:
         return Inputs(tuple(files), roots)
 
     def out_files(self) -> tuple:
-        """(the model files for OUT as writers take them: (name, path) carried, (name, None) made; the
+        """(the model files for OUT as layouts take them: (name, path) carried, (name, None) made; the
         bytes of those made, {name: bytes})."""
         return self.model_files + [(name, None) for name in self.made], dict(self.made)
 

@@ -13,7 +13,7 @@ from ckptconv.io.mapped import MappedFile
 from ckptconv.tensor import ArraySource, Concat, MappedView, Stacked, iter_blocks
 from ckptconv.tp.layout import plan
 from ckptconv.tp.rules import Rule, RuleSet
-from ckptconv.writers.files import plan_shards
+from ckptconv.layouts.files import plan_shards
 
 F32, U8 = dtypes.BY_CODE["F32"], dtypes.BY_CODE["U8"]
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -171,7 +171,7 @@ def manifest_document(source: dict, files: dict, shards, order, digests: dict, e
 
 def write_journal(out_dir, job: dict, files: dict, digests: dict):
     """Record the shards finished so far (atomically), bound to the job (source identity, plan):
-    their files and their tensors' digests (writers/files.py's Written: 32 bytes per tensor, packed),
+    their files and their tensors' digests (layouts/files.py's Written: 32 bytes per tensor, packed),
     as one hex string per shard, written in slices: a million tensors' 64 MB of hex is never made
     whole (nor copied as JSON text, then as bytes)."""
     tmp = os.path.join(out_dir, JOURNAL + ".tmp")

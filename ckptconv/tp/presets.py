@@ -11,7 +11,6 @@ from typing import Callable
 
 from ..errors import BadInput, UsageError, brief
 from .rules import Rule, RuleSet, load_rules_file, read_config
-from .vllm import vllm_rules
 
 
 @dataclass(frozen=True)
@@ -23,7 +22,7 @@ class Preset:
     defaults: dict = field(default_factory=dict)  # head counts when there is no config (Grok-1's are fixed)
 
 
-PRESETS = {}
+PRESETS = {}   # (an engine's layout registers its own names' preset too: layouts/vllm)
 
 
 def preset(name: str, model_types=(), marker=None, defaults=None):
@@ -216,13 +215,6 @@ def gpt_neox(cfg: dict) -> RuleSet:
         Rule(r"(?:embed_out|lm_head)\.weight", "vocab"),
     ]
     return RuleSet("gpt-neox", "torch", rules, {"heads": heads})
-
-
-@preset("vllm")
-def vllm_names(cfg: dict) -> RuleSet:
-    """vLLM's own tensor names (a `reshard --target vllm` output, resharded again): fused qkv and
-    gate_up, stacked experts (tp/vllm.py)."""
-    return vllm_rules(cfg)
 
 
 def _megatron(name: str, fc1: str):

@@ -223,7 +223,7 @@ def test_every_tensor_size_is_checked_whichever_thread_digests_it(tmp_path, monk
     neighbours; larger ones go to the hash threads chunk by chunk. A flipped byte is named, each way."""
     import importlib
     import torch
-    shards = importlib.import_module("ckptconv.verify.shards")   # (where _hash_shard reads them)
+    shards = importlib.import_module("ckptconv.layouts.shardcheck")   # (where _hash_shard reads them)
     monkeypatch.setattr(shards, "SMALL", 1024)
     monkeypatch.setattr(shards, "CHUNK", 4096)
     sizes = {"empty": 0, "one": 1, "small": 100, "at_small": 256, "above": 257, "chunks": 2500, "tail": 3}
@@ -254,7 +254,7 @@ def test_a_run_of_small_tensors_does_not_stay_mapped(tmp_path, monkeypatch):
     import types
     import torch
     from ckptconv.io.mapped import MappedFile
-    shards = importlib.import_module("ckptconv.verify.shards")   # (where _hash_shard reads them)
+    shards = importlib.import_module("ckptconv.layouts.shardcheck")   # (where _hash_shard reads them)
     monkeypatch.setattr(shards, "CHUNK", 4096)
     torch.save({f"w{i}": torch.full((100,), float(i)) for i in range(200)}, tmp_path / "m.pt")   # 400 B each
     assert run("convert", tmp_path / "m.pt", tmp_path / "out", "--quiet").exit_code == 0

@@ -27,13 +27,13 @@ needs_guard = pytest.mark.skipif(not mapped.GUARDED, reason="ckptconv._mapguard 
                                  "or not Linux): mapped inputs are unguarded")
 
 # The driver. argv: RESULT TARGET HOOK CLI-ARGS...; HOOK says when TARGET is cut to 4096 bytes:
-#   blocks: after the first block the writer gathered from a mapping (writers/files.py iter_blocks)
+#   blocks: after the first block the writer gathered from a mapping (layouts/files.py iter_blocks)
 #   feed:   after the first chunk verify handed to the hash threads (HashLanes.feed)
 DRIVER = r"""
 import json, os, sys
 from ckptconv import cli
 from ckptconv.io import hashing, mapped
-from ckptconv.writers import files as writer
+from ckptconv.layouts import files as writer
 result, target, hook, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 cut = []
 

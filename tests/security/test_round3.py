@@ -96,8 +96,8 @@ def stuck(*args, **kwargs):   # the run waits where no checkpoint comes: a join 
     waiter.join()
 
 output.atomic_output = stuck
-import ckptconv.cluster
-ckptconv.cluster.atomic_output = stuck
+import ckptconv.run.cluster
+ckptconv.run.cluster.atomic_output = stuck
 cli.main(sys.argv[1:], prog_name="ckptconv")
 """
 
@@ -536,9 +536,9 @@ def test_resume_publishes_only_what_the_new_plan_wrote(model, tmp_path):
 
 
 def test_resume_is_refused_with_several_processes(model, tmp_path):
-    from ckptconv.convert import convert
+    from ckptconv.jobs.convert import convert
     from ckptconv.readers import Source
-    from ckptconv.writers.base import WriteOptions
+    from ckptconv.layouts.base import WriteOptions
 
     class Two:
         num_processes, process_id, is_main = 2, 0, True
@@ -638,20 +638,20 @@ def test_against_compares_the_other_facts_a_manifest_records(trained, tmp_path):
 
 
 def test_jobs_that_differ_by_a_missing_key_are_named():
-    from ckptconv.cluster import _difference
+    from ckptconv.run.cluster import _difference
     assert _difference({"options": {"--dtype": None}}, {"options": {}}) == \
         "its options --dtype is None, process 0's None"
     assert _difference({"a": 1}, {"a": 1, "b": 2}) == "its b differs (2 against process 0's None)"
 
 
 def test_a_result_that_does_not_fit_its_share_is_refused(tmp_path):
-    from ckptconv.writers.base import FilesResult, ResultError, Writer
-    from ckptconv.writers.files import ShardFile
+    from ckptconv.layouts.base import FilesResult, Layout, ResultError
+    from ckptconv.layouts.files import ShardFile
     unit = ShardFile("model-00002-of-00002.safetensors", [object(), object()], 100, 28)
     (tmp_path / unit.name).write_bytes(b"x" * 128)
     good = {"files": {unit.name: {"sha256": "a" * 64, "size": 128}}, "digests": {unit.name: "ab" * 64},
             "reused": 0, "note": None}
-    w = Writer.__new__(Writer)
+    w = Layout.__new__(Layout)
     result = w.received(good, [unit], tmp_path)
     assert result == FilesResult(good["files"], {unit.name: b"\xab" * 64}) and result.to_json() == good
     for bad in (5, [1, 2], {"files": {}, "digests": {}}, {**good, "files": {unit.name: {"sha256": "a", "size": 1}}},
@@ -668,14 +668,14 @@ def test_a_result_that_does_not_fit_its_share_is_refused(tmp_path):
 
 
 def test_a_mesh_result_crosses_processes_as_json_and_is_read_not_trusted(tmp_path):
-    from ckptconv.writers.base import ResultError
-    from ckptconv.writers.mesh import MeshResult, MeshWriter, RankDir
-    from ckptconv.writers.vllm import VllmWriter
+    from ckptconv.layouts.base import ResultError
+    from ckptconv.layouts.mesh import MeshDirectory, MeshResult, RankDir
+    from ckptconv.layouts.vllm import VllmDirectory
     (tmp_path / "rank-00001").mkdir()
     unit = RankDir(1, "rank-00001", 10)
     mine = MeshResult(memoryview(b"\x01" * 64), b"\x60", {1: [["model.safetensors", "c" * 64]]})
     sent = json.loads(json.dumps(mine.to_json()))
-    w = MeshWriter.__new__(MeshWriter)
+    w = MeshDirectory.__new__(MeshDirectory)
     w.layout = [None] * 3
     back = w.received(sent, [unit], tmp_path)
     assert (bytes(back.global_digests), back.global_at, back.shards, back.linked) == \
@@ -686,7 +686,7 @@ def test_a_mesh_result_crosses_processes_as_json_and_is_read_not_trusted(tmp_pat
                 {**sent, "linked": {"x": 1}}, None):
         with pytest.raises(ResultError):
             w.received(bad, [unit], tmp_path)
-    v = VllmWriter.__new__(VllmWriter)
+    v = VllmDirectory.__new__(VllmDirectory)
     v.layout = w.layout
     linked = {"model-rank-1-part-0.safetensors": "c" * 64}
     assert v.received({**sent, "linked": linked}, [unit], tmp_path).linked == linked
@@ -697,8 +697,8 @@ def test_a_mesh_result_crosses_processes_as_json_and_is_read_not_trusted(tmp_pat
 
 def test_the_service_takes_only_a_process_own_keys_and_bounds_strangers(monkeypatch):
     import socket as socketlib
-    from ckptconv import cluster_wire
-    from ckptconv.cluster_wire import Connection, Service, WireError
+    from ckptconv.run import wire as cluster_wire
+    from ckptconv.run.wire import Connection, Service, WireError
     monkeypatch.setattr(cluster_wire, "HELLO_S", 1)   # (the strangers are dropped after it: the test waits less)
     with socketlib.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -736,7 +736,7 @@ def test_the_writer_refuses_a_source_that_gives_the_wrong_number_of_bytes(tmp_pa
     from ckptconv import dtypes
     from ckptconv.io.hashing import Pipeline
     from ckptconv.tensor import Computed
-    from ckptconv.writers.files import plan_shards, write_shards
+    from ckptconv.layouts.files import plan_shards, write_shards
     from ckptconv.errors import BadInput
     liar = Computed("t", dtypes.BY_CODE["F32"], (1024,), lambda index: np.zeros(3, np.float32))
     pipeline = Pipeline()

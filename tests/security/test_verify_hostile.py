@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptconv.formats.sums import format_sums, parse_sums, unsafe_name
-from ckptconv.verify import total_bytes
+from ckptconv.jobs.verify import total_bytes
 from tests.helpers import run
 from tests.helpers import assert_clean as clean, assert_refused, cli
 
@@ -599,7 +599,7 @@ def test_a_shard_replaced_before_the_library_reads_it_is_named(copy, monkeypatch
     """The library's check comes after verify's own pass: a shard swapped in between (another valid
     header) is reported as changed, not passed because the library agrees with the new file."""
     import importlib
-    shards = importlib.import_module("ckptconv.verify.shards")   # (where _library_view calls it)
+    shards = importlib.import_module("ckptconv.layouts.shardcheck")   # (where _library_view calls it)
     out = copy("conv")
     shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
     real = shards._library
@@ -618,7 +618,7 @@ def test_a_library_view_that_changes_between_its_reads_is_named(copy, monkeypatc
     """The library's digest differs from ours, yet its second read (to name the differences) finds
     none: the file changed between the two, and that is what is reported."""
     import importlib
-    shards = importlib.import_module("ckptconv.verify.shards")   # (where _library_view calls it)
+    shards = importlib.import_module("ckptconv.layouts.shardcheck")   # (where _library_view calls it)
     out = copy("conv")
     shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
     real, calls = shards._library, []
@@ -639,7 +639,7 @@ def test_a_single_file_replaced_before_the_library_reads_it_is_named(tmp_path, m
     """A single-file output is re-read too when the library's view differs: the change is named,
     not blamed on the library."""
     import importlib
-    shards = importlib.import_module("ckptconv.verify.shards")   # (where _library_view calls it)
+    shards = importlib.import_module("ckptconv.layouts.shardcheck")   # (where _library_view calls it)
     one = tmp_path / "one.safetensors"
     assert run("convert", outputs / "conv", one).exit_code == 0
     real = shards._library
@@ -668,7 +668,7 @@ def test_differences_of_two_row_streams_in_name_order():
     """The name-by-name comparison on plain rows: names on one side only, at either end or between,
     and a row that differs; equal rows say nothing."""
     import importlib
-    differences = importlib.import_module("ckptconv.verify.shards")._differences
+    differences = importlib.import_module("ckptconv.layouts.shardcheck")._differences
     ours = [("a", "F32", [2]), ("c", "F32", [1]), ("d", "I8", [3])]
     theirs = [("b", "F32", [2]), ("c", "F32", [2]), ("d", "I8", [3]), ("e", "BOOL", [])]
     assert list(differences(ours, theirs)) == [("a", None, ("F32", [2])), ("b", ("F32", [2]), None),

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from ckptconv.plan import CPU_GBPS, PER_PIECE_RSS, PER_TENSOR_RSS, PER_TENSOR_SECONDS
-from ckptconv.writers.base import assign
+from ckptconv.jobs.plan import CPU_GBPS, PER_PIECE_RSS, PER_TENSOR_RSS, PER_TENSOR_SECONDS
+from ckptconv.run.share import assign
 from tests.helpers import DATA, run, split_all_rules
 
 GROK = DATA / "grok1_tensors.json"

@@ -279,9 +279,9 @@ def test_verify_reads_the_linked_parts_once(hf_llama, tmp_path, monkeypatch):
     out = tmp_path / "out"
     assert run("reshard", hf_llama["dir"], out, "--tp", 2, "--target", "vllm", "--quiet").exit_code == 0
     hashed = []
-    real = importlib.import_module("ckptconv.verify.scan")._sha256_regular
-    for user in ("output", "mesh", "against"):   # (the modules of ckptconv.verify that hash whole files)
-        monkeypatch.setattr(importlib.import_module(f"ckptconv.verify.{user}"), "_sha256_regular",
+    real = importlib.import_module("ckptconv.layouts.scan")._sha256_regular
+    for user in ("layouts.sharded.check", "layouts.mesh.check", "jobs.verify.against"):   # (those that hash whole files)
+        monkeypatch.setattr(importlib.import_module(f"ckptconv.{user}"), "_sha256_regular",
                             lambda p: hashed.append(p.name) or real(p))
     assert run("verify", out).exit_code == 0
     assert not any(n.startswith("model-rank-") for n in hashed) and "config.json" in hashed

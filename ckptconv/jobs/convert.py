@@ -1,0 +1,133 @@
+"""convert: any supported source -> sharded safetensors, or one .safetensors file (reader ->
+transforms -> writer), atomically, on one process or several (run/runner.py)."""
+import time
+from dataclasses import asdict, dataclass, field
+
+from .. import dtypes, transforms
+from ..run import runner
+from ..errors import BadInput, UsageError
+from ..recipe import Recipe
+from ..formats.identity import identity
+from ..formats.manifest import source_name
+from ..readers import Source, open_source, readers
+from ..readers.wrappers import Layout
+from ..tp.rules import read_config
+from ..layouts import layout
+from ..layouts.base import Content, WriteOptions, named_after, source_id
+from ..layouts.files import read_added
+
+
+@dataclass
+class ConvertOptions:
+    """What convert does to the tensors and what it carries along."""
+
+    strip_prefix: str | None = None
+    dtype: str = "keep"         # keep | bf16 | f16 | f32 (floating tensors only)
+    copy_extras: bool = True    # carry config.json, tokenizer files ... into a sharded OUT
+    with_files: tuple = ()      # --with FILE: more files written into OUT (layouts/files.read_added)
+
+
+@dataclass
+class ConvertResult:
+    out: str
+    format: str                 # the reader that read the source
+    tensors: int
+    bytes: int
+    files: list                 # of OUT (this process's shard files, on several processes)
+    seconds: float
+    gb_per_s: float | None
+    resumed_bytes: int = 0
+    resume_note: str | None = None
+    skipped_files: list = field(default_factory=list)
+    also: list = field(default_factory=list)        # other formats the source directory holds, not read
+    state_dict: str | None = None                   # the training wrapper's key unwrapped (--state-dict)
+    dropped: list = field(default_factory=list)     # parts of the wrapper not written: {"name", "reason"}
+    placeholders: list = field(default_factory=list)  # classes on no allowlist, recorded as inert data
+    layout: Layout | None = None                    # a training checkpoint's parts, and which were written
+    process: int | None = None                      # on several processes: this one, and how many
+    processes: int | None = None
+    identity: str | None = None                     # sha256:… naming exactly this output (formats/identity.py)
+
+    def to_json(self) -> dict:
+        """The `--json` summary: the fields that apply to this run."""
+        optional = ("resume_note", "skipped_files", "also", "process", "processes", "state_dict", "dropped",
+                    "placeholders", "identity", "layout")
+        out = {"tensor_count" if k == "tensors" else k: v for k, v in asdict(self).items()
+               if k not in optional or v not in (None, [])}
+        if self.layout is not None:
+            out["layout"] = self.layout.to_json()
+        return out
+
+
+def _config(model_files, made=None) -> dict:
+    """The carried (or made) config.json as an object, or {}: one that does not parse is carried
+    unchanged and read for nothing (convert never needed it before it tied weights or edited the dtype)."""
+    try:
+        return read_config(model_files, made) or {}
+    except BadInput:
+        return {}
+
+
+def single_file(out) -> bool:
+    """OUT ending in .safetensors asks for one file instead of a directory."""
+    return str(out).endswith(".safetensors")
+
+
+def convert(source: Source, out, options: ConvertOptions = None, write: WriteOptions = None, cluster=None,
+            progress=None) -> ConvertResult:
+    """Convert `source` into `out`. `progress(total_bytes)` gives a context manager yielding an
+    update(nbytes) callable (progress.byte_progress), or None."""
+    options, write = options or ConvertOptions(), write or WriteOptions()
+    started = time.perf_counter()
+    ckpt = open_source(source)
+    src = source.path
+    if not readers()[ckpt.format].holds_data:
+        raise UsageError(f"{src}: a {ckpt.format} description holds no tensor data; use `ckptconv plan` with it")
+    if not ckpt.tensors:
+        raise BadInput(f"{src}: no tensors to convert" + (" (after --only)" if source.options.only else ""))
+    one_file = single_file(out)
+    if one_file and write.resume:
+        raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
+    if write.resume and cluster is not None and cluster.num_processes > 1:
+        raise UsageError("--resume applies to a run of one process (each process would need its own journal)")
+    config = _config(ckpt.model_files, ckpt.made)
+    target = None if options.dtype == "keep" else dtypes.CAST_TARGETS[options.dtype]
+    recipe = Recipe(options.strip_prefix, target)
+    tensors, aliases = recipe.apply(ckpt.tensors, src, untie=True, same_bytes=config.get("tie_word_embeddings") is True)
+    described = {**ckpt.source.to_json(), "path": source_name(src), **recipe.records()}
+    if source.options.only:
+        described["only"] = list(source.options.only)   # verify --against compares the same selection
+    carry = options.copy_extras and not one_file  # one file carries no model files
+    if not options.copy_extras and not one_file and ckpt.model_files:
+        described["model_files"] = "not carried"       # (--no-copy-extras: verify --against expects none)
+    if options.with_files and one_file:
+        raise UsageError(f"{out}: --with writes files into an output directory; one .safetensors file holds none")
+    files, made = ckpt.out_files()
+    added = read_added(options.with_files, source.options.max_extra_size,
+                       [rel for rel, _ in files] if carry else ())
+    if added:
+        described["with"] = [a.name for a in added]    # (not the source's: verify --against leaves them out)
+    content = Content(described, ckpt.extras, {**ckpt.manifest, **({"aliases": aliases} if aliases else {})},
+                      files if carry else [], ckpt.skipped_files if carry else [], added=added,
+                      edited=made if carry else {})
+    if carry and target is not None:
+        content.edited.update(transforms.config_with_dtype(config, target, described))
+    content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()}, ckpt.extras, ckpt.manifest,
+                                                    [rel for rel, _ in content.model_files]])
+    writer = layout("single" if one_file else "sharded")(named_after(write, ckpt, src), content, out)
+    facts = runner.run(writer, tensors, out, write, ckpt.reads(src), ckpt.check_unchanged, cluster, progress)
+    seconds = time.perf_counter() - started
+    total = sum(t.nbytes for t in tensors)
+    result = ConvertResult(str(out), ckpt.format, len(tensors), total, facts.files, round(seconds, 3),
+                           round(total / seconds / 1e9, 3) if seconds else None, facts.resumed_bytes,
+                           facts.resume_note, content.skipped_files, ckpt.also,
+                           None if ckpt.source.state_dict in (None, "none") else ckpt.source.state_dict,
+                           ckpt.source.dropped, ckpt.source.placeholders, ckpt.layout)
+    if cluster is None or cluster.is_main:
+        result.identity = identity(out)
+    if cluster is not None:
+        mine = facts.unit_bytes
+        result.files, result.resumed_bytes = sorted(facts.units), 0
+        result.process, result.processes = cluster.process_id, cluster.num_processes
+        result.gb_per_s = round(mine / seconds / 1e9, 3) if seconds else None
+    return result

@@ -1,0 +1,129 @@
+"""plan: what a run would do, as data, without reading tensor data.
+
+A run's units (shard files of a conversion, rank directories of a reshard) come from the same
+writer's `plan` the run uses, and run/share.assign balances them over processes by bytes, exactly as
+the job runner splits them (run/runner.py): the plan printed is the plan run. Peak memory and time are
+estimates from ckptconv's measured behaviour (docs/benchmarks.md), stated as such.
+"""
+import math
+from dataclasses import dataclass
+
+from ..run.share import assign
+from ..tp.layout import plan as reshard_plan
+from ..tp.presets import MeshSpec, choose_rules
+from ..layouts import layout
+from ..layouts.base import Content, MeshPlan, WriteOptions, named_after
+
+# The estimates' constants, measured on the bench machine (docs/benchmarks.md, "plan against the run"):
+BASE_RSS = 45 * 2**20          # interpreter, numpy, the reader and writer modules
+IN_FLIGHT = 45 * 2**20         # staging buffers and chunks being hashed that a large write touches
+# bytes per tensor: a convert's source record and packed digest, per tensor it writes; a reshard's
+# source record and layout entry, per tensor of the checkpoint (every process plans them all) ...
+PER_TENSOR_RSS = {"convert": 260, "reshard": 380}
+# ... and per rank piece it writes, the piece's packed digest and its place in its shard plan (pieces
+# themselves are made as they are written)
+PER_PIECE_RSS = 48
+CPU_GBPS = {"convert": 0.8,    # read, hash (file and tensor digests) and write, one process, warm cache
+            "reshard": 0.5}    # the same and a third digest (the global tensor's), gathered row splits
+# reading a tensor's record, planning, hashing and listing it; a convert's small tensors are digested
+# in bulk (hashing.SMALL), a reshard's rank pieces one by one through the hash threads
+PER_TENSOR_SECONDS = {"convert": 115e-6, "reshard": 110e-6}
+
+
+def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
+    """(name, bytes) of every output file (convert) or rank directory (reshard, with `mesh`), in
+    output order, and the rules chosen."""
+    write, content = named_after(write or WriteOptions(), ckpt, ckpt.source.path), Content(ckpt.source.to_json())
+    if mesh is None:
+        return [(u.name, u.size) for u in layout("sharded")(write, content).plan(ckpt.tensors)], None
+    rules = choose_rules(ckpt, mesh)
+    plans = reshard_plan(ckpt.tensors, rules, mesh.tp, mesh.ep, mesh.pad_vocab)
+    writer = layout("mesh")(write, content, mesh=MeshPlan(plans, rules, mesh.tp, mesh.ep))
+    return [(u.name, u.size) for u in writer.plan(ckpt.tensors)], rules
+
+
+@dataclass
+class UnitPlan:
+    """One output file (convert) or rank directory (reshard): its bytes and the process that writes it."""
+
+    name: str
+    bytes: int
+    process: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "bytes": self.bytes, "process": self.process}
+
+
+@dataclass
+class ProcessPlan:
+    """What one process of the run does: its units, the bytes it reads and writes, the tensors (or
+    rank pieces) it writes, and the estimates of its peak memory and time."""
+
+    process: int
+    units: list                 # unit names
+    bytes_read: int
+    bytes_written: int
+    tensors_written: int
+    peak_rss_bytes: int
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {"process": self.process, "units": self.units, "bytes_read": self.bytes_read,
+                "bytes_written": self.bytes_written, "tensors_written": self.tensors_written,
+                "peak_rss_bytes": self.peak_rss_bytes, "seconds": self.seconds}
+
+
+@dataclass
+class PlanReport:
+    """`ckptconv plan`: the source, the job (convert, or a reshard for tp x ep with its rules), every
+    unit and every process's share, and the estimated time, with the model that gives it."""
+
+    source: str
+    format: str
+    tensors: int                # how many
+    source_bytes: int
+    job: str                    # convert | reshard
+    tp: int | None
+    ep: int
+    rules: str | None           # the rules' name (reshard)
+    hosts: int
+    disk_gbps: float
+    units: list                 # UnitPlan, in output order
+    processes: list             # ProcessPlan, in process order
+    seconds: float
+    time_model: str
+
+    def to_json(self) -> dict:
+        """The `--json` document (docs/json.md), less its schema tag."""
+        return {"source": self.source, "format": self.format, "tensor_count": self.tensors,
+                "source_bytes": self.source_bytes, "job": self.job, "tp": self.tp, "ep": self.ep, "rules": self.rules,
+                "hosts": self.hosts, "disk_gbps": self.disk_gbps, "units": [u.to_json() for u in self.units],
+                "processes": [p.to_json() for p in self.processes], "seconds": self.seconds,
+                "time_model": self.time_model}
+
+
+def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: WriteOptions = None) -> PlanReport:
+    work, rules = units(ckpt, mesh, write)
+    owner = assign([b for _, b in work], hosts)
+    processes = []
+    job = "reshard" if mesh else "convert"
+    total, cpu_gbps, per_tensor, per_tensor_rss = (sum(b for _, b in work) or 1, CPU_GBPS[job],
+                                                   PER_TENSOR_SECONDS[job], PER_TENSOR_RSS[job])
+    for p in range(hosts):
+        mine = [(n, b) for (n, b), o in zip(work, owner) if o == p]
+        written = sum(b for _, b in mine)
+        # tensors this process writes: every tensor in each of its rank directories, or its share of a convert's
+        pieces = len(ckpt.tensors) * len(mine) if mesh else round(len(ckpt.tensors) * written / total)
+        processes.append(ProcessPlan(p, [n for n, _ in mine], written, written, pieces,
+                                     BASE_RSS + min(IN_FLIGHT, written)
+                                     + (per_tensor_rss * len(ckpt.tensors) + PER_PIECE_RSS * pieces if mesh
+                                        else per_tensor_rss * pieces),
+                                     max(2 * written / (disk_gbps * 1e9), written / (cpu_gbps * 1e9))
+                                     + per_tensor * pieces))
+    return PlanReport(ckpt.source.path, ckpt.format, len(ckpt.tensors),
+                      sum(math.prod(t.shape) * t.dtype.itemsize for t in ckpt.tensors), job,
+                      mesh.tp if mesh else None, mesh.ep if mesh else 1, rules.name if rules else None, hosts,
+                      disk_gbps, [UnitPlan(n, b, o) for (n, b), o in zip(work, owner)], processes,
+                      max(p.seconds for p in processes),
+                      f"per process, the slower of its disk (2 x bytes / --disk-gbps) and its CPU (bytes / "
+                      f"{cpu_gbps} GB/s), plus {per_tensor * 1e6:.0f} us per tensor written")

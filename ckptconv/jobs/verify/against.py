@@ -1,0 +1,269 @@
+"""verify --against: the source read again the way the output records it was made (its selection, the
+reader's options, convert's recipe replayed), every tensor compared with it bit for bit, streaming, and
+what the output records of its source (the reader's description, extras, model files) checked too."""
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ... import signals, transforms
+from ...errors import BadInput, CkptError, brief
+from ...io.hashing import CHUNK
+from ...io.mapped import MappedFile
+from ...readers import ReadOptions, open_checkpoint, readers
+from ...formats.safetensors import parse_header
+from ...recipe import Recipe
+from ...tp.rules import read_config
+from ...tensor import as_bytes, iter_blocks
+from ...formats import manifest as manifest_format
+from ...formats.manifest import MANIFEST
+from ...formats.mesh import MESH, rank_dir
+from ...layouts.report import Report
+from ...layouts.scan import _checked_manifest, _sha256_regular
+
+
+def _recorded_source(out_path: Path, is_mesh: bool) -> tuple:
+    """(where the manifest is, its "source" entry, its aliases, the whole document) of an output
+    verify already checked: what convert did to the source (prefix stripped, cast) is applied again
+    before comparing."""
+    if out_path.is_file():
+        m = MappedFile(out_path)
+        raw = manifest_format.single_document(parse_header(m.view, m.size, out_path).metadata, out_path)
+        where = out_path
+    else:
+        first = out_path / rank_dir(0) if is_mesh else out_path
+        where, raw = first / MANIFEST, _checked_manifest(first) if (first / MANIFEST).is_file() else {}
+    source = raw.get("source", {}) if isinstance(raw, dict) else {}
+    aliases = raw.get("aliases", {}) if isinstance(raw, dict) else {}
+    aliases = {a: b for a, b in aliases.items() if isinstance(a, str) and isinstance(b, str)} \
+        if isinstance(aliases, dict) else {}
+    # (a malformed source is informational: the tensors still compare)
+    return where, source if isinstance(source, dict) else {}, aliases, raw if isinstance(raw, dict) else {}
+
+
+def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report, mine=lambda kind, key: True):
+    """Every tensor (global tensor, for a reshard output) equal to the source, bit for bit, streaming."""
+    is_mesh = (out_path / MESH).is_file()
+    # what OUT holds is read as what ckptconv writes, never by detection: a .pt or .metadata slipped
+    # into OUT (and listed in its sums) must not become "the output" that matches the source
+    out = open_checkpoint(out_path, "mesh" if is_mesh else "safetensors", ReadOptions())
+    recorded, manifest, aliases, document = _recorded_source(out_path, is_mesh)
+    applied = _as_recorded(read, manifest, fmt)
+    if applied != read:  # say so: "matches the source" then means the selection convert recorded
+        replayed = ([f"--state-dict {brief(applied.state_dict)}"] if applied.state_dict != read.state_dict else []) \
+            + ([f"--only {brief(applied.only)}"] if applied.only != read.only else []) \
+            + [f"--{k.replace('_', '-')} {brief(v)}" for k, v in applied.declared.items() if read.declared.get(k) != v]
+        report.notes.append(f"{out_path}: compared with the part of the source the output records it was made "
+                            f"from: {', '.join(replayed)}")
+    read = applied
+    source = open_checkpoint(src, fmt, read)
+    if mine("structure", None) and document.get("format") == manifest_format.FORMAT:   # (not a foreign output)
+        _compare_facts(recorded, document, manifest, source, report, beside=Path(src).is_file())
+    try:
+        recipe = Recipe.recorded(manifest)
+    except BadInput as e:
+        report.add(recorded, str(e), "metadata")
+        return
+    try:   # convert's own steps, with their own checks (a name clash, a layout that does not fit)
+        src_list, _ = recipe.apply(source.tensors, src)
+    except CkptError as e:
+        report.add(recorded, f"the source cannot be made what the output records: {e}", "source")
+        return
+    src_tensors = {t.name: t for t in src_list}
+    written = {t.name: t for t in out.tensors}
+    if mine("structure", None):
+        prefix = _prefix_between([n for n in written if n not in src_tensors and n not in aliases],
+                                 [n for n in src_tensors if n not in written and n not in aliases])
+        if prefix is not None:
+            report.add(out_path, prefix, "source")
+    tied = [(written[aliases[n]], src_tensors.pop(n)) for n in list(src_tensors)
+            if n in aliases and aliases[n] in written]   # written once (tied weights): the same bytes
+    for t, s in [(t, src_tensors.pop(t.name, None)) for t in out.tensors] + tied:
+        if not mine("tensor", t.name):
+            continue
+        if s is None:
+            report.add(out_path, f"tensor {t.name!r} is not in the source {src}", "source", tensor=t.name)
+            continue
+        if s.dtype != t.dtype or s.shape != t.shape:
+            report.add(out_path, f"tensor {t.name!r} is {t.dtype.code}{list(t.shape)}, the source has "
+                                 f"{s.dtype.code}{list(s.shape)}", "source", tensor=t.name)
+            continue
+        _compare(t, s, out_path, report)
+    for name in src_tensors if mine("structure", None) else ():
+        report.add(out_path, f"tensor {name!r} of the source is missing from the output", "source", tensor=name)
+
+
+def _prefix_between(only_out: list, only_src: list) -> str | None:
+    """When the names on one side are the other side's with a prefix added (9 in 10 or more of them),
+    one line saying so, to read before the details; else None. Bounded: the prefixes tried are those
+    of the first 16 names, at most 200 characters long."""
+    if not only_out or not only_src:
+        return None
+    for longer, shorter, side in ((only_src, only_out, "source"), (only_out, only_src, "output")):
+        held, tried = set(shorter), set()
+        for name in longer[:16]:
+            for cut in range(1, min(len(name), 201)):
+                prefix = name[:cut]
+                if name[cut:] not in held or prefix in tried:
+                    continue
+                tried.add(prefix)
+                hits = sum(n.startswith(prefix) and n[cut:] in held for n in longer)
+                if hits * 10 >= 9 * max(len(longer), len(shorter)):
+                    return (f"the {side}'s names are the {'output' if side == 'source' else 'source'}'s with "
+                            f"the prefix {prefix!r} ({hits} of {len(longer)}): " + (
+                                f"convert with --strip-prefix {prefix!r} gives the output's names"
+                                if side == "source" else "the source lacks it"))
+    return None
+
+
+def _as_recorded(read: ReadOptions, manifest: dict, fmt=None) -> ReadOptions:
+    """The source read the way convert read it: its recorded --state-dict and --only (when they are
+    what convert writes: a key or "none", a list of prefixes) and the options its reader declares and
+    records (Grok's --dequantize and --layout: one of their choices), unless given again here."""
+    wrapper, only = manifest.get("state_dict"), manifest.get("only")
+    if isinstance(wrapper, str) and wrapper and read.state_dict == "auto":
+        read = dataclasses.replace(read, state_dict=wrapper)
+    if isinstance(only, list) and 0 < len(only) <= 1000 and all(isinstance(p, str) and len(p) <= 1000 for p in only) \
+            and not read.only:
+        read = dataclasses.replace(read, only=list(only))
+    reader = readers().get(manifest.get("format") if fmt is None else fmt)
+    declared = dict(read.declared)
+    for opt in reader.options if reader is not None else ():
+        value = manifest.get(opt.dest)
+        if opt.choices and value in opt.choices and opt.dest not in declared:
+            declared[opt.dest] = value
+    return dataclasses.replace(read, declared=declared) if declared != read.declared else read
+
+
+# What convert and reshard add to the reader's description of the source (the options they applied,
+# replayed by compare_against, and where the source was): the rest is the reader's, and must be what
+# the reader says of the source today.
+_APPLIED = ("path", "cast", "strip_prefix", "only", "skipped_files", "config_edits", "resharded", "target",
+            "model_files", "with")
+
+
+def _compare_facts(recorded: Path, document: dict, manifest: dict, source, report: Report, beside=False):
+    """Everything else the output records of its source: the reader's description and the extras
+    (when the output was made by the same reader: an output converted again records the output it
+    was made from), and the model files carried (each the source's bytes, or config.json as --dtype
+    edits it; `beside`: SRC is one file, whose paired config ckptconv carries, docs/convert.md)."""
+    if not isinstance(document.get("source"), dict):
+        report.add(recorded, f"source is {brief(document.get('source'), 80)}, not the object ckptconv records",
+                   "source")
+        return
+    document = _compare_description(recorded, document, manifest, source, report)
+    _compare_extras(recorded, document, source, report)
+    files = document.get("files")
+    if not isinstance(files, dict) or recorded.name != MANIFEST:
+        return   # (a single file carries no model files)
+    _compare_model_files(recorded, files, manifest, source, report, beside)
+
+
+def _compare_description(recorded: Path, document: dict, manifest: dict, source, report: Report) -> dict:
+    """The reader's description of the source, as the output records it (`manifest`, its "source"
+    entry, less what convert applied), is what the reader says today. Returns the document to compare
+    further: when another reader made the output, the source's own facts stand in for what is not
+    compared (a note says so)."""
+    fresh = {k: v for k, v in _plain(source.source.to_json()).items() if k != "path"}
+    kept = {k: v for k, v in _plain(manifest).items() if k not in _APPLIED}
+    if kept.get("format") != fresh.get("format"):
+        report.notes.append(f"{recorded}: made from a {brief(kept.get('format'), 40)} source, compared with a "
+                            f"{brief(fresh.get('format'), 40)} one: its tensors and model files are compared, not "
+                            "its extras or what its reader recorded")
+        fresh = kept = {}
+        document = {**source.manifest, **{
+            k: document[k] for k in ("format", "source", "files", "tensors", "aliases") if k in document},
+            "extras": source.extras}
+    for key in sorted(set(fresh) | set(kept)):
+        if key in fresh and fresh.get(key) != kept.get(key):
+            report.add(recorded, f"source.{key} is {brief(kept.get(key), 120)}, the source gives "
+                                 f"{brief(fresh[key], 120)}", "source")
+        elif key not in fresh:
+            report.add(recorded, f"source.{key} ({brief(kept[key], 120)}) is not what the source gives", "source")
+    return document
+
+
+def _compare_extras(recorded: Path, document: dict, source, report: Report):
+    """The extras, and the other facts the reader records beside its tensors (`quantization` …), are
+    the source's."""
+    extras, theirs = _plain(document.get("extras", {})), _plain(source.extras)
+    for key in sorted(set(extras) | set(theirs), key=str) if extras != theirs else ():
+        if extras.get(key) != theirs.get(key):
+            report.add(recorded, f"extras {key!r} is {brief(extras.get(key), 120)}, the source's is "
+                                 f"{brief(theirs.get(key), 120)}", "source")
+    others = _plain({k: v for k, v in document.items() if k not in _OWN_KEYS})   # (not its million tensors)
+    theirs_top = _plain(source.manifest)
+    for key in sorted(set(others) | set(theirs_top)) if others != theirs_top else ():
+        if others.get(key) != theirs_top.get(key):
+            report.add(recorded, f"{key} is {brief(others.get(key), 120)}, the source's reader gives "
+                                 f"{brief(theirs_top.get(key), 120)}", "source")
+
+
+def _compare_model_files(recorded: Path, files: dict, manifest: dict, source, report: Report, beside: bool):
+    """The model files the output lists as carried (`files`) are the source's: each one the source
+    has, with its bytes (config.json as --dtype edits it), and none it lacks; --with files aside."""
+    carried, edited = source.out_files()   # (the files a reader makes, as it makes them from the source today)
+    try:
+        target = Recipe.recorded(manifest).cast
+    except BadInput:   # (reported where the tensors are compared)
+        target = None
+    if target is not None and manifest.get("config_edits"):
+        edited.update(transforms.config_with_dtype(_config(source.model_files, source.made), target, {}))
+    skipped = {s.get("name") for s in manifest.get("skipped_files", []) if isinstance(s, dict)}
+    theirs = {rel for rel, _ in carried}
+    added = set(manifest["with"]) if isinstance(manifest.get("with"), list) and all(
+        isinstance(n, str) for n in manifest["with"]) else set()   # (--with: written from elsewhere, not compared)
+    for name in sorted(files):
+        if name not in theirs | added and not name.endswith((".safetensors", manifest_format.INDEX_SUFFIX)):
+            report.add(recorded.parent / name, "is listed as carried, but the source has no such model file", "source")
+    for rel, path in carried:
+        info = files.get(rel)
+        if rel in added:
+            continue
+        if info is None:
+            if rel in skipped or manifest.get("model_files") == "not carried":
+                pass
+            elif beside:   # (an output of ckptconv from before a file's paired config was carried)
+                report.notes.append(f"{recorded.parent}: does not hold {rel}, the config beside the source file "
+                                    "that convert now carries with it (docs/convert.md, \"Files carried\")")
+            else:
+                report.add(recorded.parent, f"model file {rel!r} of the source was not carried", "source")
+            continue
+        digest = hashlib.sha256(edited[rel]).hexdigest() if rel in edited else _sha256_regular(Path(path))
+        if not isinstance(info, dict) or info.get("sha256") != digest:
+            report.add(recorded.parent / rel, f"is not the source's {rel}" + (" as --dtype edits it" if rel in edited
+                                                                              else ""), "source")
+
+
+# What a manifest holds beside what its reader recorded of the source (the rest: `quantization` …)
+_OWN_KEYS = ("format", "source", "extras", "files", "tensors", "aliases")
+
+
+def _plain(value):
+    """`value` as JSON gives it back (tuples are lists, keys strings): what a manifest holds."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _config(model_files, made=None) -> dict:
+    try:
+        return read_config(model_files, made) or {}
+    except BadInput:
+        return {}
+
+
+def _compare(a, b, where, report):
+    done = 0
+    for x, y in zip(iter_blocks(a, CHUNK), iter_blocks(b, CHUNK)):
+        xb, yb = as_bytes(x), as_bytes(y)
+        if xb != yb:
+            i = int(np.flatnonzero(np.frombuffer(xb, np.uint8) != np.frombuffer(yb, np.uint8))[0]) // x.dtype.itemsize
+            index = np.unravel_index(done + i, a.shape) if a.shape else ()
+            report.add(where, f"tensor {a.name!r} differs from the source at index {tuple(int(v) for v in index)}: "
+                              f"{x.reshape(-1)[i]!r} != {y.reshape(-1)[i]!r}", "source", tensor=a.name)
+            break
+        done += x.size
+        a.release()
+        b.release()
+        signals.check()

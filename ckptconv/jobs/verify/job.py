@@ -1,0 +1,159 @@
+"""The verify job: which layout the output is (layouts.detected), then its stages in order through the
+job runner (run/runner.run_stages: each only if the ones before found nothing) — the layout's own
+check, --against, --device — on one process or shared out across several by the one balancer
+(run/share.Share: each checks its share of the units the layout names, and process 0 gathers the
+report); and the bytes an output holds, for the progress bar."""
+import hashlib
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ... import safejson, signals
+from ...errors import BadInput
+from ...formats.identity import identity
+from ...formats.sums import NAME as SUMS
+from ...layouts import detected
+from ...layouts.report import Problem, Report, _detail
+from ...readers import ReadOptions
+from ...run.runner import run_stages
+from ...run.share import Share
+from .against import compare_against
+
+
+def verify(request: "VerifyRequest", progress=None, cluster=None) -> Report:
+    """Every check, in order; each stage runs only if the one before found nothing; with `expect`
+    (an output's identity, formats/identity.py), the output must also be exactly that one. On several
+    processes each checks its share (shards, rank dirs, tensors) and process 0 gathers the report;
+    they first agree that they verify the same output the same way."""
+    report = _verify(request, progress, cluster)
+    if request.expect is not None and (cluster is None or cluster.is_main):
+        _check_expected(request, report)
+    return report
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    """What one verify is asked, as it travels between the stages: the output (`path` as given), the
+    source to compare it with (--against, read with `read` as --from `fmt`), the devices to load it
+    onto (--device, --allow-fewer-devices), and the identity it must have (--expect)."""
+
+    path: object
+    against: object = None
+    read: ReadOptions | None = None
+    fmt: str | None = None
+    device: str | None = None
+    allow_fewer: bool = False
+    expect: str | None = None
+
+
+def _check_expected(request: VerifyRequest, report: Report):
+    """--expect: the output is exactly the one named by its identity (formats/identity.py)."""
+    path, expect = request.path, request.expect
+    try:
+        found = identity(path)
+    except BadInput as e:
+        found, why = None, f"has nothing to name it by ({_detail(e, path)})"
+    if found is not None and found != expect:
+        why = f"is not the expected output: its identity is {found}, not {expect}"
+    if found != expect:
+        report.add(path, why, "identity")
+    else:
+        report.expected = True
+
+
+def _verify(request: VerifyRequest, progress, cluster) -> Report:
+    path = Path(request.path)
+    if cluster is not None and cluster.num_processes > 1:
+        from ...run.cluster import agree
+        agree(cluster, _job(request))
+    layout = detected(path)
+    report, main = Report(), cluster is None or cluster.is_main
+    units = layout.check_units(path) if cluster is not None and cluster.num_processes > 1 else {}
+    whole = units is None   # (checked whole by process 0: one file, an output ckptconv did not write)
+    share = Share(cluster.process_id if cluster else 0, cluster.num_processes if cluster else 1, units or {},
+                  lambda stage: _merge(cluster, stage, report))
+    mine = share.mine if not whole else (lambda kind, key: True)
+
+    def check():
+        if main or not whole:
+            layout.check(path, report, progress, share if not whole else None)
+
+    def against():
+        if main or not whole:
+            compare_against(path, request.against, request.read or ReadOptions(), request.fmt, report, mine)
+
+    def device():
+        if report.foreign and main:
+            report.notes.append(f"{path}: --device compares what reaches the device with the recorded digests; "
+                                "there are none here, so nothing was placed")
+        elif main or not whole:
+            from .device import device_check
+            report.device = device_check(path, request.device, request.allow_fewer, report,
+                                         cluster if not whole else None)
+
+    run_stages([("structure", check), ("against", against if request.against is not None else None),
+                ("device", device if request.device is not None else None)],
+               lambda: not report.problems, share.merge)
+    share.merge("totals")
+    return report
+
+
+def _merge(cluster, stage, report: Report):
+    """Process 0 collects every process's findings for a stage, and tells everyone the total. (A
+    stage's end is a checkpoint for a pending signal, see signals.py.)"""
+    signals.check()
+    if cluster is None:
+        return
+    from ...run.cluster import gather
+    found = {"problems": [asdict(p) for p in report.problems[report.shared:]]}
+    if stage == "totals":
+        found.update(files=report.files, tensors=report.tensors, bytes=report.bytes)
+    results = gather(cluster, f"verify/{stage}", found)
+    if cluster.is_main:
+        merged = {"problems": [asdict(p) for p in report.problems[:report.shared]]
+                  + [p for r in results for p in r["problems"]]}
+        if stage == "totals":
+            merged.update({k: sum(r[k] for r in results) for k in ("files", "tensors", "bytes")})
+        cluster.put(f"verify/{stage}/all", merged)
+    total = cluster.get(f"verify/{stage}/all", 0)
+    report.problems = [Problem(**p) for p in total["problems"]]
+    report.shared = len(report.problems)
+    if stage == "totals":
+        report.files, report.tensors, report.bytes = total["files"], total["tensors"], total["bytes"]
+
+
+def _job(request: VerifyRequest) -> dict:
+    """What one process of a verify is about to check, for `cluster.agree`: the options, and the
+    output by what names every file of it (its SHA256SUMS, or a single file's header), as digests."""
+    path = Path(request.path)
+    first = path / SUMS if path.is_dir() else path
+    try:
+        with safejson.open_regular(first, follow=False) as fd:
+            head = os.read(fd, 1 << 20)
+    except BadInput:
+        head = b""
+    return {"options": {"--against": request.against is not None, "--from": request.fmt, "--device": request.device,
+                        "--allow-fewer-devices": request.allow_fewer},
+            "output": {"name": path.name, "digest": hashlib.sha256(head).hexdigest()}}
+
+
+def total_bytes(path: Path) -> int:
+    """Bytes of the .safetensors files in an output and its rank directories (for the progress bar);
+    symlinks are not followed, and nothing deeper than a rank directory is walked."""
+    total = 0
+
+    def scan(d, depth):
+        nonlocal total
+        with os.scandir(d) as it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    if depth == 0:
+                        scan(entry.path, 1)
+                elif entry.name.endswith(".safetensors") and entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+
+    try:
+        scan(path, 0)
+    except OSError:
+        pass
+    return total
