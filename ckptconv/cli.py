@@ -211,7 +211,7 @@ def _checks(report, against) -> list:
         done.append(f"every tensor against {against}, bit for bit" if compared
                     else f"not compared with {against}: the output itself has problems")
     if report.device:
-        done.append(f"every piece placed on {report.device['platform']} devices")
+        done.append(f"every piece placed on {report.device.platform} devices")
     return done
 
 
@@ -264,7 +264,7 @@ def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cl
     if as_json:
         emit("verify", {"ok": not report.problems, "problems": [p.to_json() for p in report.problems],
                         "files": report.files,
-                        "tensor_count": report.tensors, "bytes": report.bytes, "device": report.device,
+                        "tensor_count": report.tensors, "bytes": report.bytes, "device": report.device.to_json() if report.device else None,
                         **({"notes": report.notes} if report.notes else {}),
                         **({"expected": report.expected} if expect else {})})
     elif cluster is not None and not cluster.is_main:
@@ -286,10 +286,10 @@ def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cl
             say("checked: " + "; ".join(_checks(report, against)))
         if report.device:
             d = report.device
-            say(f"device {d['platform']}: {d['ranks']} rank(s) on {d['devices']} device(s), "
-                f"{format_size(d['bytes'])} placed at {d['gb_per_s']} GB/s"
-                + (", global arrays assembled" if d["global_arrays"] else "")
-                + "; peak per device: " + ", ".join(f"{k} {format_size(v)}" for k, v in d["peak_device_bytes"].items()))
+            say(f"device {d.platform}: {d.ranks} rank(s) on {d.devices} device(s), "
+                f"{format_size(d.bytes)} placed at {d.gb_per_s} GB/s"
+                + (", global arrays assembled" if d.global_arrays else "")
+                + "; peak per device: " + ", ".join(f"{k} {format_size(v)}" for k, v in d.peak_device_bytes.items()))
     if report.problems:
         sys.exit(1)
 

@@ -38,7 +38,7 @@ class Report:
     files: int = 0
     tensors: int = 0
     bytes: int = 0
-    device: dict | None = None
+    device: object = None    # jobs/verify/device.DeviceFacts after --device
     shared: int = 0   # problems already merged across processes
     notes: list = field(default_factory=list)   # checks that could not be done, and how it compared
     expected: bool = False   # --expect was given and the output is that one

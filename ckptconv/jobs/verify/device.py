@@ -5,10 +5,12 @@ arrays (`make_array_from_single_device_arrays` with a NamedSharding on the recor
 ones (`ranges`, `boxes`) are checked piece by piece. Contents are checked by copying each device buffer back
 and comparing its SHA-256 with the manifest's. One tensor is resident at a time.
 """
+import dataclasses
 import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +61,55 @@ def _rank_tensors(d: Path):
     return {t.name: (t, digests[t.name]) for t in ckpt.tensors}
 
 
-def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=None) -> dict:
+@dataclass
+class DeviceFacts:
+    """What `--device` placed: on which platform, how many devices (all, and this process's), the
+    ranks, whether global arrays were assembled over the mesh, the bytes placed, how fast, and each
+    local device's peak memory."""
+
+    platform: str
+    devices: int
+    local_devices: int
+    ranks: int
+    global_arrays: bool
+    bytes: int
+    seconds: float
+    gb_per_s: float | None
+    peak_device_bytes: dict
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class _Placing:
+    """The state of one device check: each rank's device, its pieces (this process's ranks only),
+    and the bytes live and at peak on each device."""
+
+    jax: object
+    placement: list
+    dirs: list
+    pieces: list
+    live: dict
+    peak: dict
+    placed: int = 0
+
+    def put(self, r, src):
+        host = src.region()
+        arr = self.jax.device_put(host, self.placement[r])
+        device = self.placement[r].id
+        self.live[device] += host.nbytes
+        self.peak[device] = max(self.peak[device], self.live[device])
+        self.placed += host.nbytes
+        return arr
+
+    def drop(self, r, arr, src):
+        self.live[self.placement[r].id] -= arr.nbytes
+        arr.delete()
+        src.release()
+
+
+def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=None) -> DeviceFacts:
     """Place and check every piece on its device. With several processes (jax.distributed), the mesh
     spans every process's devices; each process places the ranks whose device is local to it, and
     global arrays are assembled over the global mesh from each process's local pieces."""
@@ -74,57 +124,57 @@ def device_check(path: Path, platform: str, allow_fewer: bool, report, cluster=N
     use_global = mesh is not None and len(devices) >= ranks and mesh.ep == 1
     n_devices = len(devices)
     dirs = [path / rank_dir(r) for r in range(ranks)] if mesh else [path]
-    pieces = [_rank_tensors(d) if local[r] else {} for r, d in enumerate(dirs)]
     devices = [d for d in devices if d.process_index == jax.process_index()]
-    live = {d.id: 0 for d in devices}
-    peak = dict(live)
-    placed, started = 0, time.perf_counter()
-    names = list(mesh.tensors) if mesh else list(pieces[0] or _rank_tensors(path))
+    state = _Placing(jax, placement, dirs, [_rank_tensors(d) if local[r] else {} for r, d in enumerate(dirs)],
+                     {d.id: 0 for d in devices}, {d.id: 0 for d in devices})
+    started = time.perf_counter()
+    names = list(mesh.tensors) if mesh else list(state.pieces[0] or _rank_tensors(path))
+    jmesh = None
     if use_global:
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        from jax.sharding import Mesh
         jmesh = Mesh(np.array(placement), ("tp",))
     for name in names:
-        arrays = []
-        for r in range(ranks):
-            if name not in pieces[r]:
-                continue
-            src, digest = pieces[r][name]
-            host = src.region()
-            arr = jax.device_put(host, placement[r])
-            arrays.append((r, arr, src, digest))
-            live[placement[r].id] += host.nbytes
-            peak[placement[r].id] = max(peak[placement[r].id], live[placement[r].id])
-            placed += host.nbytes
-        for r, arr, src, digest in arrays:
-            if tuple(arr.shape) != src.shape or arr.dtype != src.dtype.numpy:
-                report.add(dirs[r], f"tensor {name!r} on {placement[r]}: {arr.dtype}{list(arr.shape)}, "
-                                    f"expected {src.dtype.numpy}{list(src.shape)}")
-            back = np.asarray(arr)
-            if hashlib.sha256(back.reshape(-1).view(np.uint8)).hexdigest() != digest:
-                report.add(dirs[r], f"tensor {name!r} on {placement[r]}: contents differ from the file")
+        arrays = [(r, state.put(r, state.pieces[r][name][0]), *state.pieces[r][name])
+                  for r in range(ranks) if name in state.pieces[r]]
+        _check_pieces(state, name, arrays, report)
         if use_global and arrays:
-            entry = mesh.tensors[name]
-            axis = entry.axis
-            if axis is None or (entry.ranges is None and entry.boxes is None):
-                spec = [None] * len(entry.shape)
-                if axis is not None:
-                    spec[axis] = "tp"
-                sharding = NamedSharding(jmesh, PartitionSpec(*spec))
-                shape = tuple(entry.full_shape)
-                g = jax.make_array_from_single_device_arrays(shape, sharding, [a for _, a, _, _ in arrays])
-                if tuple(g.shape) != shape or not g.sharding.is_equivalent_to(sharding, g.ndim):
-                    report.add(path, f"tensor {name!r}: global array {g.shape} / {g.sharding} is not as recorded")
-                del g
+            _check_global(jax, jmesh, path, name, mesh.tensors[name], arrays, report)
         for r, arr, src, _ in arrays:
-            live[placement[r].id] -= arr.nbytes
-            arr.delete()
-            src.release()
+            state.drop(r, arr, src)
     seconds = time.perf_counter() - started
     stats = {}
     for d in devices:
         s = d.memory_stats() if hasattr(d, "memory_stats") else None
-        stats[str(d)] = (s or {}).get("peak_bytes_in_use", peak.get(d.id, 0))
-    return {"platform": platform, "devices": n_devices, "local_devices": len(devices),
-            "ranks": ranks, "global_arrays": use_global,
-            "bytes": placed, "seconds": round(seconds, 3), "gb_per_s": round(placed / seconds / 1e9, 3) if seconds else None,
-            "peak_device_bytes": stats}
+        stats[str(d)] = (s or {}).get("peak_bytes_in_use", state.peak.get(d.id, 0))
+    return DeviceFacts(platform, n_devices, len(devices), ranks, use_global, state.placed, round(seconds, 3),
+                       round(state.placed / seconds / 1e9, 3) if seconds else None, stats)
+
+
+def _check_pieces(state: _Placing, name: str, arrays: list, report):
+    """Each piece on its device has the file's dtype and shape and, read back, the file's digest."""
+    for r, arr, src, digest in arrays:
+        where = state.placement[r]
+        if tuple(arr.shape) != src.shape or arr.dtype != src.dtype.numpy:
+            report.add(state.dirs[r], f"tensor {name!r} on {where}: {arr.dtype}{list(arr.shape)}, "
+                                      f"expected {src.dtype.numpy}{list(src.shape)}")
+        back = np.asarray(arr)
+        if hashlib.sha256(back.reshape(-1).view(np.uint8)).hexdigest() != digest:
+            report.add(state.dirs[r], f"tensor {name!r} on {where}: contents differ from the file")
+
+
+def _check_global(jax, jmesh, path: Path, name: str, entry, arrays: list, report):
+    """An evenly split or replicated tensor assembles into one global array over the mesh, of its
+    recorded shape and sharding."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    axis = entry.axis
+    if axis is not None and (entry.ranges is not None or entry.boxes is not None):
+        return
+    spec = [None] * len(entry.shape)
+    if axis is not None:
+        spec[axis] = "tp"
+    sharding = NamedSharding(jmesh, PartitionSpec(*spec))
+    shape = tuple(entry.full_shape)
+    g = jax.make_array_from_single_device_arrays(shape, sharding, [a for _, a, _, _ in arrays])
+    if tuple(g.shape) != shape or not g.sharding.is_equivalent_to(sharding, g.ndim):
+        report.add(path, f"tensor {name!r}: global array {g.shape} / {g.sharding} is not as recorded")
+    del g
