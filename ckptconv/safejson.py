@@ -133,59 +133,72 @@ def members(data, where, what="JSON", nested: str | None = None, nested_keys=Non
     if text[at:at + 1] != "{":
         loads(text, where, what)   # the same error as loads for text that is not JSON
         raise NotAnObject(f"{where}: {what} is not a JSON object")
-    scan, state = json.JSONDecoder(object_pairs_hook=_objects()).scan_once, [at + 1]   # state: where the walk is
+    yield from _Walk(text, at + 1, where, what, nested, nested_keys).object(True)
 
-    def walk(top: bool):
-        """The members of the object whose '{' is just before state[0]; leaves state[0] after its '}'."""
-        seen, repeated = set(), None   # a repeated key is refused when its object closes, as loads does
-        kept = not top and nested_keys is not None   # (the caller keeps the keys: they are looked for there)
-        if kept:
-            seen = nested_keys
+
+class _Walk:
+    """members' walk of one document: `at` is where it is; each object's members come from `object`."""
+
+    def __init__(self, text: str, at: int, where, what: str, nested, nested_keys):
+        self.text, self.at, self.where, self.what = text, at, where, what
+        self.nested, self.nested_keys = nested, nested_keys
+        self.scan = json.JSONDecoder(object_pairs_hook=_objects()).scan_once
+
+    def object(self, top: bool):
+        """The members of the object whose '{' is just before `at`; leaves `at` after its '}'."""
         try:
-            at = _SPACE.match(text, state[0]).end()
-            closed = text[at:at + 1] == "}"
-            at += closed
-            while not closed:
-                if text[at:at + 1] != '"':
-                    raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
-                key, at = json.decoder.scanstring(text, at + 1, True)
-                colon = _COLON.match(text, at)
-                if colon is None:
-                    raise json.JSONDecodeError("Expecting ':' delimiter", text, _SPACE.match(text, at).end())
-                at = colon.end()
-                if key in seen and repeated is None:
-                    repeated = key
-                if not kept:
-                    seen.add(key)
-                if top and key == nested and text[at:at + 1] == "{" and repeated is None:
-                    state[0] = at + 1
-                    inner = Members(walk(False))
-                    yield key, inner
-                    inner.finish()
-                    at = state[0]
-                else:
-                    try:
-                        value, at = scan(text, at)
-                    except StopIteration as stop:   # (where inside the value it failed, as json.loads says)
-                        raise json.JSONDecodeError("Expecting value", text, stop.value) from None
-                    if repeated is None:
-                        yield key, value
-                after = _NEXT.match(text, at)
-                if after is None:
-                    raise json.JSONDecodeError("Expecting ',' delimiter", text, _SPACE.match(text, at).end())
-                at, closed = after.end(), after[1] == "}"
-            if repeated is not None:
-                raise ValueError(f"names {repeated!r} twice")
-            state[0] = at
-            if top and _SPACE.match(text, at).end() != len(text):
-                raise json.JSONDecodeError("Extra data", text, _SPACE.match(text, at).end())
+            yield from self._members(top)
         except ValueError as e:
-            raise BadInput(f"{where}: {what} is not valid JSON: {e}") from None
+            raise BadInput(f"{self.where}: {self.what} is not valid JSON: {e}") from None
 
-    try:
-        yield from walk(True)
-    finally:   # walk names itself: a cycle that would hold the whole text until a full collection
-        walk = None
+    def _members(self, top: bool):
+        text, scan = self.text, self.scan
+        seen, repeated = set(), None   # a repeated key is refused when its object closes, as loads does
+        kept = not top and self.nested_keys is not None   # (the caller keeps the keys: they are looked for there)
+        if kept:
+            seen = self.nested_keys
+        at = _SPACE.match(text, self.at).end()
+        closed = text[at:at + 1] == "}"
+        at += closed
+        while not closed:
+            key, at = self._key(at)
+            if key in seen and repeated is None:
+                repeated = key
+            if not kept:
+                seen.add(key)
+            if top and key == self.nested and text[at:at + 1] == "{" and repeated is None:
+                self.at = at + 1
+                inner = Members(self.object(False))
+                yield key, inner
+                inner.finish()
+                at = self.at
+            else:
+                try:
+                    value, at = scan(text, at)
+                except StopIteration as stop:   # (where inside the value it failed, as json.loads says)
+                    raise json.JSONDecodeError("Expecting value", text, stop.value) from None
+                if repeated is None:
+                    yield key, value
+            after = _NEXT.match(text, at)
+            if after is None:
+                raise json.JSONDecodeError("Expecting ',' delimiter", text, _SPACE.match(text, at).end())
+            at, closed = after.end(), after[1] == "}"
+        if repeated is not None:
+            raise ValueError(f"names {repeated!r} twice")
+        self.at = at
+        if top and _SPACE.match(text, at).end() != len(text):
+            raise json.JSONDecodeError("Extra data", text, _SPACE.match(text, at).end())
+
+    def _key(self, at: int) -> tuple:
+        """(a member's key, where its value starts)."""
+        text = self.text
+        if text[at:at + 1] != '"':
+            raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
+        key, at = json.decoder.scanstring(text, at + 1, True)
+        colon = _COLON.match(text, at)
+        if colon is None:
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, _SPACE.match(text, at).end())
+        return key, colon.end()
 
 
 class NotAnObject(BadInput):

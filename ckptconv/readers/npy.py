@@ -107,6 +107,26 @@ def _fields(text: str, where) -> dict:
     """The header's dict, by the grammar `{ 'key': value, ... }` then spaces and one newline, values
     a string, True/False or a tuple of integers (a one-element tuple with its comma), exactly the keys
     descr, fortran_order and shape, each once."""
+    t = _Tokens(_tokens(text, where), where)
+    fields = {}
+    t.take("p", "{")
+    while not t.peek("}"):
+        key = t.take("s")
+        t.take("p", ":")
+        if key not in _KEYS or key in fields:
+            raise BadInput(f"{where}: .npy header has {'a second' if key in fields else 'an unknown'} key "
+                           f"{printable(key, 40)!r} (numpy writes exactly {', '.join(_KEYS)})")
+        fields[key] = t.shape() if t.peek("(") else t.value()
+        if not t.peek("}"):
+            t.take("p", ",")
+    t.take("p", "}")
+    if t.i != len(t.tokens) or len(fields) != len(_KEYS):
+        raise BadInput(f"{where}: .npy header needs exactly the keys {', '.join(_KEYS)}")
+    return fields
+
+
+def _tokens(text: str, where) -> list:
+    """The header's tokens: ("p", punctuation), ("s", a string), ("v", True/False or an integer)."""
     if not text.endswith("\n") or not text[:-1].rstrip(" ").endswith("}"):
         raise BadInput(f"{where}: .npy header does not end with '}}' and a newline")
     body = text[:-1].rstrip(" ")
@@ -120,53 +140,51 @@ def _fields(text: str, where) -> dict:
         tokens.append(("p", punct) if punct else ("s", s1 if s1 is not None else s2) if s1 is not None or s2 is not None
                       else ("v", word == "True") if word else ("v", int(number)))
         pos = m.end()
-    fields, i = {}, 0
+    return tokens
 
-    def take(kind, value=None):
-        nonlocal i
-        if i >= len(tokens) or tokens[i][0] != kind or (value is not None and tokens[i][1] != value):
-            raise BadInput(f"{where}: .npy header is not the dict numpy writes (token {i})")
-        i += 1
-        return tokens[i - 1][1]
 
-    def peek(value):
-        return i < len(tokens) and tokens[i] == ("p", value)
+class _Tokens:
+    """The header's tokens, read in order."""
 
-    take("p", "{")
-    while not peek("}"):
-        key = take("s")
-        take("p", ":")
-        if key not in _KEYS or key in fields:
-            raise BadInput(f"{where}: .npy header has {'a second' if key in fields else 'an unknown'} key "
-                           f"{printable(key, 40)!r} (numpy writes exactly {', '.join(_KEYS)})")
-        if peek("("):
-            take("p", "(")
-            items, comma = [], False
-            while not peek(")"):
-                value = take("v")
-                if isinstance(value, bool):
-                    raise BadInput(f"{where}: .npy shape holds {value}, not a size")
-                items.append(value)
-                comma = peek(",")
-                if comma:
-                    take("p", ",")
-                elif not peek(")"):
-                    raise BadInput(f"{where}: .npy shape is not a tuple of sizes")
-            take("p", ")")
-            if len(items) == 1 and not comma:
-                raise BadInput(f"{where}: .npy shape ({items[0]}) is a number, not a tuple")
-            fields[key] = tuple(items)
-        elif i < len(tokens) and tokens[i][0] in ("s", "v"):
-            fields[key] = tokens[i][1]
-            i += 1
-        else:
-            raise BadInput(f"{where}: .npy header is not the dict numpy writes (token {i})")
-        if not peek("}"):
-            take("p", ",")
-    take("p", "}")
-    if i != len(tokens) or len(fields) != len(_KEYS):
-        raise BadInput(f"{where}: .npy header needs exactly the keys {', '.join(_KEYS)}")
-    return fields
+    def __init__(self, tokens: list, where):
+        self.tokens, self.where, self.i = tokens, where, 0
+
+    def take(self, kind, value=None):
+        t, i = self.tokens, self.i
+        if i >= len(t) or t[i][0] != kind or (value is not None and t[i][1] != value):
+            raise BadInput(f"{self.where}: .npy header is not the dict numpy writes (token {i})")
+        self.i += 1
+        return t[i][1]
+
+    def peek(self, value) -> bool:
+        return self.i < len(self.tokens) and self.tokens[self.i] == ("p", value)
+
+    def value(self):
+        """A string, True/False or an integer."""
+        if self.i < len(self.tokens) and self.tokens[self.i][0] in ("s", "v"):
+            self.i += 1
+            return self.tokens[self.i - 1][1]
+        raise BadInput(f"{self.where}: .npy header is not the dict numpy writes (token {self.i})")
+
+    def shape(self) -> tuple:
+        """A tuple of sizes, a one-element one with its comma."""
+        where = self.where
+        self.take("p", "(")
+        items, comma = [], False
+        while not self.peek(")"):
+            value = self.take("v")
+            if isinstance(value, bool):
+                raise BadInput(f"{where}: .npy shape holds {value}, not a size")
+            items.append(value)
+            comma = self.peek(",")
+            if comma:
+                self.take("p", ",")
+            elif not self.peek(")"):
+                raise BadInput(f"{where}: .npy shape is not a tuple of sizes")
+        self.take("p", ")")
+        if len(items) == 1 and not comma:
+            raise BadInput(f"{where}: .npy shape ({items[0]}) is a number, not a tuple")
+        return tuple(items)
 
 
 def _dtype(descr: str) -> tuple:

@@ -245,72 +245,91 @@ def flatten(obj, path, prefix="", skip_unsupported=False, budget: Budget = None)
     so a pickled module or a dict subclass of tensors loses none; one that holds none is one extras
     value. Every step is charged to `budget` (the pickle's), so shared structure cannot expand beyond
     what the file's size justifies."""
-    budget = budget or Budget(path)
-    tensors, extras, skipped = {}, {}, []
-    seen = {}  # id -> [container, first name, holds tensors (None while being walked), depth]
-    aside = []  # [depth, reaches out] of each record being walked aside, innermost last
+    walker = _Flattener(path, skip_unsupported, budget or Budget(path))
+    walker.walk(obj, prefix, 0)
+    return walker.tensors, walker.extras, walker.skipped
 
-    def leaf(value, name):
+
+class _Flattener:
+    """flatten's walk: what it found so far, and what it has seen (see flatten)."""
+
+    def __init__(self, path, skip_unsupported: bool, budget: Budget):
+        self.path, self.skip_unsupported, self.budget = path, skip_unsupported, budget
+        self.tensors, self.extras, self.skipped = {}, {}, []
+        self.seen = {}   # id -> [container, first name, holds tensors (None while being walked), depth]
+        self.aside = []  # [depth, reaches out] of each record being walked aside, innermost last
+
+    def leaf(self, value, name) -> bool:
+        path = self.path
         if isinstance(value, (TorchTensor, TorchTensorUnsupported)) and value.unsupported:
-            if not skip_unsupported:
+            if not self.skip_unsupported:
                 raise BadInput(f"{path}: tensor {name!r} has dtype {value.unsupported}, which safetensors cannot "
                                "store (use --skip-unsupported to leave it out)")
-            skipped.append({"name": name, "reason": value.unsupported})
+            self.skipped.append({"name": name, "reason": value.unsupported})
         elif isinstance(value, TorchTensor):
-            _add(tensors, path, name, value.source(name))
+            _add(self.tensors, path, name, value.source(name))
         elif isinstance(value, NumpyArray):
             if value.array is None:
                 raise BadInput(f"{path}: tensor {name!r} is a numpy array whose pickle never set its state")
-            _add(tensors, path, name, numpy_source(name, value))
+            _add(self.tensors, path, name, numpy_source(name, value))
         else:
-            if name in extras or name in tensors:
+            if name in self.extras or name in self.tensors:
                 raise BadInput(f"{path}: two entries flatten to the name {name!r}")
-            extras[name] = value
+            self.extras[name] = value
             return False
         return True
 
-    def walk(value, name, depth):
-        nonlocal extras
-        budget.spend(1 + (len(value) if isinstance(value, (dict, list, tuple)) else 0), "its non-tensor state")
+    def walk(self, value, name, depth) -> bool:
+        """Whether `value`, under `name`, holds a tensor; its tensors and extras added."""
+        self.budget.spend(1 + (len(value) if isinstance(value, (dict, list, tuple)) else 0), "its non-tensor state")
         record = isinstance(value, unpickler.InertObject) and not value.unread
         if not (record or isinstance(value, dict) or (isinstance(value, (list, tuple)) and any(
                 _is_tensorlike(v) or isinstance(v, (dict, list, tuple, unpickler.InertObject)) for v in value))):
-            return leaf(value, name or "tensor")
+            return self.leaf(value, name or "tensor")
         if depth >= MAX_DEPTH:
-            raise BadInput(f"{path}: containers nested more than {MAX_DEPTH} deep")
-        entry = seen.get(id(value))
+            raise BadInput(f"{self.path}: containers nested more than {MAX_DEPTH} deep")
+        entry = self.seen.get(id(value))
         if entry is not None and not entry[2]:
-            if entry[2] is None:   # a container being walked: records inside it reach out of themselves
-                for a in reversed(aside):
-                    if a[0] <= entry[3]:
-                        break
-                    a[1] = True
-            return leaf(unpickler.Ref(entry[1]), name or "tensor")
+            return self._again(entry, name)
         if entry is None:
-            seen[id(value)] = entry = [value, name, None, depth]
-        if record:   # walked aside: kept as one value if it holds no tensor and reaches nothing outside it
-            outer, extras = extras, {}
-            aside.append([depth, False])
-        found = False
-        items = unpickler.record_parts(value) if record else value.items() if isinstance(value, dict) \
-            else enumerate(value)
-        for k, v in items:
-            k = unpickler.key_text(k)
-            found = walk(v, f"{name}.{k}" if name else k, depth + 1) or found
+            self.seen[id(value)] = entry = [value, name, None, depth]
         if record:
-            inner, extras = extras, outer
-            reaches_out = aside.pop()[1]   # (written whole, it would write again what lies outside it)
-            if found or reaches_out:
-                for key, v in [(f"{name}.__class__" if name else "__class__", value.qualname), *inner.items()]:
-                    leaf(v, key)
-            else:
-                leaf(value, name or "tensor")
+            found = self._record(value, name, depth)
+        else:
+            found = self._items(value.items() if isinstance(value, dict) else enumerate(value), name, depth)
         entry[2] = entry[2] or found
         return found
 
-    walk(obj, prefix, 0)
-    walk = None   # (it calls itself: the cycle would keep `seen`, and the whole state dict, until a collection)
-    return tensors, extras, skipped
+    def _again(self, entry, name) -> bool:
+        """A container reached a second time that holds no tensor: a Ref to its first name."""
+        if entry[2] is None:   # a container being walked: records inside it reach out of themselves
+            for a in reversed(self.aside):
+                if a[0] <= entry[3]:
+                    break
+                a[1] = True
+        return self.leaf(unpickler.Ref(entry[1]), name or "tensor")
+
+    def _items(self, items, name, depth) -> bool:
+        found = False
+        for k, v in items:
+            k = unpickler.key_text(k)
+            found = self.walk(v, f"{name}.{k}" if name else k, depth + 1) or found
+        return found
+
+    def _record(self, value, name, depth) -> bool:
+        """A record, walked aside: kept as one value if it holds no tensor and reaches nothing outside
+        it (written whole, it would write again what lies outside it), else as its parts."""
+        outer, self.extras = self.extras, {}
+        self.aside.append([depth, False])
+        found = self._items(unpickler.record_parts(value), name, depth)
+        inner, self.extras = self.extras, outer
+        reaches_out = self.aside.pop()[1]
+        if found or reaches_out:
+            for key, v in [(f"{name}.__class__" if name else "__class__", value.qualname), *inner.items()]:
+                self.leaf(v, key)
+        else:
+            self.leaf(value, name or "tensor")
+        return found
 
 
 def _is_tensorlike(v):
