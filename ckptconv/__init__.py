@@ -6,8 +6,7 @@ options as keywords and return typed results; every expected failure is a `CkptE
 __version__ = "0.1.0"   # the one place the version is written (pyproject.toml reads it)
 
 from .errors import BadInput, CkptError, OutputError, UnsafePickle, UsageError  # noqa: E402
-# (these names are also the command modules' names: the functions are bound last, so
-# `ckptconv.convert` is the function; the modules stay importable as `ckptconv.convert` submodules)
+# (the jobs behind them, with their typed options, are ckptconv.jobs.convert, .reshard, .verify)
 from .api import ConvertResult, Inspection, Problem, Report, ReshardResult, convert, inspect, reshard, verify  # noqa: E402
 
 __all__ = ["convert", "reshard", "verify", "inspect", "ConvertResult", "ReshardResult", "Report", "Problem", "Inspection",

@@ -50,5 +50,8 @@ class Recipe:
             tensors, aliases = transforms.untie(tensors, same_bytes=same_bytes)
         tensors = transforms.cast_floats(tensors, self.cast)   # (before any layout: the engine's dtype)
         if self.target is not None:   # (the engine's own names and shapes: its layout says how)
-            tensors = for_target(self.target).to_target(tensors, self.target)
+            engine = for_target(self.target)
+            if engine is None:
+                raise BadInput(f"target {brief(self.target)} is not a layout ckptconv writes")
+            tensors = engine.to_target(tensors, self.target)
         return tensors, aliases

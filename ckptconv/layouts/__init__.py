@@ -11,7 +11,9 @@ import pkgutil
 from pathlib import Path
 
 from ..errors import UsageError
-from .base import LAYOUTS, Layout, for_target
+from ..formats.manifest import MANIFEST
+from ..formats.mesh import MESH
+from .base import LAYOUTS, Layout, engine_of, for_target
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
@@ -36,9 +38,9 @@ def detected(path) -> type:
         if cls.detect(path):
             return cls
     if path.is_dir():
-        raise UsageError(f"{path}: holds no safetensors files, index, manifest.json or mesh.json; not a ckptconv "
+        raise UsageError(f"{path}: holds no safetensors files, index, {MANIFEST} or {MESH}; not a ckptconv "
                          "output nor any other safetensors output")
     raise UsageError(f"{path}: neither an output directory nor a .safetensors file")
 
 
-__all__ = ["LAYOUTS", "Layout", "layout", "targets", "for_target", "detected"]
+__all__ = ["LAYOUTS", "Layout", "layout", "targets", "engine_of", "for_target", "detected"]

@@ -43,11 +43,18 @@ def register(name: str):
     return add
 
 
-def for_target(record) -> type | None:
-    """The layout an output's recorded target (its manifest's and mesh.json's `target`, e.g.
-    `{"engine": "vllm", ...}`) names, when one is registered and accepts the record; else None."""
+def engine_of(record) -> type | None:
+    """The engine's layout an output's recorded target (its manifest's and mesh.json's `target`,
+    e.g. `{"engine": "vllm", ...}`) names by its "engine", when one is registered; else None. Only a
+    layout that records a target (`records_target`) is ever named: a recorded "sharded" is none."""
     engine = record.get("engine") if isinstance(record, dict) else None
     cls = LAYOUTS.get(engine) if isinstance(engine, str) else None
+    return cls if cls is not None and cls.records_target else None
+
+
+def for_target(record) -> type | None:
+    """engine_of(record), when that layout also accepts the whole record as one it writes."""
+    cls = engine_of(record)
     return cls if cls is not None and cls.accepts_target(record) else None
 
 
@@ -154,7 +161,7 @@ class FilesResult:
     @classmethod
     def from_json(cls, data) -> "FilesResult":
         """A result that crossed from another process, read, not trusted: ResultError when a part
-        is not of its type (whether it fits the share is `Writer.accepts`)."""
+        is not of its type (whether it fits the share is `Layout.accepts`)."""
         if not (isinstance(data, dict) and isinstance(data.get("files"), dict)
                 and isinstance(data.get("digests"), dict)):
             raise ResultError("not {files, digests}")
@@ -205,6 +212,7 @@ class Layout:
     order = 50            # detection order (lowest first)
     reader = "safetensors"   # the reader that opens an output of this layout (open)
     target = None         # the line `reshard --target NAME` shows, for a layout of rank directories
+    records_target = False   # an engine's layout: its outputs record {"engine": name, ...} as their target
 
     def __init__(self, options: WriteOptions, content: Content, out=None, mesh: MeshPlan | None = None):
         # (the commands name the stem after the source, named_after; a layout made without one: `model`)
@@ -224,6 +232,16 @@ class Layout:
     @classmethod
     def check(cls, path, report, progress=None, share=None):
         raise NotImplementedError
+
+    @classmethod
+    def recorded_in(cls, path):
+        """Where the output records its source (its manifest, or a single file's header): `path`."""
+        return path
+
+    @classmethod
+    def accepts_target(cls, record) -> bool:
+        """Whether `record` is a target this layout writes (only an engine's layout writes one)."""
+        return False
 
     @classmethod
     def open(cls, path, options=None):

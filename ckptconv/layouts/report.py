@@ -11,7 +11,7 @@ from ..errors import BadInput, printable
 # that cannot be read; what the safetensors library sees differing from ckptconv; rank pieces that do
 # not fit mesh.json; a tensor that differs from the --against source.
 KINDS = ("missing", "unlisted", "misplaced", "digest", "metadata", "not-regular", "unreadable", "consumer", "mesh",
-         "source", "identity")
+         "source", "identity", "device")
 
 
 @dataclass(frozen=True)

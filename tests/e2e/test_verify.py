@@ -296,3 +296,27 @@ def test_names_that_differ_by_a_prefix_are_said_so_first(tmp_path):
     lines = [line for line in r.stdout.splitlines() if "tensor" in line or "prefix" in line]
     assert r.exit_code == 1 and "the source's names are the output's with the prefix 'model.' (20 of 20)" in lines[0]
     assert "--strip-prefix 'model.'" in lines[0] and "tensor 'layers.0.w'" in r.stdout   # (the details after it)
+
+
+def test_a_piece_that_differs_on_its_device_is_a_problem_of_kind_device(outputs):
+    """What reaches a device is read back and compared with the file's digest: a difference is one
+    problem line of kind `device` (here the digest verify compares with is made wrong)."""
+    code = """
+import sys
+from ckptconv.jobs.verify import device
+real = device._rank_tensors
+def wrong(d):
+    found = real(d)
+    name = sorted(found)[0]
+    found[name] = (found[name][0], "0" * 64)
+    return found
+device._rank_tensors = wrong
+from ckptconv.cli import main
+main(["verify", sys.argv[1], "--device", "cpu", "--json"])
+"""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code, outputs / "tp8"], capture_output=True, text=True, env=env,
+                       cwd=ROOT)
+    problems = json.loads(r.stdout)["problems"]
+    assert r.returncode == 1 and problems and {p["kind"] for p in problems} == {"device"}, r.stdout + r.stderr
+    assert all("contents differ from the file" in p["message"] for p in problems)

@@ -57,7 +57,7 @@ def test_every_layout_is_registered_and_detected_in_its_order():
 class Toy(MeshDirectory):
     """An engine's layout of rank directories that records its own target and checks its top level."""
 
-    name, order, target = "toy", 99, "the toy engine's rank directories"
+    name, order, target, records_target = "toy", 99, "the toy engine's rank directories", True
     checked = []
 
     @classmethod

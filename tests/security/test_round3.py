@@ -678,19 +678,17 @@ def test_a_mesh_result_crosses_processes_as_json_and_is_read_not_trusted(tmp_pat
     w = MeshDirectory.__new__(MeshDirectory)
     w.layout = [None] * 3
     back = w.received(sent, [unit], tmp_path)
-    assert (bytes(back.global_digests), back.global_at, back.shards, back.linked) == \
-        (b"\x01" * 64, b"\x60", mine.shards, {})
+    assert (bytes(back.global_digests), back.global_at, back.shards) == (b"\x01" * 64, b"\x60", mine.shards)
     for bad in ({**sent, "global": "zz"}, {**sent, "global": "01" * 31}, {**sent, "global_at": "e0"},
                 {**sent, "global_at": 6}, {**sent, "shards": {"01": sent["shards"]["1"]}},
-                {**sent, "shards": {"2": sent["shards"]["1"]}}, {**sent, "shards": {"1": [["a", "b"]]}},
-                {**sent, "linked": {"x": 1}}, None):
+                {**sent, "shards": {"2": sent["shards"]["1"]}}, {**sent, "shards": {"1": [["a", "b"]]}}, None):
         with pytest.raises(ResultError):
             w.received(bad, [unit], tmp_path)
     v = VllmDirectory.__new__(VllmDirectory)
     v.layout = w.layout
     linked = {"model-rank-1-part-0.safetensors": "c" * 64}
     assert v.received({**sent, "linked": linked}, [unit], tmp_path).linked == linked
-    for bad in ({}, {"config.json": "c" * 64}, {"model-rank-1-part-0.safetensors": "d" * 64}):
+    for bad in ({}, {"config.json": "c" * 64}, {"model-rank-1-part-0.safetensors": "d" * 64}, {"x": 1}, None):
         with pytest.raises(ResultError, match="links"):
             v.received({**sent, "linked": bad}, [unit], tmp_path)
 

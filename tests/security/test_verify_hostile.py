@@ -767,3 +767,20 @@ def test_boxes_that_describe_the_split_verify(copy):
     edit_mesh(out, lambda m: _boxes(m, [[{"0": [0, 4], "1": [0, 16]}], [{"0": [4, 8], "1": [0, 16]}]]))
     code, lines, _ = verify(out)
     assert code == 0, lines
+
+
+@pytest.mark.parametrize("engine", ["sharded", "single", "foreign", "mesh", "nosuch", 7])
+def test_a_recorded_target_naming_no_engine_layout_is_a_problem_not_a_crash(copy, outputs, engine):
+    """mesh.json's and a manifest's recorded target name a layout by its "engine" (layouts/base
+    .engine_of): one that records no target, or none at all, picks nothing; verify reports it."""
+    out = copy("tp2")
+    edit_mesh(out, lambda m: m["source"].__setitem__("target", {"engine": engine}))
+    code, lines, _ = verify(out)
+    assert code == 1
+    problem(lines, "mesh.json", "source.target")   # (the ranks' manifests record none)
+    conv = copy("conv")
+    edit_json(conv / "manifest.json", lambda m: m["source"].__setitem__("target", {"engine": engine}))
+    resign_dir(conv)
+    code, lines, _ = verify(conv, "--against", outputs / "src")
+    assert code == 1
+    problem(lines, "source.target", "is not a layout ckptconv writes")

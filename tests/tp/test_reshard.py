@@ -419,7 +419,7 @@ def test_no_silent_replication(tmp_path):
 
 def test_global_digests_of_small_and_large_split_tensors(tmp_path):
     """A tensor whose every rank piece is small has its global digest taken in the writing thread
-    (writers.files.InlineTap); a larger one through the hash threads. mesh.json records, for both,
+    (layouts/files.InlineTap); a larger one through the hash threads. mesh.json records, for both,
     the SHA-256 of the whole tensor's bytes, and verify reassembles the pieces against it."""
     import hashlib
     g = torch.Generator().manual_seed(1)

@@ -326,3 +326,23 @@ def test_the_vllm_target_needs_every_layer_config_json_has(tmp_path):
             "--only", "model.layers.1.self_attn", "--only", "model.layers.1.input", "--only", "model.layers.1.post",
             "--only", "model.embed_tokens", "--only", "model.norm", "--only", "lm_head")
     assert r.exit_code == 2 and "layer 1 has no MLP weights" in r.stderr, r.stderr
+
+
+def test_a_vllm_target_this_version_would_not_write_is_still_checked_as_vllm(hf_llama, tmp_path):
+    """The top level of a vLLM output is checked by the vLLM layout whenever mesh.json's target names
+    the engine (a model type this version does not know included), and the one line about the
+    target is the one the ranks' manifests disagree with."""
+    import hashlib
+    out = tmp_path / "out"
+    assert run("reshard", hf_llama["dir"], out, "--tp", 2, "--target", "vllm", "--quiet").exit_code == 0
+    mesh = json.loads((out / "mesh.json").read_text())
+    mesh["source"]["target"]["model_type"] = "nosuch"
+    (out / "mesh.json").write_text(json.dumps(mesh))
+    sums = (out / "SHA256SUMS").read_text().splitlines()
+    digest = hashlib.sha256((out / "mesh.json").read_bytes()).hexdigest()
+    (out / "SHA256SUMS").write_text("".join(f"{digest}  mesh.json\n" if line.endswith(" mesh.json") else line + "\n"
+                                            for line in sums))
+    r = run("verify", out, "--json")
+    problems = json.loads(r.stdout)["problems"]
+    assert r.exit_code == 1 and len(problems) == 1, problems
+    assert "source.target" in problems[0]["message"]

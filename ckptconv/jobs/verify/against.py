@@ -19,12 +19,11 @@ from ...tp.rules import read_config
 from ...tensor import as_bytes, iter_blocks
 from ...formats import manifest as manifest_format
 from ...formats.manifest import MANIFEST
-from ...formats.mesh import MESH, rank_dir
 from ...layouts.report import Report
 from ...layouts.scan import _checked_manifest, _sha256_regular
 
 
-def _recorded_source(out_path: Path, is_mesh: bool) -> tuple:
+def _recorded_source(out_path: Path, layout) -> tuple:
     """(where the manifest is, its "source" entry, its aliases, the whole document) of an output
     verify already checked: what convert did to the source (prefix stripped, cast) is applied again
     before comparing."""
@@ -33,7 +32,7 @@ def _recorded_source(out_path: Path, is_mesh: bool) -> tuple:
         raw = manifest_format.single_document(parse_header(m.view, m.size, out_path).metadata, out_path)
         where = out_path
     else:
-        first = out_path / rank_dir(0) if is_mesh else out_path
+        first = layout.recorded_in(out_path)
         where, raw = first / MANIFEST, _checked_manifest(first) if (first / MANIFEST).is_file() else {}
     source = raw.get("source", {}) if isinstance(raw, dict) else {}
     aliases = raw.get("aliases", {}) if isinstance(raw, dict) else {}
@@ -43,13 +42,14 @@ def _recorded_source(out_path: Path, is_mesh: bool) -> tuple:
     return where, source if isinstance(source, dict) else {}, aliases, raw if isinstance(raw, dict) else {}
 
 
-def compare_against(out_path: Path, src, read: ReadOptions, fmt, report: Report, mine=lambda kind, key: True):
-    """Every tensor (global tensor, for a reshard output) equal to the source, bit for bit, streaming."""
-    is_mesh = (out_path / MESH).is_file()
-    # what OUT holds is read as what ckptconv writes, never by detection: a .pt or .metadata slipped
-    # into OUT (and listed in its sums) must not become "the output" that matches the source
-    out = open_checkpoint(out_path, "mesh" if is_mesh else "safetensors", ReadOptions())
-    recorded, manifest, aliases, document = _recorded_source(out_path, is_mesh)
+def compare_against(out_path: Path, layout, src, read: ReadOptions, fmt, report: Report,
+                    mine=lambda kind, key: True):
+    """Every tensor (global tensor, for a reshard output) of the output, as its `layout` reads it
+    back, equal to the source, bit for bit, streaming."""
+    # what OUT holds is read by the reader its layout names, never by detection: a .pt or .metadata
+    # slipped into OUT (and listed in its sums) must not become "the output" that matches the source
+    out = layout.open(out_path)
+    recorded, manifest, aliases, document = _recorded_source(out_path, layout)
     applied = _as_recorded(read, manifest, fmt)
     if applied != read:  # say so: "matches the source" then means the selection convert recorded
         replayed = ([f"--state-dict {brief(applied.state_dict)}"] if applied.state_dict != read.state_dict else []) \

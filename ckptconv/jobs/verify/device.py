@@ -156,10 +156,11 @@ def _check_pieces(state: _Placing, name: str, arrays: list, report):
         where = state.placement[r]
         if tuple(arr.shape) != src.shape or arr.dtype != src.dtype.numpy:
             report.add(state.dirs[r], f"tensor {name!r} on {where}: {arr.dtype}{list(arr.shape)}, "
-                                      f"expected {src.dtype.numpy}{list(src.shape)}")
+                                      f"expected {src.dtype.numpy}{list(src.shape)}", "device", tensor=name)
         back = np.asarray(arr)
         if hashlib.sha256(back.reshape(-1).view(np.uint8)).hexdigest() != digest:
-            report.add(state.dirs[r], f"tensor {name!r} on {where}: contents differ from the file")
+            report.add(state.dirs[r], f"tensor {name!r} on {where}: contents differ from the file", "device",
+                       tensor=name)
 
 
 def _check_global(jax, jmesh, path: Path, name: str, entry, arrays: list, report):
@@ -176,5 +177,6 @@ def _check_global(jax, jmesh, path: Path, name: str, entry, arrays: list, report
     shape = tuple(entry.full_shape)
     g = jax.make_array_from_single_device_arrays(shape, sharding, [a for _, a, _, _ in arrays])
     if tuple(g.shape) != shape or not g.sharding.is_equivalent_to(sharding, g.ndim):
-        report.add(path, f"tensor {name!r}: global array {g.shape} / {g.sharding} is not as recorded")
+        report.add(path, f"tensor {name!r}: global array {g.shape} / {g.sharding} is not as recorded", "device",
+                   tensor=name)
     del g

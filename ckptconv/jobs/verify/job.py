@@ -80,7 +80,7 @@ def _verify(request: VerifyRequest, progress, cluster) -> Report:
 
     def against():
         if main or not whole:
-            compare_against(path, request.against, request.read or ReadOptions(), request.fmt, report, mine)
+            compare_against(path, layout, request.against, request.read or ReadOptions(), request.fmt, report, mine)
 
     def device():
         if report.foreign and main:

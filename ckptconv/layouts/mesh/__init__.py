@@ -20,9 +20,8 @@ from ...formats import mesh as fmt
 from ...io.hashing import SMALL, Digests, Pipeline
 from ...tensor import sha256_of
 from ...tp.layout import RankPieces, holds
-from ...run.share import assign
+from ...run.share import Share, assign
 from ..base import Content, Layout, MeshPlan, RunFacts, WriteOptions, register
-from ...run.share import Share
 from ..files import InlineTap, OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json
 from .check import check_only_ranks, check_units, verify_mesh, verify_mesh_tensors
 from .write import (MeshResult, RankDir, _in_global_order, _ordered, _scatter, _scatters, _streams_in_order,
@@ -51,11 +50,6 @@ class MeshDirectory(Layout):
         return None, None
 
     @classmethod
-    def accepts_target(cls, record) -> bool:
-        """Whether `record` is a target this layout writes (recipe.Recipe.recorded reads it back)."""
-        return False
-
-    @classmethod
     def to_target(cls, tensors, record) -> list:
         """The source's tensors as the target's global tensors (lazy)."""
         return tensors
@@ -76,6 +70,11 @@ class MeshDirectory(Layout):
     @classmethod
     def detect(cls, path) -> bool:
         return Path(path).is_dir() and os.path.lexists(Path(path) / fmt.MESH)
+
+    @classmethod
+    def recorded_in(cls, path):
+        """Every rank's manifest records the source alike (checked): rank 0's."""
+        return Path(path) / fmt.rank_dir(0)
 
     @classmethod
     def check_units(cls, path) -> dict:
@@ -101,7 +100,7 @@ class MeshDirectory(Layout):
         return {**super().job(), "--tp": self.tp, "--ep": self.ep, "rules": self.rules.to_json()}
 
     def accepts(self, result: MeshResult, units, tmp) -> str | None:
-        """(see Writer.accepts) Its rank directories are exactly its share, each written; its global
+        """(see Layout.accepts) Its rank directories are exactly its share, each written; its global
         digests a bit per tensor of the layout and 32 bytes for each bit set."""
         if set(result.shards) != {u.rank for u in units}:
             return f"it names ranks {sorted(result.shards)[:4]}, not its share {[u.rank for u in units][:4]}"

@@ -1,5 +1,5 @@
-"""A reshard output: its top level (SHA256SUMS, mesh.json, exactly the rank directories it counts, the
-parts vLLM loads), every rank directory on its own, the ranks' manifests agreeing, and each global tensor
+"""A reshard output: its top level (SHA256SUMS, mesh.json, exactly the rank directories it counts, and
+what an engine's layout puts beside them: its own check), every rank directory on its own, the ranks' manifests agreeing, and each global tensor
 as mesh.json describes it: replicas and shared intervals equal, pieces where it puts them, reassembled
 digests right (assembled lazily from the rank pieces, never in memory)."""
 import hashlib
@@ -19,7 +19,7 @@ from ...formats.manifest import MANIFEST
 from ...formats.mesh import MESH, MeshDoc, intervals, outer_cut, parse_mesh, rank_dir, rank_dirs, rank_number
 from ..sharded.check import verify_dir
 from ..report import Report, _detail
-from ..base import for_target
+from ..base import engine_of
 from ..scan import _checked_manifest, _kind, _read, _regular, _scan, _sha256_regular, _sums, shard_sizes
 
 
@@ -40,8 +40,10 @@ def verify_mesh(path: Path, report: Report, progress, mine, plain) -> MeshDoc | 
             mesh = check_recorded(parse_mesh(data, path / MESH, len(dirs)), path / MESH)
         except BadInput as e:
             found.add(path / MESH, _detail(e, path / MESH), "metadata")
-    # the layout mesh.json's target names (vLLM's) says what else is at the top: its parts
-    engine = (for_target(mesh.target) or plain) if mesh is not None else plain
+    # the engine's layout mesh.json's target names (by its "engine" alone: a record it would not
+    # accept is reported where the ranks' manifests are compared) says what else is at the top
+    engine = engine_of(mesh.target) if mesh is not None else None
+    engine = engine if engine is not None and issubclass(engine, plain) else plain
     parts = engine.top_parts(path, mesh.ranks) if mesh is not None and len(dirs) == mesh.ranks else None
     # a top-level part that is the very inode of its rank shard is hashed with that shard's directory
     # (against its manifest; its SHA256SUMS line is tied to the same digest below): not read twice

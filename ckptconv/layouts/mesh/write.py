@@ -2,7 +2,7 @@
 the three ways a tensor reaches its ranks (sliced per rank, pushed interval by interval in global
 order, or read once in blocks of rows and scattered), and the result a process sends process 0."""
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,27 +22,25 @@ class RankDir:
 
 @dataclass
 class MeshResult:
-    """What a mesh writer wrote of its share: each of its ranks' shard files in order, [name, sha256];
+    """What a mesh layout wrote of its share: each of its ranks' shard files in order, [name, sha256];
     the global digests it computed, a bit per tensor of the layout saying which (`global_at`, packed)
-    and 32 bytes for each bit set, in layout order (`global_digests`: no object per tensor); and, in
-    vLLM's layout, the top-level links it made to those shards, name -> sha256."""
+    and 32 bytes for each bit set, in layout order (`global_digests`: no object per tensor)."""
 
     global_digests: bytes       # (or a memoryview of them)
     global_at: bytes
     shards: dict                # rank -> [[name, sha256], ...]
-    linked: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        """As it crosses processes (cluster.py): bytes as hex, ranks as JSON keys."""
+        """As it crosses processes (run/cluster.py): bytes as hex, ranks as JSON keys."""
         return {"global": self.global_digests.hex(), "global_at": self.global_at.hex(),
-                "shards": {str(rank): files for rank, files in self.shards.items()}, "linked": self.linked}
+                "shards": {str(rank): files for rank, files in self.shards.items()}}
 
     @classmethod
     def from_json(cls, data) -> "MeshResult":
         """A result that crossed from another process, read, not trusted: ResultError when a part is
-        not of its type (whether it fits the share and the layout is MeshWriter.accepts)."""
+        not of its type (whether it fits the share and the layout is MeshDirectory.accepts)."""
         if not (isinstance(data, dict) and isinstance(data.get("shards"), dict) and isinstance(data.get("global"), str)
-                and isinstance(data.get("global_at"), str) and isinstance(data.get("linked", {}), dict)):
+                and isinstance(data.get("global_at"), str)):
             raise ResultError("not {global, global_at, shards}")
         shards = {}
         for rank, files in data["shards"].items():
@@ -52,11 +50,8 @@ class MeshResult:
                                                     and is_digest(f[1]) for f in files)):
                 raise ResultError(f"rank {rank}: its shards are not [name, sha256] pairs")
             shards[int(rank)] = files
-        linked = data.get("linked", {})
-        if not all(is_digest(d) for d in linked.values()):
-            raise ResultError("its links are not name: sha256")
         return cls(from_hex(data["global"], "its global digests"), from_hex(data["global_at"], "its global digests"),
-                   shards, linked)
+                   shards)
 
 
 def rank_piece(src, p, rank):

@@ -7,15 +7,17 @@ written once. The tensors are vLLM's own (names.py), the recipe's last step; wha
 the top is check.py; the `vllm` preset splits such an output again. Layout: docs/reshard.md#vllm.
 """
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import BadInput, UsageError, brief
 from ...formats import mesh as fmt
 from ...tp.presets import MeshSpec, model_params, preset
 from ...tp.rules import RuleSet, read_config
-from ..base import RunFacts, register
+from ..base import ResultError, RunFacts, is_digest, register
 from ..files import Written, copy_files
 from ..mesh import MeshDirectory
+from ..mesh.write import MeshResult
 from . import check
 from .names import MODEL_TYPES, TARGET, check_model_type, part_name, to_vllm, vllm_rules
 
@@ -32,9 +34,29 @@ def vllm_names(cfg: dict) -> RuleSet:
     return vllm_rules(cfg)
 
 
+@dataclass
+class VllmResult(MeshResult):
+    """A mesh result and the top-level links this process made to its rank shards, name -> sha256."""
+
+    linked: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "linked": self.linked}
+
+    @classmethod
+    def from_json(cls, data) -> "VllmResult":
+        base = MeshResult.from_json(data)
+        linked = data.get("linked")
+        if not (isinstance(linked, dict) and all(isinstance(n, str) and is_digest(d) for n, d in linked.items())):
+            raise ResultError("its links are not name: sha256")
+        return cls(base.global_digests, base.global_at, base.shards, linked)
+
+
 @register(TARGET)
 class VllmDirectory(MeshDirectory):
+    Result = VllmResult
     order = 21
+    records_target = True
     target = ("a mesh output whose top level is also vLLM's load_format=\"sharded_state\" "
               "(model-rank-R-part-P.safetensors with vLLM's own tensor names; docs/reshard.md#vllm)")
 
@@ -90,12 +112,11 @@ class VllmDirectory(MeshDirectory):
         check.check_top(Path(path), parts, entries, sums, report)
 
     def write(self, units, tmp, progress=None, share=(0, 1)):
-        result = super().write(units, tmp, progress, share)
-        for rank, shards in result.shards.items():
+        done = super().write(units, tmp, progress, share)
+        for rank, shards in done.shards.items():
             for part, (name, digest) in enumerate(shards):
                 os.link(Path(tmp) / fmt.rank_dir(rank) / name, Path(tmp) / part_name(rank, part))
-        result.linked = _links(result.shards)
-        return result
+        return VllmResult(done.global_digests, done.global_at, done.shards, _links(done.shards))
 
     def accepts(self, result, units, tmp) -> str | None:
         """(see MeshDirectory.accepts) and its links are its rank shards', named as vLLM names them."""
