@@ -63,6 +63,13 @@ class TensorSource:
         """(MappedFile, offset) when the logical bytes are one contiguous little-endian file range."""
         return None
 
+    def prefetch(self):
+        """Have the disk start reading this source's bytes (one contiguous file range) before they
+        are needed; a no-op for anything else."""
+        span = self.file_span()
+        if span is not None:
+            span[0].will_need(span[1], self.nbytes)
+
     def release(self):
         """Advise away mapped pages this source touched (bounded RSS); a no-op by default."""
 

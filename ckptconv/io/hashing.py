@@ -36,17 +36,27 @@ class OrderedHasher:
         self._pool.shutdown(wait=True)
 
 
+def _cpu_binds() -> bool:
+    """Fewer cores than a run with taps has busy threads (the writing thread and three digests):
+    then the CPU binds, and two streams interleaved in one pass, though no faster than two threads
+    where the rounds do not overlap, take fewer cycles (measured on a 2-core Intel Xeon without the
+    overlap: 1.41 against 1.18 GB/s of digests; reshard --tp 8 of 2.1 GB used 6 % less CPU and ran
+    3-4 % faster, docs/benchmarks.md)."""
+    return sha256.FAST and (os.cpu_count() or 1) < 4
+
+
 class HashLanes:
     """Where each kind of digest runs: the shard file's, a tensor's, and a tap (one more stream of the
-    same bytes: a resharded tensor's global digest). Where the compiled streams overlap their rounds
-    (sha256.INTERLEAVES) the file's and the tensor's share a thread, one interleaved pass, and the tap
-    has its own (measured: 2.2 s against 2.3 s with all three on one thread, which uses 0.4 s less
-    CPU); elsewhere each has a thread of its own (a CPU that does not overlap them: convert of 2.1 GB
-    2.8 s -> see docs/benchmarks.md). States come from `sha256.new()`."""
+    same bytes: a resharded tensor's global digest; `taps` says a run has them). Where the compiled
+    streams overlap their rounds (sha256.INTERLEAVES) the file's and the tensor's share a thread, one
+    interleaved pass, and the tap has its own (measured: 2.2 s against 2.3 s with all three on one
+    thread, which uses 0.4 s less CPU); so do they with taps on a machine whose cores the threads
+    outnumber (_cpu_binds); elsewhere each has a thread of its own (a CPU that does not overlap them:
+    convert of 2.1 GB 2.8 s -> see docs/benchmarks.md). States come from `sha256.new()`."""
 
-    def __init__(self):
+    def __init__(self, taps: bool = False):
         file = OrderedHasher()
-        self._lanes = {"file": file, "tensor": file if sha256.INTERLEAVES else OrderedHasher(),
+        self._lanes = {"file": file, "tensor": file if sha256.INTERLEAVES or (taps and _cpu_binds()) else OrderedHasher(),
                        "tap": OrderedHasher()}
 
     def feed(self, data, file=None, tensor=None, tap=None) -> list:
@@ -114,8 +124,8 @@ class Pipeline:
     """Bytes go to their files through the shared staging pool (outfile.py) and are hashed there, by
     the HashLanes. At most `depth` chunks are in flight."""
 
-    def __init__(self, depth=4):
-        self.hashes = HashLanes()
+    def __init__(self, depth=4, taps: bool = False):
+        self.hashes = HashLanes(taps)
         self.staging = StagingPool()
         self.depth = depth
         self._inflight = deque()

@@ -137,6 +137,16 @@ class MappedFile:
         with contextlib.suppress(OSError):
             self._map.madvise(_MADV_POPULATE_READ, start, min(self.size, offset + length) - start)
 
+    def will_need(self, offset: int, length: int):
+        """Start reading [offset, offset+length) from the disk now, without waiting for it
+        (MADV_WILLNEED: the kernel queues the reads and returns), so that whoever reads it next finds
+        it in the page cache; a no-op where unsupported."""
+        if self._map is None or length <= 0:
+            return
+        start = offset - offset % _PAGE
+        with contextlib.suppress(OSError):
+            self._map.madvise(mmap.MADV_WILLNEED, start, min(self.size, offset + length) - start)
+
     def release(self, offset: int, length: int):
         """Drop our mapping of [offset, offset+length) from RSS; later access faults it back in."""
         if self._map is None or length <= 0:
@@ -188,6 +198,16 @@ class MemoryFile(MappedFile):
             view[:] = self.view[offset:offset + len(view)]
 
         yield fill_at
+
+    def will_need(self, offset: int, length: int):
+        """Start reading [offset, offset+length) from the disk now, without waiting for it
+        (MADV_WILLNEED: the kernel queues the reads and returns), so that whoever reads it next finds
+        it in the page cache; a no-op where unsupported."""
+        if self._map is None or length <= 0:
+            return
+        start = offset - offset % _PAGE
+        with contextlib.suppress(OSError):
+            self._map.madvise(mmap.MADV_WILLNEED, start, min(self.size, offset + length) - start)
 
     def release(self, offset: int, length: int):
         pass

@@ -184,7 +184,7 @@ class MeshDirectory(Layout):
         """Every rank directory's shards written side by side, tensor by tensor. Returns ({rank: stream},
         the global digests of the tensors whose global bytes went by in order, when `every_rank` (this
         process writes them all), in layout order, and which those are: a byte per layout index)."""
-        pipeline = Pipeline()
+        pipeline = Pipeline(taps=every_rank)
         streams = {}
         try:
             for r in ranks:
@@ -195,6 +195,8 @@ class MeshDirectory(Layout):
                                           pipeline, self.options.fsync, direct=self.options.direct)
             taps, tapped = Digests(), bytearray(len(self.layout))
             for i, (p, src) in enumerate(zip(self.layout, self.sources)):
+                if i + 1 < len(self.sources):   # (the next one read from the disk while this one is written)
+                    self.sources[i + 1].prefetch()
                 holders = [r for r in ranks if holds(p, r)]
                 pieces = {r: rank_piece(src, p, r) for r in holders}
                 scatters, ordered = _scatters(p), _in_global_order(p)
