@@ -143,15 +143,23 @@ def optimizer_state(path, n: int):
 
 def llama_scaled(path, gigabytes: float):
     """A bf16 checkpoint of `gigabytes` in 160 equal [rows, 8192] tensors, written by torch.save
-    tensor by tensor (storage bytes from a repeated random block: the content does not matter)."""
+    (storage bytes from a repeated random block: the content does not matter). Each tensor maps the
+    one block's file (shared, so its pages are the page cache's, not 20 GB of this process's memory)
+    and is a storage of its own, so torch.save writes all 160."""
     import torch
     path = Path(path)
-    rows = int(gigabytes * 1e9 / 160 / 8192 / 2)
+    rows = int(gigabytes * 1e9 / 160 / 8192 / 2) // 64 * 64   # (split evenly by reshard --tp 8 ... 64)
+    block_file = path.with_suffix(".block")
     block = (torch.randn(rows, 8192, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
-    sd = {f"model.layers.{i // 8}.w{i % 8}.weight": block.clone() for i in range(160)}
+    block.view(torch.int16).numpy().tofile(block_file)
+    del block
+    sd = {f"model.layers.{i // 8}.w{i % 8}.weight":
+          torch.from_file(str(block_file), shared=True, size=rows * 8192, dtype=torch.bfloat16).view(rows, 8192)
+          for i in range(160)}
     tmp = path.with_suffix(".tmp")
     torch.save(sd, tmp)
     os.rename(tmp, path)
+    block_file.unlink()
 
 
 NAIVE_DCP = r'''
@@ -480,6 +488,22 @@ def drop_caches() -> bool:
         return False
 
 
+def measure_cold(rows):
+    """rows: (name, cmd, out or None), each run REPEAT times right after dropping the page cache,
+    rows in order within a round. Returns ({name: seconds per round}, {name: peak RSS MiB}), or None
+    (and says so) where the cache cannot be dropped."""
+    times, rss = {name: [] for name, _, _ in rows}, {name: 0.0 for name, _, _ in rows}
+    for _ in range(REPEAT):
+        for name, cmd, dest in rows:
+            if not drop_caches():
+                print("\ncold cache: skipped (dropping the page cache needs root)")
+                return None
+            seconds, peak = _once(cmd, dest)
+            times[name].append(seconds)
+            rss[name] = max(rss[name], peak)
+    return times, rss
+
+
 def bench_cold(layers):
     """convert and verify with a cold page cache beside their floors, each run after dropping the
     caches (sync; echo 3 > /proc/sys/vm/drop_caches, as root)."""
@@ -498,13 +522,10 @@ def bench_cold(layers):
             ("hashlib, output, two threads", [PY, "-c", HASH_TWO_THREADS, *files], None),
             ("hashlib, output, one thread", [PY, "-c", HASH_ONE_THREAD, *files], None),
             ("ckptconv verify", [PY, "-m", "ckptconv.cli", "verify", out, "--quiet"], None)]
-    times = {name: [] for name, _, _ in rows}
-    for _ in range(REPEAT):
-        for name, cmd, dest in rows:
-            if not drop_caches():
-                print("\ncold cache: skipped (dropping the page cache needs root)")
-                return
-            times[name].append(_once(cmd, dest)[0])
+    measured = measure_cold(rows)
+    if measured is None:
+        return
+    times = measured[0]
     n = src.stat().st_size
     print(f"\ncold page cache, {n / 1e9:.3f} GB, {REPEAT} rounds (caches dropped before every run)")
     print("| command | median wall s | GB/s | ratio |\n|---|---:|---:|---:|")
@@ -561,45 +582,89 @@ def split_all_rules(scratch) -> Path:
 
 def bench_many():
     """Many small tensors (an optimizer state): inspect, convert, reshard --tp 2 and verify, each
-    once per size; time per 10,000 tensors (linear means a flat column) and peak RSS."""
+    once per size; time per 10,000 tensors (linear means a flat column) and peak RSS. Each job's
+    start-up (the median of three runs on a file of one tensor) is measured first: the column beyond
+    it is the time the tensors take, which a 10,000-tensor run would otherwise hide under start-up."""
     sizes = [int(n) for n in os.environ.get("BENCH_MANY", "10000,50000,100000,1000000").split(",")]
     scratch = scratch_dir()
     rules = split_all_rules(scratch)
-    print("\nmany small tensors (16 float32 each, one torch.save file), one run each; s / 10k = seconds per "
-          "10,000 tensors")
-    print("| tensors | job | wall s | s / 10k | peak RSS MiB |\n|---:|---|---:|---:|---:|")
-    for n in sizes:
-        src = generate("optimizer_state", DATA / f"many-{n}.pt", str(DATA / f"many-{n}.pt"), n)
-        warm(src)
-        cli = [PY, "-m", "ckptconv.cli"]
-        out = scratch / "many-out"
-        jobs = [("inspect", [*cli, "inspect", src, "--quiet"], None),
+    cli = [PY, "-m", "ckptconv.cli"]
+    out = scratch / "many-out"
+
+    def jobs(src):
+        return [("inspect", [*cli, "inspect", src, "--quiet"], None),
                 ("convert", [*cli, "convert", src, out, "--quiet"], None),
                 ("verify", [*cli, "verify", out, "--quiet"], None),
                 ("reshard --tp 2", [*cli, "reshard", src, scratch / "many-tp2", "--tp", "2", "--rules", rules,
                                     "--quiet"], scratch / "many-tp2")]
+
+    one = generate("optimizer_state", DATA / "many-1.pt", str(DATA / "many-1.pt"), 1)
+    start = {}
+    for _ in range(3):
         remove(out)
-        for job, cmd, dest in jobs:
+        for job, cmd, dest in jobs(one):
+            start.setdefault(job, []).append(_once(cmd, dest)[0])
+    start = {job: statistics.median(ts) for job, ts in start.items()}
+    remove(out)
+    print("\nmany small tensors (16 float32 each, one torch.save file), one run each; s / 10k = seconds per "
+          "10,000 tensors; beyond start-up: less the job's start-up on one tensor ("
+          + ", ".join(f"{job} {t:.2f} s" for job, t in start.items()) + ")")
+    print("| tensors | job | wall s | s / 10k | s / 10k beyond start-up | peak RSS MiB |\n|---:|---|---:|---:|---:|---:|")
+    for n in sizes:
+        src = generate("optimizer_state", DATA / f"many-{n}.pt", str(DATA / f"many-{n}.pt"), n)
+        warm(src)
+        remove(out)
+        for job, cmd, dest in jobs(src):
             seconds, rss = _once(cmd, dest)
-            print(f"| {n:,} | {job} | {seconds:.2f} | {seconds / n * 1e4:.2f} | {rss:.0f} |")
+            print(f"| {n:,} | {job} | {seconds:.2f} | {seconds / n * 1e4:.2f} | "
+                  f"{(seconds - start[job]) / n * 1e4:.2f} | {rss:.0f} |")
             sys.stdout.flush()
         remove(out)
         if n >= 1_000_000:
             src.unlink()   # 360 MB; made again when next asked for
 
 
+SCALE_RULES = """layout = "torch"
+[[rule]]
+pattern = "model\\\\.layers\\\\.\\\\d+\\\\.w[0-5]\\\\.weight"
+axis = 0
+[[rule]]
+pattern = "model\\\\.layers\\\\.\\\\d+\\\\.w[67]\\\\.weight"
+axis = 1
+"""
+
+
 def bench_scale():
-    """A generated checkpoint of BENCH_SCALE_GB (default 8: source, output and the floor's copy must
-    fit the disk at once) beside the 2 GB one: peak RSS and the ratio to the copy floor."""
-    gigabytes = float(os.environ.get("BENCH_SCALE_GB", "8"))
+    """A generated checkpoint of BENCH_SCALE_GB (default 20) with a cold page cache: convert and
+    reshard --tp 8 (6 of every 8 tensors split on their first axis, 2 on their second, about a
+    Llama's mix) beside the O_DIRECT copy floor, peak RSS flat. Each output is removed before the next run,
+    so the disk holds the source and one output."""
+    gigabytes = float(os.environ.get("BENCH_SCALE_GB", "20"))
     src = generate("llama_scaled", DATA / f"scaled-{gigabytes:g}GB.pt", str(DATA / f"scaled-{gigabytes:g}GB.pt"),
                    gigabytes)
+    scratch = scratch_dir()
+    rules = scratch / "scaled-rules.toml"
+    rules.write_text(SCALE_RULES)
+    cli = [PY, "-m", "ckptconv.cli"]
     global REPEAT
     repeat, REPEAT = REPEAT, min(REPEAT, 3)
     try:
-        compare(f"convert, generated {gigabytes:g} GB .pt (160 tensors)", src, [src],
-                [("ckptconv convert", ["convert", src])], ("torch.load(mmap) + save_file", NAIVE_TORCH),
-                against="copy floor (dd O_DIRECT)")
+        measured = measure_cold([
+            copy_floor_row([src], scratch),
+            ("ckptconv convert", [*cli, "convert", src, scratch / "out", "--quiet"], scratch / "out"),
+            ("ckptconv reshard --tp 8", [*cli, "reshard", src, scratch / "tp8", "--tp", "8", "--rules", rules,
+                                         "--quiet"], scratch / "tp8")])
+        if measured is None:
+            return
+        times, rss = measured
+        n = src.stat().st_size
+        floor, convert = times["copy floor (dd O_DIRECT)"], times["ckptconv convert"]
+        print(f"\nscale, cold page cache: generated {n / 1e9:.3f} GB .pt (160 tensors), {REPEAT} rounds")
+        print("| command | median wall s | GB/s | peak RSS MiB | x copy floor | x convert |\n|---|---:|---:|---:|---:|---:|")
+        for name, ts in times.items():
+            print(f"| {name} | {statistics.median(ts):.2f} | {n / statistics.median(ts) / 1e9:.2f} | {rss[name]:.0f} | "
+                  f"{paired(ts, floor)} | {paired(ts, convert) if name.endswith('--tp 8') else ''} |")
+        sys.stdout.flush()
     finally:
         REPEAT = repeat
 
