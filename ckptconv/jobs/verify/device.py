@@ -7,7 +7,6 @@ and comparing its SHA-256 with the manifest's. One tensor is resident at a time.
 """
 import dataclasses
 import hashlib
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -17,9 +16,9 @@ import numpy as np
 
 from ...errors import UsageError
 from ...formats import manifest as manifest_format
-from ...formats.manifest import MANIFEST
 from ...formats.safetensors import parse_header
 from ...formats.mesh import MESH, parse_mesh, rank_dir, read_regular
+from ...layouts.scan import _checked_manifest
 from ...readers import ReadOptions, safetensors as st_reader
 
 CUDA_HINT = "pip install 'ckptconv[cuda]'"
@@ -57,7 +56,9 @@ def _rank_tensors(d: Path):
         digests = {n: None if v is None else v.hex()
                    for n, v in manifest_format.check_single(manifest_format.single_document(header.metadata, d))[0].items()}
     else:
-        digests = {n: e["sha256"] for n, e in json.loads((d / MANIFEST).read_text())["tensors"].items()}
+        # (verify checked this manifest before anything is placed; read again as every output file is:
+        # a regular file, not followed, through safejson)
+        digests = {n: e["sha256"] for n, e in _checked_manifest(d)["tensors"].items()}
     return {t.name: (t, digests[t.name]) for t in ckpt.tensors}
 
 
