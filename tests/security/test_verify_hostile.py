@@ -784,3 +784,22 @@ def test_a_recorded_target_naming_no_engine_layout_is_a_problem_not_a_crash(copy
     code, lines, _ = verify(conv, "--against", outputs / "src")
     assert code == 1
     problem(lines, "source.target", "is not a layout ckptconv writes")
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("extras", "ab", "extras is 'ab', not the object"), ("extras", [{}], "extras is [{}], not the object"),
+    ("skipped_files", 5, None), ("skipped_files", [{"name": ["a"]}], None), ("format", [1], None),
+    ("format", {"a": 1}, None)])
+def test_a_manifest_field_of_another_type_is_a_problem_for_against(copy, outputs, key, value, said):
+    """--against reads what a manifest records of its source as untrusted: a field of another type
+    than ckptconv writes is a problem line (or read as absent), never an exception."""
+    conv = copy("conv")
+    if key == "extras":
+        edit_json(conv / "manifest.json", lambda m: m.__setitem__("extras", value))
+    else:
+        edit_json(conv / "manifest.json", lambda m: m["source"].__setitem__(key, value))
+    resign_dir(conv)
+    code, lines, err = verify(conv, "--against", outputs / "src")
+    assert code in (0, 1) and not err, err
+    if said:
+        problem(lines, said)

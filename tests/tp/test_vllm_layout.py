@@ -346,3 +346,63 @@ def test_a_vllm_target_this_version_would_not_write_is_still_checked_as_vllm(hf_
     problems = json.loads(r.stdout)["problems"]
     assert r.exit_code == 1 and len(problems) == 1, problems
     assert "source.target" in problems[0]["message"]
+
+
+def test_a_layer_count_from_a_file_costs_what_the_layers_present_cost():
+    """config.json's (or a recorded target's) layer count is compared with the layers present, never
+    made into a range (10**12 made a set of that many: killed at 24 GB): what the check holds does
+    not grow with the count."""
+    import tracemalloc
+    from ckptconv.errors import BadInput
+    from ckptconv.layouts.vllm import names
+    present = {"model.layers.0.self_attn.q_proj.weight": None, "model.layers.0.mlp.up_proj.weight": None}
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadInput, match="lacks layer"):
+            names._check_layers(present, 10**7)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak   # (a set of 10**7 layer numbers is over 500 MB)
+    with pytest.raises(BadInput, match="beyond"):
+        names._check_layers({**present, "model.layers.5.mlp.up_proj.weight": None}, 1)
+    names._check_layers(present, 1)
+
+
+def test_the_top_of_a_vllm_output_is_complete_and_a_forged_target_is_named(hf_llama, tmp_path):
+    """vLLM reads config.json beside the parts: one missing from the top (and from SHA256SUMS) is a
+    problem; a target no layout writes, recorded alike everywhere, is one too; an unreadable rank
+    manifest does not turn the parts into 'no such file' lines."""
+    import hashlib
+    import shutil
+    out = tmp_path / "out"
+    assert run("reshard", hf_llama["dir"], out, "--tp", 2, "--target", "vllm", "--quiet").exit_code == 0
+
+    def resign_top(d):
+        names = sorted(p.name for p in d.iterdir() if p.is_file() and p.name != "SHA256SUMS")
+        (d / "SHA256SUMS").write_text("".join(f"{hashlib.sha256((d / n).read_bytes()).hexdigest()}  {n}\n"
+                                              for n in names))
+
+    a = tmp_path / "a"
+    shutil.copytree(out, a)
+    (a / "config.json").unlink()
+    resign_top(a)
+    r = run("verify", a, "--json")
+    problems = json.loads(r.stdout)["problems"]
+    assert r.exit_code == 1 and [(p["kind"], p["file"]) for p in problems] == [("missing", str(a / "config.json"))], \
+        problems
+    b = tmp_path / "b"
+    shutil.copytree(out, b)
+    (b / "rank-00001" / "manifest.json").unlink()
+    r = run("verify", b, "--json")
+    problems = json.loads(r.stdout)["problems"]
+    assert r.exit_code == 1 and not any("writes no such file" in p["message"] for p in problems), problems
+    c = tmp_path / "c"
+    shutil.copytree(out, c)
+    mesh = json.loads((c / "mesh.json").read_text())
+    mesh["source"]["target"] = {"engine": "vllm"}
+    (c / "mesh.json").write_text(json.dumps(mesh))
+    resign_top(c)
+    r = run("verify", c, "--json")
+    problems = json.loads(r.stdout)["problems"]
+    assert r.exit_code == 1 and any("is not a layout ckptconv writes" in p["message"] for p in problems), problems

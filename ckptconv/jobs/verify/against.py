@@ -128,7 +128,8 @@ def _as_recorded(read: ReadOptions, manifest: dict, fmt=None) -> ReadOptions:
     if isinstance(only, list) and 0 < len(only) <= 1000 and all(isinstance(p, str) and len(p) <= 1000 for p in only) \
             and not read.only:
         read = dataclasses.replace(read, only=list(only))
-    reader = readers().get(manifest.get("format") if fmt is None else fmt)
+    name = manifest.get("format") if fmt is None else fmt
+    reader = readers().get(name) if isinstance(name, str) else None   # (a manifest is read, not trusted)
     declared = dict(read.declared)
     for opt in reader.options if reader is not None else ():
         value = manifest.get(opt.dest)
@@ -189,6 +190,9 @@ def _compare_extras(recorded: Path, document: dict, source, report: Report):
     """The extras, and the other facts the reader records beside its tensors (`quantization` …), are
     the source's."""
     extras, theirs = _plain(document.get("extras", {})), _plain(source.extras)
+    if not isinstance(extras, dict):
+        report.add(recorded, f"extras is {brief(extras, 80)}, not the object ckptconv records", "source")
+        extras = {}
     for key in sorted(set(extras) | set(theirs), key=str) if extras != theirs else ():
         if extras.get(key) != theirs.get(key):
             report.add(recorded, f"extras {key!r} is {brief(extras.get(key), 120)}, the source's is "
@@ -211,7 +215,9 @@ def _compare_model_files(recorded: Path, files: dict, manifest: dict, source, re
         target = None
     if target is not None and manifest.get("config_edits"):
         edited.update(transforms.config_with_dtype(_config(source.model_files, source.made), target, {}))
-    skipped = {s.get("name") for s in manifest.get("skipped_files", []) if isinstance(s, dict)}
+    listed = manifest.get("skipped_files", [])
+    skipped = {s.get("name") for s in (listed if isinstance(listed, list) else []) if isinstance(s, dict)
+               and isinstance(s.get("name"), str)}
     theirs = {rel for rel, _ in carried}
     added = set(manifest["with"]) if isinstance(manifest.get("with"), list) and all(
         isinstance(n, str) for n in manifest["with"]) else set()   # (--with: written from elsewhere, not compared)

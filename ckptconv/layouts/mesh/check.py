@@ -19,7 +19,7 @@ from ...formats.manifest import MANIFEST
 from ...formats.mesh import MESH, MeshDoc, intervals, outer_cut, parse_mesh, rank_dir, rank_dirs, rank_number
 from ..sharded.check import verify_dir
 from ..report import Report, _detail
-from ..base import engine_of
+from ..base import engine_of, for_target
 from ..scan import _checked_manifest, _kind, _read, _regular, _scan, _sha256_regular, _sums, shard_sizes
 
 
@@ -40,10 +40,13 @@ def verify_mesh(path: Path, report: Report, progress, mine, plain) -> MeshDoc | 
             mesh = check_recorded(parse_mesh(data, path / MESH, len(dirs)), path / MESH)
         except BadInput as e:
             found.add(path / MESH, _detail(e, path / MESH), "metadata")
-    # the engine's layout mesh.json's target names (by its "engine" alone: a record it would not
-    # accept is reported where the ranks' manifests are compared) says what else is at the top
+    # the engine's layout mesh.json's target names (by its "engine" alone) says what else is at the
+    # top; a record no layout writes is a problem of its own
     engine = engine_of(mesh.target) if mesh is not None else None
     engine = engine if engine is not None and issubclass(engine, plain) else plain
+    if mesh is not None and mesh.target is not None and for_target(mesh.target) is None:
+        found.add(path / MESH, f"its source.target {brief(mesh.target, 120)} is not a layout ckptconv writes",
+                  "metadata")
     parts = engine.top_parts(path, mesh.ranks) if mesh is not None and len(dirs) == mesh.ranks else None
     # a top-level part that is the very inode of its rank shard is hashed with that shard's directory
     # (against its manifest; its SHA256SUMS line is tied to the same digest below): not read twice
@@ -55,7 +58,7 @@ def verify_mesh(path: Path, report: Report, progress, mine, plain) -> MeshDoc | 
             verify_dir(path / name, report, progress)
     if parts is not None and sums is not None:
         engine.check_top(path, parts, entries, sums, found)
-    elif sums is not None and mesh is not None:
+    elif sums is not None and mesh is not None and engine is plain:   # (an engine's parts unread: said there)
         check_only_ranks(path, sums, found)
     return mesh
 

@@ -3,6 +3,7 @@ parts it loads are the ranks' shards (the very bytes, by digest), and the model 
 from pathlib import Path
 
 from ...errors import BadInput
+from ...formats.manifest import INDEX_SUFFIX
 from ...formats.mesh import MESH, rank_dir, rank_number
 from ..scan import _checked_manifest
 from .names import PART, part_name
@@ -35,6 +36,10 @@ def check_top(path: Path, expected: dict, entries: dict, sums: dict, report):
     except (BadInput, OSError):
         return
     rank0 = rank0 if isinstance(rank0, dict) else {}
+    for name in sorted(rank0):   # (vLLM reads config.json and the tokenizer beside the parts)
+        if not name.endswith((".safetensors", INDEX_SUFFIX)) and name not in sums and name not in entries:
+            report.add(path / name, f"is missing (vLLM reads it beside the parts: it is {rank_dir(0)}/{name})",
+                       "missing")
     for name in sorted(entries):
         if PART.fullmatch(name) and name not in expected:
             report.add(path / name, "is not a part of any rank's shards", "unlisted")

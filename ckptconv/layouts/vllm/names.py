@@ -134,8 +134,10 @@ def _check_layers(by_name, layers):
             elif not rest.endswith("rotary_emb.inv_freq"):
                 parts.setdefault(layer, set()).add(rest)
             parts.setdefault(layer, set())
-    if type(layers) is int and set(parts) != set(range(layers)):
-        missing = sorted(set(range(layers)) - set(parts))[:4]
+    # (bounded by the layers present, never by the number a file says: layers 0..n-1 are all there
+    # exactly when there are n of them and none is n or beyond)
+    if type(layers) is int and (len(parts) != layers or any(i >= layers for i in parts)):
+        missing = [i for i in range(min(layers, len(parts) + 4)) if i not in parts][:4]
         raise BadInput(f"--target vllm: config.json has {layers} layers; the source " + (
             f"lacks layer(s) {', '.join(map(str, missing))} (left out with --only?)" if missing else
             f"has layers beyond them ({max(parts)})") + ": vLLM loads every layer")
