@@ -131,21 +131,13 @@ class MappedFile:
     def populate(self, offset: int, length: int):
         """Map [offset, offset+length) in now, in one call (MADV_POPULATE_READ, Linux 5.14+), so the
         thread that reads it next does not take the page faults; a no-op where unsupported."""
-        if self._map is None or length <= 0:
-            return
-        start = offset - offset % _PAGE
-        with contextlib.suppress(OSError):
-            self._map.madvise(_MADV_POPULATE_READ, start, min(self.size, offset + length) - start)
+        self._advise(_MADV_POPULATE_READ, offset, length)
 
     def will_need(self, offset: int, length: int):
         """Start reading [offset, offset+length) from the disk now, without waiting for it
         (MADV_WILLNEED: the kernel queues the reads and returns), so that whoever reads it next finds
         it in the page cache; a no-op where unsupported."""
-        if self._map is None or length <= 0:
-            return
-        start = offset - offset % _PAGE
-        with contextlib.suppress(OSError):
-            self._map.madvise(mmap.MADV_WILLNEED, start, min(self.size, offset + length) - start)
+        self._advise(mmap.MADV_WILLNEED, offset, length)
 
     def release(self, offset: int, length: int):
         """Drop our mapping of [offset, offset+length) from RSS; later access faults it back in."""
@@ -160,10 +152,15 @@ class MappedFile:
         """How the kernel should read [offset, offset+length) (the whole file by default) when it is
         touched: `mmap.MADV_RANDOM`, only the page touched (a fault otherwise reads around it, as much
         as the disk's read-ahead: 8 MiB on some); `mmap.MADV_SEQUENTIAL`, ahead of it, never behind."""
-        if self._map is None:
+        self._advise(advice, offset, self.size - offset if length is None else length)
+
+    def _advise(self, advice: int, offset: int, length: int):
+        """madvise [offset, offset+length), from its page, within the file; a no-op without a mapping
+        or where the kernel does not know the advice."""
+        if self._map is None or length <= 0:
             return
         start = offset - offset % _PAGE
-        end = self.size if length is None else min(self.size, offset + length)
+        end = min(self.size, offset + length)
         if end > start:
             with contextlib.suppress(OSError):
                 self._map.madvise(advice, start, end - start)
@@ -198,16 +195,6 @@ class MemoryFile(MappedFile):
             view[:] = self.view[offset:offset + len(view)]
 
         yield fill_at
-
-    def will_need(self, offset: int, length: int):
-        """Start reading [offset, offset+length) from the disk now, without waiting for it
-        (MADV_WILLNEED: the kernel queues the reads and returns), so that whoever reads it next finds
-        it in the page cache; a no-op where unsupported."""
-        if self._map is None or length <= 0:
-            return
-        start = offset - offset % _PAGE
-        with contextlib.suppress(OSError):
-            self._map.madvise(mmap.MADV_WILLNEED, start, min(self.size, offset + length) - start)
 
     def release(self, offset: int, length: int):
         pass
