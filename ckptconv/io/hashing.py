@@ -42,7 +42,8 @@ def _cpu_binds() -> bool:
     where the rounds do not overlap, take fewer cycles (measured on a 2-core Intel Xeon without the
     overlap: 1.41 against 1.18 GB/s of digests; reshard --tp 8 of 2.1 GB used 6 % less CPU and ran
     3-4 % faster, docs/benchmarks.md)."""
-    return sha256.FAST and (os.cpu_count() or 1) < 4
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return sha256.FAST and cores < 4   # (the cores this process may run on, not the machine's)
 
 
 class HashLanes:

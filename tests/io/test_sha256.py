@@ -49,3 +49,23 @@ def test_bad_state_refused():
         _sha256x.absorb(b"data", bytearray(10))
     with pytest.raises(BufferError):
         _sha256x.absorb(b"data", bytes(104))  # read-only
+
+
+@pytest.mark.parametrize("binds", [False, True])
+def test_every_lane_arrangement_gives_each_stream_its_digest(monkeypatch, binds):
+    """Whether a run with taps shares one thread for the file's and the tensor's digests (where the
+    CPU binds) or not, each stream is the hashlib digest of exactly what was fed to it."""
+    import os
+    from ckptconv.io import hashing
+    monkeypatch.setattr(hashing, "_cpu_binds", lambda: binds)
+    lanes = hashing.HashLanes(taps=True)
+    try:
+        assert (lanes._lanes["file"] is lanes._lanes["tensor"]) == (binds or sha256.INTERLEAVES)
+        file, tensor, tap = sha256.new(), sha256.new(), sha256.new()
+        a, b = os.urandom(70_001), os.urandom(65)
+        for f in lanes.feed(a, file, tensor, tap) + lanes.feed(b, file, None, tap):
+            f.result()
+        assert [lanes.digest(lane, h).result() for lane, h in (("file", file), ("tensor", tensor), ("tap", tap))] \
+            == [hashlib.sha256(a + b).hexdigest(), hashlib.sha256(a).hexdigest(), hashlib.sha256(a + b).hexdigest()]
+    finally:
+        lanes.close()

@@ -195,8 +195,8 @@ class MeshDirectory(Layout):
                                           pipeline, self.options.fsync, direct=self.options.direct)
             taps, tapped = Digests(), bytearray(len(self.layout))
             for i, (p, src) in enumerate(zip(self.layout, self.sources)):
-                if i + 1 < len(self.sources):   # (the next one read from the disk while this one is written)
-                    self.sources[i + 1].prefetch()
+                if every_rank and i + 1 < len(self.sources):   # (the next one read from the disk while this
+                    self.sources[i + 1].prefetch()                # one is written; only by who reads all of it)
                 holders = [r for r in ranks if holds(p, r)]
                 pieces = {r: rank_piece(src, p, r) for r in holders}
                 scatters, ordered = _scatters(p), _in_global_order(p)
