@@ -144,11 +144,17 @@ def _checked_manifest(d: Path) -> dict:
     return safejson.loads(read_regular(d / MANIFEST), d / MANIFEST, MANIFEST)
 
 
-def shard_sizes(path: Path) -> dict:
+def shard_sizes(path: Path, meta=None) -> dict:
     """{shard: size} of the regular shard files an output directory's (valid) metadata names, for
-    sharing a check out (layouts' check_units)."""
-    entries = _scan(path, Report())
-    _, weight_map, _, m_files, _, sums = _read_meta(path, entries, Report())
+    sharing a check out (layouts' check_units); `meta`: (entries, _read_meta's result) when the
+    caller has read them already."""
+    entries, (_, weight_map, _, m_files, _, sums) = meta or _listed(path)
     names = sorted(set((weight_map or {}).values())
                    | {f for f in (*(m_files or {}), *(sums or {})) if f.endswith(".safetensors")})
     return {n: entries[n].st_size if _regular(entries, n) else 0 for n in names}
+
+
+def _listed(path: Path) -> tuple:
+    """(entries, _read_meta's result) of an output directory, its problems left for the check."""
+    entries = _scan(path, Report())
+    return entries, _read_meta(path, entries, Report())

@@ -77,13 +77,16 @@ def test_reshard_and_device_verify_across_two_processes(hf_llama, tmp_path):
 def test_verify_on_two_processes_reports_problems_everywhere(hf_llama, tmp_path):
     out = tmp_path / "out"
     assert run("convert", hf_llama["dir"], out, "--max-shard-size", "60KB", "--quiet").exit_code == 0
-    shard = sorted(out.glob("*.safetensors"))[-1]
-    data = bytearray(shard.read_bytes())
-    data[-3] ^= 1
-    shard.write_bytes(bytes(data))
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) >= 2
+    for shard in shards:   # (every shard: each process's share of the hashing must find its own)
+        data = bytearray(shard.read_bytes())
+        data[-3] ^= 1
+        shard.write_bytes(bytes(data))
     results = wait_all(launch(["verify", out, "--quiet"]))
     assert [rc for rc, _, _ in results] == [1, 1], results
-    assert "sha256 differs" in results[0][1]
+    for shard in shards:
+        assert f"{shard}: sha256 differs" in results[0][1], (shard, results[0][1])
 
 
 @pytest.fixture(scope="module")

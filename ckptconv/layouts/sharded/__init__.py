@@ -13,8 +13,7 @@ from ...formats.sums import NAME as SUMS
 from ...io.hashing import Pipeline
 from ..base import Content, Layout, RunFacts, WriteOptions, register
 from ..files import Written, check_space, copy_files, finish_dir, plan_shards, write_shards
-from ..report import Report
-from ..scan import _read_meta, _scan, shard_sizes
+from ..scan import _listed, shard_sizes
 from .check import verify_dir
 from .resume import _keep_only, _plan_id, reusable
 
@@ -35,18 +34,19 @@ class ShardedDirectory(Layout):
 
     @classmethod
     def check_units(cls, path) -> dict:
-        """Its shards by bytes, its tensors by elements (what is on disk and valid)."""
-        _, _, _, _, m_tensors, _ = _read_meta(path, _scan(path, Report()), Report())
-        tensors = {n: e for n, e in (m_tensors or {}).items() if e is not None}
-        return {"shard": list(shard_sizes(path).items()),
-                "tensor": [(n, math.prod(e.shape)) for n, e in tensors.items()]}
+        """Its shards by bytes, its tensors by elements (what is on disk and valid), from one read of
+        its metadata."""
+        meta = _listed(Path(path))
+        m_tensors = meta[1][4] or {}
+        return {"shard": list(shard_sizes(Path(path), meta).items()),
+                "tensor": [(n, math.prod(e.shape)) for n, e in m_tensors.items() if e is not None]}
 
     @classmethod
     def check(cls, path, report, progress=None, share=None):
         """Against its own records; on several processes each hashes its share of the shards and
         process 0 does the rest."""
         mine = None if share is None or share.processes == 1 else \
-            {f for f in shard_sizes(Path(path)) if share.mine("shard", f)}
+            {f for f, _ in share.units.get("shard", ()) if share.mine("shard", f)}
         verify_dir(Path(path), report, progress, mine, structural=share is None or share.is_main)
 
     def plan(self, tensors) -> list:
