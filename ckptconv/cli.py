@@ -71,6 +71,13 @@ def placeholder_line(placeholders) -> str:
             + ", ".join(f"{p['global']} (x{p['count']})" for p in placeholders))
 
 
+def module_lines(modules) -> list:
+    """What became of each pickled nn.Module (readers/torch_modules.py)."""
+    return [f"pickled module {m['class']} ({'under ' + repr(m['name']) if m['name'] else 'the whole file'}): read "
+            f"as its state_dict(), {m['entries']} entries under those names; its other attributes left out"
+            for m in modules]
+
+
 def _convert_command(name, pickle_only, help_text):
     @main.command(name, help=help_text)
     @click.argument("src", type=click.Path(path_type=str))
@@ -128,6 +135,8 @@ def _say_converted(result):
     if result.skipped_files:
         say("not carried into OUT: " + "; ".join(f"{s['name']} ({s['reason']})"
                                                  for s in result.skipped_files))
+    for line in module_lines(result.modules):
+        say(line)
     if result.layout is not None:
         say(f"training checkpoint: {result.layout.found()}")
         say(f"wrote {result.layout.choice()}")
@@ -357,6 +366,8 @@ def inspect_cmd(path, fmt, read, quiet, as_json):
         say(f"  {t['name']:<{width}}  {t['dtype']:<7} {str(t['shape']):<20} {format_size(t['bytes'])}")
     if found.extras:
         click.echo("extras: " + json.dumps(found.extras, sort_keys=True)[:2000])
+    for line in module_lines(found.source.get("modules", [])):
+        say(line)
     if found.layout is not None:
         say(f"training checkpoint: {found.layout.found()}")
         say(f"converts {found.layout.choice()}")

@@ -364,6 +364,8 @@ class SourceFacts:
     dropped: list = field(default_factory=list)        # {"name", "reason"}: state left out, and why
     placeholders: list = field(default_factory=list)   # {"global", "count"}: classes recorded as inert data
     skipped: list = field(default_factory=list)        # {"name", ...}: tensors --skip-unsupported left out
+    modules: list = field(default_factory=list)        # {"name", "class", "entries"}: pickled nn.Modules read
+                                                       # as their state_dict() (readers/torch_modules.py)
     unindexed: list = field(default_factory=list)      # .safetensors files beside an index that lists none
     layout: str | None = None          # a reader's layout of its format (Grok-1 "mixtral", Megatron "legacy")
     dequantize: str | None = None      # Grok-1 --dequantize
@@ -371,7 +373,7 @@ class SourceFacts:
     more: dict = field(default_factory=dict)   # the reader's own facts (tp, pp, tag, zero_stage, rules ...)
 
     _OPTIONAL = ("files", "state_dict", "layout", "dequantize", "to")
-    _LISTS = ("dropped", "placeholders", "skipped", "unindexed")
+    _LISTS = ("dropped", "placeholders", "skipped", "unindexed", "modules")
 
     def to_json(self) -> dict:
         """The facts as the manifest records them: a fact not established is not written."""

@@ -44,6 +44,7 @@ class ConvertResult:
     dropped: list = field(default_factory=list)     # parts of the wrapper not written: {"name", "reason"}
     placeholders: list = field(default_factory=list)  # classes on no allowlist, recorded as inert data
     layout: Layout | None = None                    # a training checkpoint's parts, and which were written
+    modules: list = field(default_factory=list)     # pickled nn.Modules read as their state_dict()
     process: int | None = None                      # on several processes: this one, and how many
     processes: int | None = None
     identity: str | None = None                     # sha256:… naming exactly this output (formats/identity.py)
@@ -51,7 +52,7 @@ class ConvertResult:
     def to_json(self) -> dict:
         """The `--json` summary: the fields that apply to this run."""
         optional = ("resume_note", "skipped_files", "also", "process", "processes", "state_dict", "dropped",
-                    "placeholders", "identity", "layout")
+                    "placeholders", "identity", "layout", "modules")
         out = {"tensor_count" if k == "tensors" else k: v for k, v in asdict(self).items()
                if k not in optional or v not in (None, [])}
         if self.layout is not None:
@@ -122,7 +123,8 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
                            round(total / seconds / 1e9, 3) if seconds else None, facts.resumed_bytes,
                            facts.resume_note, content.skipped_files, ckpt.also,
                            None if ckpt.source.state_dict in (None, "none") else ckpt.source.state_dict,
-                           ckpt.source.dropped, ckpt.source.placeholders, ckpt.layout)
+                           ckpt.source.dropped, ckpt.source.placeholders, ckpt.layout,
+                           modules=ckpt.source.modules)
     if cluster is None or cluster.is_main:
         result.identity = identity(out)
     if cluster is not None:

@@ -9,7 +9,7 @@ from array import array
 from pathlib import Path
 
 from .pickle import unpickler
-from . import wrappers, ziparchive
+from . import torch_modules, wrappers, ziparchive
 from .base import Reader, register
 from ..errors import BadInput, brief
 from ..limits import Budget
@@ -78,11 +78,15 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         listed = by_shard(weight_map(target, options.only))
         shards = [weights_file(target.parent / f, source_root(target)) for f in sorted(listed)]
     tensors, extras, skipped, mapped, dropped, placeholders, unwrapped, layouts = [], {}, [], [], [], [], None, []
+    modules = []
     for shard in shards:
         m = MappedFile(shard)
         mapped.append(m)
         budget, unlisted = Budget(shard), unpickler.Unlisted(shard)
-        found = wrappers.unwrap(_load_file(m, allow, budget, unlisted), options.state_dict, shard, budget)
+        obj, pickled = torch_modules.as_state_dicts(_load_file(m, allow, budget, unlisted), shard, budget)
+        modules += [p.to_json() for p in pickled]
+        found = wrappers.unwrap(obj, options.state_dict, shard, budget)
+        obj = None
         unwrapped = found.key
         t, e, s = flatten(found.kept, shard, skip_unsupported=options.skip_unsupported, budget=budget)
         written = list(t) + [x["name"] for x in s]
@@ -109,7 +113,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         placeholders += unlisted.listing()
     source = SourceFacts(format=NAME, path=str(path), files=[str(p.relative_to(path) if path.is_dir() else p.name)
                                                             for p in shards],
-                         skipped=skipped, dropped=dropped, placeholders=placeholders,
+                         skipped=skipped, dropped=dropped, placeholders=placeholders, modules=modules,
                          # (verify --against reads the source the same way)
                          state_dict=unwrapped or "none" if unwrapped is not None or options.state_dict == "none"
                          else None)

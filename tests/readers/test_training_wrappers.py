@@ -130,8 +130,9 @@ def test_dict_and_list_subclasses_classes_and_states_are_records_in_every_protoc
 
 
 def test_tensors_inside_records_are_written_not_lost(ckpts, tmp_path):
-    """A record that holds tensors (a callback object's score, a pickled nn.Module) is walked as a dict
-    of its parts: each tensor under its path, the class under NAME.__class__."""
+    """A record that holds tensors (a callback object's score) is walked as a dict of its parts: each
+    tensor under its path, the class under NAME.__class__; a pickled nn.Module is its state dict
+    (tests/readers/test_pickled_modules.py), unwrapped like one."""
     src, _ = ckpts["sd"]
     raw = torch.load(src, weights_only=False)
     out = tmp_path / "out"
@@ -145,9 +146,12 @@ def test_tensors_inside_records_are_written_not_lost(ckpts, tmp_path):
     torch.save({"net": net, "epoch": 1}, tmp_path / "module.pt")
     assert run("convert", tmp_path / "module.pt", tmp_path / "m").exit_code == 0
     got = load_output(tmp_path / "m")
-    assert sorted(got) == ["net._parameters.bias", "net._parameters.weight"]
-    assert_same(got["net._parameters.weight"], net.weight.detach())
-    assert manifest(tmp_path / "m")["extras"]["net.__class__"] == "torch.nn.modules.linear.Linear"
+    assert sorted(got) == ["bias", "weight"]
+    assert_same(got["weight"], net.weight.detach())
+    assert manifest(tmp_path / "m")["source"]["modules"] == [
+        {"name": "net", "class": "torch.nn.modules.linear.Linear", "entries": 2}]
+    assert run("convert", tmp_path / "module.pt", tmp_path / "n", "--state-dict", "none").exit_code == 0
+    assert sorted(load_output(tmp_path / "n")) == ["net.bias", "net.weight"]
 
 
 def test_another_key_unwrapped_on_request(tmp_path):
