@@ -88,10 +88,17 @@ def test_diffusers_loads_the_converted_unet_without_a_name(unet, tmp_path, src, 
     assert "config.json" in names
     assert ("diffusion_pytorch_model.safetensors.index.json" in names) == bool(extra)
     sample = values.floats(np.random.default_rng(2), 1, 1, 8, 8)
+    theirs_model = UNet2DModel.from_pretrained(unet).eval()
+    ours_model = UNet2DModel.from_pretrained(out, use_safetensors=True).eval()
+    theirs_sd, ours_sd = theirs_model.state_dict(), ours_model.state_dict()
+    assert list(ours_sd) == list(theirs_sd) and all(torch.equal(ours_sd[k], v) for k, v in theirs_sd.items())
     with torch.no_grad():
-        theirs = UNet2DModel.from_pretrained(unet).eval()(sample, 3).sample
-        ours = UNet2DModel.from_pretrained(out, use_safetensors=True).eval()(sample, 3).sample
-    assert torch.equal(ours, theirs)
+        theirs = theirs_model(sample, 3).sample
+        ours = ours_model(sample, 3).sample
+    # the same bits loaded, the same forward: on some CPUs (AVX-512 on AMD EPYC here) the kernels take another
+    # path for weights mapped from a safetensors file at an offset than for torch's own allocations, and the
+    # last bits of a few sums differ (diffusers' own safetensors save does the same); hence close, not equal
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("extra", [(), ("--max-shard-size", "10KB")])
