@@ -43,17 +43,18 @@ def _ours(fn):
 
 
 def _source(src, format, only, allow_globals, state_dict, skip_unsupported, workers, reader_options,
-            max_extra_size="256MB") -> Source:
+            max_extra_size="256MB", one_shard=False) -> Source:
     return requests.source(src, format, requests.read_options(
         only=only, allow_globals=allow_globals, state_dict=state_dict, skip_unsupported=skip_unsupported,
-        workers=workers, reader_options=reader_options, max_extra_size=max_extra_size))
+        workers=workers, reader_options=reader_options, max_extra_size=max_extra_size, one_shard=one_shard))
 
 
 @_ours
 def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", state_dict="auto",
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name=None, overwrite=False,
             resume=False, fsync=False, buffered_io=False, copy_extras=True, with_files=(), workers=2,
-            reader_options=None, max_extra_size="256MB", progress=None) -> _convert.ConvertResult:
+            reader_options=None, max_extra_size="256MB", one_shard=False, max_extras="1MB",
+            progress=None) -> _convert.ConvertResult:
     """`ckptconv convert SRC OUT` (docs/convert.md): OUT ending in .safetensors is one file, anything
     else a sharded directory. `reader_options` are the options a reader declares ({"dequantize":
     "bf16"} for Grok-1 directories); `progress(total_bytes)` may return a context manager yielding
@@ -62,10 +63,11 @@ def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", 
                                       requests.choice(dtype, requests.DTYPES, "dtype"),
                                       requests.flag(copy_extras, "copy_extras"), requests.paths(with_files, "with_files"))
     return _convert.convert(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
-                                    reader_options, max_extra_size),
+                                    reader_options, max_extra_size, one_shard),
                             requests.path(out, "out"), options,
                             requests.write_options(max_shard_size=max_shard_size, name=name, overwrite=overwrite,
-                                                   fsync=fsync, buffered_io=buffered_io, resume=resume),
+                                                   fsync=fsync, buffered_io=buffered_io, resume=resume,
+                                                   max_extras=max_extras),
                             progress=_progress(progress))
 
 
@@ -75,20 +77,20 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name=None, overwrite=False,
             fsync=False, buffered_io=False, workers=2, reader_options=None, max_extra_size="256MB", progress=None,
             target="mesh",
-            dtype="keep", allow_replicate=(), with_files=()) -> _reshard.ReshardResult:
+            dtype="keep", allow_replicate=(), with_files=(), one_shard=False, max_extras="1MB") -> _reshard.ReshardResult:
     """`ckptconv reshard SRC OUT --tp N` (docs/reshard.md); with `dry_run`, the plan only (OUT may
     be None). `target="vllm"`: vLLM's pre-sharded layout as well."""
     mesh = requests.mesh(tp=tp, ep=ep, preset=preset, rules=rules, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                          pad_vocab=pad_vocab, allow_replicate=allow_replicate)
     return _reshard.reshard(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
-                                    reader_options, max_extra_size),
+                                    reader_options, max_extra_size, one_shard),
                             None if out is None else requests.path(out, "out"), mesh,
                             _reshard.ReshardOptions(requests.optional_text(strip_prefix, "strip_prefix"),
                                                     requests.choice(target, tuple(targets()), "target"),
                                                     requests.choice(dtype, requests.DTYPES, "dtype"),
                                                     requests.paths(with_files, "with_files")),
                             requests.write_options(max_shard_size=max_shard_size, name=name, overwrite=overwrite,
-                                                   fsync=fsync, buffered_io=buffered_io),
+                                                   fsync=fsync, buffered_io=buffered_io, max_extras=max_extras),
                             requests.flag(dry_run, "dry_run"), progress=_progress(progress))
 
 
@@ -146,10 +148,10 @@ def _tensor_row(fact) -> dict:
 
 @_ours
 def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=2,
-            reader_options=None, max_extra_size="256MB") -> Inspection:
+            reader_options=None, max_extra_size="256MB", one_shard=False) -> Inspection:
     """`ckptconv inspect PATH` (docs/inspect.md): reads headers and pickles, never tensor data."""
     return inspection(_source(path, format, only, allow_globals, state_dict, skip_unsupported, workers,
-                              reader_options, max_extra_size))
+                              reader_options, max_extra_size, one_shard))
 
 
 @_ours

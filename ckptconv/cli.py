@@ -5,6 +5,7 @@ import gc
 import json
 import os
 from pathlib import Path
+import shlex
 import signal
 import sys
 import warnings
@@ -34,7 +35,7 @@ from .progress import byte_progress
 from .jobs.reshard import ReshardOptions, reshard
 from .layouts import targets
 from .jobs.verify import VerifyRequest, total_bytes, verify
-from .readers import Source, open_source, reader_for
+from .readers import Source, open_source, reader_for, readers
 from .sizes import format_size
 
 
@@ -65,10 +66,22 @@ def _allow_many_open_files():
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def identity_line(out, identity) -> str:
+    """The output's identity and the command that checks it, quoted for a shell (a path with spaces
+    or quotes pastes as it is)."""
+    return f"identity: {identity} (check with: ckptconv verify {shlex.quote(str(out))} --expect {identity})"
+
+
 def placeholder_line(placeholders) -> str:
     """The classes on no allowlist a pickle named, recorded as inert data, each with its count."""
     return ("classes on no allowlist, recorded as inert data (never imported or called): "
             + ", ".join(f"{p['global']} (x{p['count']})" for p in placeholders))
+
+
+def summarised_line(groups) -> str:
+    """The extras written as summaries, not whole (--max-extras)."""
+    return ("extras summarised in the manifest (past --max-extras): "
+            + ", ".join(f"{g} ({n} entr{'y' if n == 1 else 'ies'}, {format_size(b)} of JSON)" for g, n, b in groups))
 
 
 def module_lines(modules) -> list:
@@ -107,7 +120,7 @@ def _convert_command(name, pickle_only, help_text):
             say(f"process {result.process} of {result.processes}: wrote {len(result.files)} shard "
                 f"files of {result.out} in {result.seconds:.2f} s")
             if result.identity:
-                say(f"identity: {result.identity} (check with: ckptconv verify {result.out} --expect {result.identity})")
+                say(identity_line(result.out, result.identity))
         else:
             _say_converted(result)
         if result.also and not as_json:
@@ -124,7 +137,7 @@ def _say_converted(result):
         f"in {len(result.files)} files, {result.seconds:.2f} s ({result.gb_per_s or 0:.2f} GB/s)"
         + (f"; reused {format_size(result.resumed_bytes)} from the interrupted run"
            if result.resumed_bytes else ""))
-    say(f"identity: {result.identity} (check with: ckptconv verify {result.out} --expect {result.identity})")
+    say(identity_line(result.out, result.identity))
     if result.resume_note:
         say(f"--resume: {result.resume_note}")
     if verbose():
@@ -135,6 +148,8 @@ def _say_converted(result):
     if result.skipped_files:
         say("not carried into OUT: " + "; ".join(f"{s['name']} ({s['reason']})"
                                                  for s in result.skipped_files))
+    if result.summarised:
+        say(summarised_line(result.summarised))
     for line in module_lines(result.modules):
         say(line)
     if result.layout is not None:
@@ -203,7 +218,9 @@ def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, with_files
             f"{result.split} tensors split, {len(result.replicated)} replicated), "
             f"{format_size(result.bytes_written)} in {result.seconds:.2f} s")
         if result.identity:
-            say(f"identity: {result.identity} (check with: ckptconv verify {result.out} --expect {result.identity})")
+            say(identity_line(result.out, result.identity))
+        if result.summarised:
+            say(summarised_line(result.summarised))
         if verbose():
             for line in plan_lines(result):
                 say(line)
@@ -252,7 +269,7 @@ def plan_lines(result) -> list:
 @click.option("--allow-fewer-devices", is_flag=True, help="Map ranks to devices round-robin when there are fewer.")
 @click.option("--expect", metavar="sha256:DIGEST", help="The output's identity as its producer published it "
               "(convert and reshard print it): fail unless PATH is exactly that output.")
-@read_options
+@read_options(leave_out=("only", "skip_unsupported", "one_shard"))
 @cluster_options
 @command
 def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cluster, quiet, as_json):
@@ -340,15 +357,23 @@ def plan_cmd(src, mesh, hosts, disk_gbps, max_shard_size, fmt, read, quiet, as_j
 
 
 @main.command("inspect")
-@click.argument("path", type=click.Path(path_type=str))
+@click.argument("path", type=click.Path(path_type=str), required=False)
+@click.option("--formats", "list_formats", is_flag=True,
+              help="List the formats ckptconv reads and what it recognises each by (no PATH).")
 @read_options
 @command
-def inspect_cmd(path, fmt, read, quiet, as_json):
+def inspect_cmd(path, list_formats, fmt, read, quiet, as_json):
     """Show what a checkpoint holds (format, tensors, dtypes, bytes, extras) without converting it.
 
     For a training checkpoint it also says where the model's weights are beside the optimizer's state
     and which --state-dict picks them; classes in the pickle are listed with their counts.
+    `ckptconv inspect --formats` lists the formats instead.
     """
+    if list_formats or path is None:
+        if path is not None or not list_formats:
+            raise UsageError("give PATH to inspect, or --formats alone to list the formats ckptconv reads")
+        _formats(as_json)
+        return
     found = inspection(Source(path, fmt, read))
     if as_json:
         emit("inspect", {"path": found.path, "format": found.format, "source": found.source,
@@ -383,6 +408,19 @@ def inspect_cmd(path, fmt, read, quiet, as_json):
         say("not carried: " + "; ".join(f"{s['name']} ({s['reason']})" for s in found.skipped_files))
     if found.also:
         say(f"also holds {' and '.join(found.also)} weights, not read (--from {found.also[0]} reads those)")
+
+
+def _formats(as_json):
+    """inspect --formats: every reader, in detection order (docs/formats.md#detection)."""
+    known = [{"name": r.name, "reads": r.description, "recognised_by": r.looks_for, "suffixes": list(r.suffixes)}
+             for r in readers().values()]
+    if as_json:
+        emit("formats", {"formats": known})
+        return
+    for r in known:
+        say(f"{r['name']}: {r['reads']}")
+        if r["recognised_by"]:
+            say(f"  recognised by: {r['recognised_by']}")
 
 
 if __name__ == "__main__":

@@ -101,43 +101,65 @@ def _reason(e: Exception) -> tuple:
     return f"unexpected {type(e).__name__}: {e} (rerun with --debug for a traceback)", 2  # a bug
 
 
-def read_options(fn):
-    """How to read a source (every command): the common options and those each reader declares."""
+def read_options(fn=None, *, leave_out=()):
+    """How to read a source (every command): the common options and those each reader declares;
+    `leave_out` names common options a command has no use for (verify: it replays what convert
+    recorded), which then take their defaults."""
+    if fn is None:
+        return functools.partial(read_options, leave_out=leave_out)
     for reader in reversed(list(readers().values())):
         for opt in reversed(reader.options):
             kind = (click.Path(path_type=str) if opt.path else click.Choice(list(opt.choices))   # (the reader opens it)
                     if opt.choices else opt.type)
             fn = click.option(opt.flag, opt.dest, type=kind, help=opt.help)(fn)
     declared = [opt.dest for reader in readers().values() for opt in reader.options]
+    common = [
+        ("one_shard", click.option(
+            "--one-shard", is_flag=True,
+            help="SRC is one shard of an indexed set (model-00001-of-00006.safetensors beside its index): "
+            "convert that shard alone instead of refusing.")),
+        ("max_extra_size", click.option(
+            "--max-extra-size", default="256MB", show_default=True, metavar="SIZE",
+            help="Largest model file (config, tokenizer, README ...) carried into OUT; larger ones are skipped "
+            "and listed.")),
+        ("workers", click.option("--workers", type=click.IntRange(1, requests.MAX_WORKERS), default=2,
+                                 show_default=True, help="Files parsed in parallel.")),
+        ("state_dict", click.option(
+            "--state-dict", default="auto", show_default=True, metavar="auto|KEY|none",
+            help="Training checkpoints: auto writes the model's tensors under their bare names when it finds "
+            "them (a top-level 'state_dict', or the one of model, model_state_dict, module, net, ema ... beside "
+            "optimizer, scheduler and scaler state; inspect says which); KEY or a dotted path (model.state_dict) "
+            "unwraps that entry; none keeps every tensor under its flattened name.")),
+        ("skip_unsupported", click.option(
+            "--skip-unsupported", is_flag=True,
+            help="Leave out tensors safetensors cannot store (complex, quantized; numpy object arrays, never "
+            "unpickled) and list them.")),
+        ("allow_global", click.option(
+            "--allow-global", multiple=True, metavar="MODULE.NAME",
+            help="Accept one more pickled class as inert data (never imported or called); MODULE.* accepts a "
+            "module and those below it. Globals that can run code are refused all the same.")),
+        ("only", click.option("--only", multiple=True, metavar="PREFIX",
+                              help="Keep only tensors whose name starts with PREFIX (repeatable); skips unread "
+                              "items.")),
+        ("fmt", click.option("--from", "fmt", type=click.Choice(sorted(readers())), help="Force the input format.")),
+    ]
+    defaults = {"only": (), "allow_global": (), "skip_unsupported": False, "state_dict": "auto", "workers": 2,
+                "max_extra_size": "256MB", "one_shard": False}
 
-    @click.option("--from", "fmt", type=click.Choice(sorted(readers())), help="Force the input format.")
-    @click.option("--only", multiple=True, metavar="PREFIX",
-                  help="Keep only tensors whose name starts with PREFIX (repeatable); skips unread items.")
-    @click.option("--allow-global", multiple=True, metavar="MODULE.NAME",
-                  help="Accept one more pickled class as inert data (never imported or called); MODULE.* accepts "
-                  "a module and those below it. Globals that can run code are refused all the same.")
-    @click.option("--skip-unsupported", is_flag=True,
-                  help="Leave out tensors safetensors cannot store (complex, quantized; numpy object arrays, "
-                  "never unpickled) and list them.")
-    @click.option("--state-dict", default="auto", show_default=True, metavar="auto|KEY|none",
-                  help="Training checkpoints: auto writes the model's tensors under their bare names when it "
-                  "finds them (a top-level 'state_dict', or the one of model, model_state_dict, module, net, ema ... "
-                  "beside optimizer, scheduler and scaler state; inspect says which); KEY or a dotted path "
-                  "(model.state_dict) unwraps that entry; none keeps every tensor under its flattened name.")
-    @click.option("--workers", type=click.IntRange(1, requests.MAX_WORKERS), default=2, show_default=True,
-                  help="Files parsed in parallel.")
-    @click.option("--max-extra-size", default="256MB", show_default=True, metavar="SIZE",
-                  help="Largest model file (config, tokenizer, README ...) carried into OUT; larger ones are "
-                  "skipped and listed.")
     @functools.wraps(fn)
-    def wrapper(*args, only, allow_global, skip_unsupported, state_dict, workers, max_extra_size, **kwargs):
+    def wrapper(*args, **kwargs):
         given = {d: kwargs.pop(d) for d in declared}
-        kwargs["read"] = requests.read_options(only=only, allow_globals=allow_global, state_dict=state_dict,
-                                               skip_unsupported=skip_unsupported, workers=workers,
-                                               reader_options=given, max_extra_size=max_extra_size,
-                                               spell=requests.flag_name)
+        common_values = {k: kwargs.pop(k, defaults[k]) for k in defaults}
+        kwargs["read"] = requests.read_options(
+            only=common_values["only"], allow_globals=common_values["allow_global"],
+            state_dict=common_values["state_dict"], skip_unsupported=common_values["skip_unsupported"],
+            workers=common_values["workers"], reader_options=given, max_extra_size=common_values["max_extra_size"],
+            one_shard=common_values["one_shard"], spell=requests.flag_name)
         return fn(*args, **kwargs)
 
+    for name, option in common:
+        if name not in leave_out:
+            wrapper = option(wrapper)
     return wrapper
 
 
@@ -184,18 +206,22 @@ def write_options(resume: bool):
                       f"safetensors and STEM.safetensors.index.json.  [default: the source's: "
                       f"{', '.join(f'{stem} for {stem}* weights' for stem in HUB_STEMS)}, else {STEM}]")
         @click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
+        @click.option("--max-extras", default="1MB", show_default=True, metavar="SIZE",
+                      help="JSON of non-tensor state (extras) the manifest holds whole; past it the largest entries "
+                      "are each summarised: type, entries, JSON bytes, SHA-256.")
         @click.option("--fsync", is_flag=True, help="fsync every file before OUT is published (durable on power loss).")
         @click.option("--buffered-io", is_flag=True,
                       help="Write shards through the page cache instead of O_DIRECT (to read OUT back from memory "
                       "right away, or where direct writes are slow, as on some network filesystems).")
         @functools.wraps(fn)
-        def wrapper(*args, max_shard_size, stem, overwrite, fsync, buffered_io, **kwargs):
+        def wrapper(*args, max_shard_size, stem, overwrite, fsync, buffered_io, max_extras, **kwargs):
             if stem is not None and single_file(kwargs.get("out") or ""):
                 raise click.BadParameter("it names the files of an output directory; an OUT ending in "
                                          ".safetensors is one file, named by OUT", param_hint="'--name'")
             kwargs["write"] = requests.write_options(max_shard_size=max_shard_size, name=stem, overwrite=overwrite,
                                                      fsync=fsync, buffered_io=buffered_io,
-                                                     resume=kwargs.pop("resume", False), spell=requests.flag_name)
+                                                     resume=kwargs.pop("resume", False), max_extras=max_extras,
+                                                     spell=requests.flag_name)
             return fn(*args, **kwargs)
 
         if resume:

@@ -92,7 +92,7 @@ def optional_text(value, what):
 
 
 def read_options(*, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=2,
-                 reader_options=None, max_extra_size="256MB", spell=python_name) -> ReadOptions:
+                 reader_options=None, max_extra_size="256MB", one_shard=False, spell=python_name) -> ReadOptions:
     """How to read a source (every command); `reader_options`: the values of the options readers
     declare, by dest ({"dequantize": "bf16"}), None for those not given."""
     if not isinstance(state_dict, str):
@@ -105,7 +105,8 @@ def read_options(*, only=(), allow_globals=(), state_dict="auto", skip_unsupport
                        skip_unsupported=flag(skip_unsupported, spell("skip_unsupported")),
                        only=texts(only, spell("only")), workers=workers, state_dict=state_dict,
                        declared={k: v for k, v in (reader_options or {}).items() if v is not None},
-                       max_extra_size=size(max_extra_size, spell("max_extra_size")))
+                       max_extra_size=size(max_extra_size, spell("max_extra_size")),
+                       one_shard=flag(one_shard, spell("one_shard")))
 
 
 def source(src, format=None, read: ReadOptions = None) -> Source:
@@ -114,14 +115,14 @@ def source(src, format=None, read: ReadOptions = None) -> Source:
 
 
 def write_options(*, max_shard_size="5GB", name=None, overwrite=False, fsync=False, buffered_io=False,
-                  resume=False, spell=python_name) -> WriteOptions:
+                  resume=False, max_extras="1MB", spell=python_name) -> WriteOptions:
     """How output files are written and named (convert, reshard)."""
     problem = None if name is None else stem_problem(name) if isinstance(name, str) else "must be a string or None"
     if problem:
         raise UsageError(f"{spell('name')} {brief(name, 80)}: {problem}")
     return WriteOptions(size(max_shard_size, spell("max_shard_size")), flag(fsync, spell("fsync")),
                         not flag(buffered_io, spell("buffered_io")), flag(overwrite, spell("overwrite")),
-                        flag(resume, spell("resume")), name)
+                        flag(resume, spell("resume")), name, size(max_extras, spell("max_extras")))
 
 
 def mesh(*, tp, ep=1, preset=None, rules=None, heads=None, kv_heads=None, head_dim=None, pad_vocab=False,

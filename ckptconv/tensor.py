@@ -402,6 +402,8 @@ class Checkpoint:
     layout: object = None                            # readers/wrappers.Layout: a training checkpoint's parts
     made: dict = field(default_factory=dict)         # model files the reader makes from what the source says,
                                                      # name -> bytes (a Megatron checkpoint's config.json)
+    unsupported: tuple | None = None                 # (what, hint) of the first tensor in source.skipped: what
+                                                     # refuses the source unless --skip-unsupported (readers/__init__)
 
     def __post_init__(self):
         """Every reader's tensors meet the same rules before anything is planned or written: distinct

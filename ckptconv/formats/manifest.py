@@ -1,6 +1,7 @@
 """An output directory's metadata, both ways: shard and index names, the index, manifest.json, the
 resume journal, and the checks verify applies to what it reads back. Layout: docs/output.md."""
 import bisect
+import hashlib
 import itertools
 import json
 import os
@@ -121,6 +122,80 @@ def dump_chunks(obj, size=1 << 20):
             pending, held = [], 0
     pending.append("\n")
     yield "".join(pending).encode("utf-8", "backslashreplace")
+
+
+SUMMARY = "__summarised__"      # an extras entry standing for a group too large to write whole
+MAX_EXTRAS = 10**6               # --max-extras: JSON bytes of extras written whole, by default
+_JSON_TYPES = ((dict, "object"), (list, "array"), (str, "string"), (bool, "boolean"), (int, "number"),
+               (float, "number"), (type(None), "null"))
+
+
+def _group(name: str) -> str:
+    """The group an extras name belongs to: its first dotted part (`vocab` of `vocab.tok17`)."""
+    return name.split(".", 1)[0]
+
+
+def _canonical(items) -> bytes:
+    """The JSON of a group's {name: value}, sorted and compact: what its summary's size and digest
+    are of."""
+    return json.dumps(dict(items), sort_keys=True, separators=(",", ":")).encode()
+
+
+def _summary(group: str, items: list) -> dict:
+    data = _canonical(items)
+    if len(items) == 1 and items[0][0] == group:   # one value, written whole: its JSON type
+        kind = next(t for cls, t in _JSON_TYPES if isinstance(items[0][1], cls))
+    else:   # flattened entries of a list (group.0, group.1 ...) or of a dict
+        kind = "array" if all(n[len(group) + 1:].split(".", 1)[0].isdigit() for n, _ in items) else "object"
+    return {SUMMARY: {"type": kind, "entries": len(items), "json_bytes": len(data),
+                      "sha256": hashlib.sha256(data).hexdigest()}}
+
+
+def summarised(extras: dict, limit: int) -> tuple:
+    """(extras as the manifest writes them, [(group, entries, JSON bytes)] summarised): when their
+    JSON passes `limit` bytes, the largest groups (by first dotted part) are each replaced by one
+    entry `{"__summarised__": {type, entries, json_bytes, sha256}}` until the rest fits. Linear in
+    the extras' JSON (each value is encoded once to measure it)."""
+    groups = {}
+    for name, value in extras.items():
+        groups.setdefault(_group(name), []).append((name, value))
+    sizes = {g: sum(len(json.dumps(n)) + len(json.dumps(v)) + 4 for n, v in items) for g, items in groups.items()}
+    total, cut = sum(sizes.values()), set()
+    for g in sorted(sizes, key=lambda g: (-sizes[g], g)):
+        if total <= limit:
+            break
+        cut.add(g)
+        total -= sizes[g]
+    if not cut:
+        return extras, []
+    out, done = {}, []
+    for name, value in extras.items():
+        g = _group(name)
+        if g not in cut:
+            out[name] = value
+        elif g not in out:
+            out[g] = _summary(g, groups[g])
+            done.append((g, len(groups[g]), out[g][SUMMARY]["json_bytes"]))
+    return out, done
+
+
+def summarised_like(extras: dict, recorded: dict) -> dict:
+    """`extras` (a fresh read of the source) with the groups `recorded` (a manifest's) summarises
+    summarised the same way, so the two compare (verify --against)."""
+    cut = {g for g, v in recorded.items() if isinstance(v, dict) and set(v) == {SUMMARY}}
+    if not cut:
+        return extras
+    groups, out = {}, {}
+    for name, value in extras.items():
+        if _group(name) in cut:
+            groups.setdefault(_group(name), []).append((name, value))
+    for name, value in extras.items():
+        g = _group(name)
+        if g not in cut:
+            out[name] = value
+        elif g not in out:
+            out[g] = _summary(g, groups[g])
+    return out
 
 
 def name_order(shards) -> np.ndarray:
@@ -279,17 +354,21 @@ class ManifestTensors(Mapping):
 _ABSENT = object()
 
 
-def read_manifest(data, where) -> tuple:
+def read_manifest(data, where, plain: bool = False) -> tuple:
     """(files {name: {"sha256", "size"} or None if malformed}, tensors {name: ManifestTensor or None
     if malformed}, problems) of manifest.json's bytes, read member by member (safejson.members): its
     "tensors" are checked as they come, never first built as a million dicts. BadInput when it is
-    not a JSON object."""
+    not a JSON object. `plain`: the manifest of a convert output (not a rank directory's), which
+    records no engine's target."""
     fmt, files, tensors = _ABSENT, {}, ManifestTensors()
     odd, file_problems, tensor_problems, safe, shapes = [], [], [], set(), {}
     with safejson.no_gc():   # (tuples by the million, see safejson)
         for key, value in safejson.members(data, where, MANIFEST, nested="tensors", nested_keys=tensors):
             if key == "format":
                 fmt = value
+            elif key == "source" and plain and isinstance(value, dict) and value.get("target") is not None:
+                odd.append(f"source.target is {brief(value['target'], 80)}: a convert output records no engine's "
+                           "target (a reshard output's is in mesh.json beside its rank directories)")
             elif key == "files" and not isinstance(value, dict):
                 odd.append("'files' is not an object")
             elif key == "files":
@@ -352,6 +431,9 @@ def check_single(raw) -> tuple:
     problems = []
     if raw.get("format") != FORMAT:
         problems.append(f"format is {brief(raw.get('format'))}, not {FORMAT}")
+    if isinstance(raw.get("source"), dict) and raw["source"].get("target") is not None:
+        problems.append(f"source.target is {brief(raw['source']['target'], 80)}: a single file records no engine's "
+                        "target")
     if not isinstance(raw.get("tensors"), dict):
         return {}, problems + ["'tensors' is not an object"]
     tensors = {}

@@ -8,7 +8,7 @@ from ..run import runner
 from ..errors import BadInput, UsageError
 from ..recipe import Recipe
 from ..formats.identity import identity
-from ..formats.manifest import source_name
+from ..formats.manifest import source_name, summarised as summarised_extras
 from ..readers import Source, open_source, readers
 from ..readers.wrappers import Layout
 from ..tp.rules import read_config
@@ -45,6 +45,7 @@ class ConvertResult:
     placeholders: list = field(default_factory=list)  # classes on no allowlist, recorded as inert data
     layout: Layout | None = None                    # a training checkpoint's parts, and which were written
     modules: list = field(default_factory=list)     # pickled nn.Modules read as their state_dict()
+    summarised: list = field(default_factory=list)  # extras groups over --max-extras: (name, entries, JSON bytes)
     process: int | None = None                      # on several processes: this one, and how many
     processes: int | None = None
     identity: str | None = None                     # sha256:… naming exactly this output (formats/identity.py)
@@ -52,7 +53,7 @@ class ConvertResult:
     def to_json(self) -> dict:
         """The `--json` summary: the fields that apply to this run."""
         optional = ("resume_note", "skipped_files", "also", "process", "processes", "state_dict", "dropped",
-                    "placeholders", "identity", "layout", "modules")
+                    "placeholders", "identity", "layout", "modules", "summarised")
         out = {"tensor_count" if k == "tensors" else k: v for k, v in asdict(self).items()
                if k not in optional or v not in (None, [])}
         if self.layout is not None:
@@ -108,7 +109,8 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
                        [rel for rel, _ in files] if carry else ())
     if added:
         described["with"] = [a.name for a in added]    # (not the source's: verify --against leaves them out)
-    content = Content(described, ckpt.extras, {**ckpt.manifest, **({"aliases": aliases} if aliases else {})},
+    extras, summarised = summarised_extras(ckpt.extras, write.max_extras)
+    content = Content(described, extras, {**ckpt.manifest, **({"aliases": aliases} if aliases else {})},
                       files if carry else [], ckpt.skipped_files if carry else [], added=added,
                       edited=made if carry else {})
     if carry and target is not None:
@@ -124,7 +126,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
                            facts.resume_note, content.skipped_files, ckpt.also,
                            None if ckpt.source.state_dict in (None, "none") else ckpt.source.state_dict,
                            ckpt.source.dropped, ckpt.source.placeholders, ckpt.layout,
-                           modules=ckpt.source.modules)
+                           modules=ckpt.source.modules, summarised=summarised)
     if cluster is None or cluster.is_main:
         result.identity = identity(out)
     if cluster is not None:

@@ -14,7 +14,7 @@ from ..run import runner
 from ..errors import UsageError
 from ..recipe import Recipe
 from ..formats.identity import identity
-from ..formats.manifest import source_name
+from ..formats.manifest import source_name, summarised as summarised_extras
 from ..readers import Source, open_source, readers
 from ..sizes import format_size
 from ..tp.layout import REPLICATED_SHARE, plan, plan_summary, silent_replication
@@ -48,11 +48,12 @@ class ReshardResult:
     seconds: float | None = None
     bytes_written: int | None = None
     gb_per_s: float | None = None
+    summarised: list = field(default_factory=list)   # extras groups over --max-extras: (name, entries, JSON bytes)
 
     def to_json(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None or k not in ("out", "seconds", "bytes_written",
-                                                                                      "gb_per_s", "refusal",
-                                                                                      "identity")}
+        return {k: v for k, v in asdict(self).items()
+                if (v is not None or k not in ("out", "seconds", "bytes_written", "gb_per_s", "refusal", "identity"))
+                and (v or k != "summarised")}
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,8 @@ def reshard(source: Source, out, mesh: MeshSpec, options: ReshardOptions = None,
     added = read_added(with_files, source.options.max_extra_size, [rel for rel, _ in files])
     if added:
         described["with"] = [a.name for a in added]
-    content = Content(described, ckpt.extras, ckpt.manifest, files, ckpt.skipped_files, added=added, edited=made)
+    extras, result.summarised = summarised_extras(ckpt.extras, write.max_extras)
+    content = Content(described, extras, ckpt.manifest, files, ckpt.skipped_files, added=added, edited=made)
     if cast_to is not None:
         content.edited.update(transforms.config_with_dtype(read_config(ckpt.model_files, ckpt.made) or {}, cast_to,
                                                            described))

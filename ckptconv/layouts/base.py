@@ -69,6 +69,7 @@ class WriteOptions:
     resume: bool = False
     stem: str | None = None   # --name: STEM.safetensors, or STEM-0000k-of-0000n.safetensors and its index;
                               # None: the source's (named_after)
+    max_extras: int = 10**6   # --max-extras: JSON bytes of extras the manifest holds whole (formats/manifest.summarised)
 
 
 def named_after(options: WriteOptions, ckpt, src) -> WriteOptions:

@@ -1,5 +1,6 @@
 """An output directory's entries and metadata files, read without following anything: what it holds
 (from lstat), its index, manifest.json and SHA256SUMS, each type-checked, and a regular file's digest."""
+import functools
 import hashlib
 import os
 import stat
@@ -119,11 +120,12 @@ def _needs_index(index: str, entries: dict, m_files, sums) -> bool:
     return manifest_format.indexed(len({n for n in listed if n.endswith(".safetensors")}))
 
 
-def _read_meta(d: Path, entries: dict, report: Report):
+def _read_meta(d: Path, entries: dict, report: Report, plain: bool = False):
     """Index, manifest and SHA256SUMS of an output directory, type-checked (no index: weight_map and
-    its names None)."""
+    its names None); `plain`: a convert output (read_manifest)."""
     later = Report()   # (the manifest's and SHA256SUMS' problems are reported after the index's)
-    m_files, m_tensors, problems = (_document(d, MANIFEST, entries, later, MANIFEST, manifest_format.read_manifest)
+    m_files, m_tensors, problems = (_document(d, MANIFEST, entries, later, MANIFEST,
+                                              functools.partial(manifest_format.read_manifest, plain=plain))
                                     or (None, None, []))
     for p in problems:
         later.add(d / MANIFEST, p, "metadata")

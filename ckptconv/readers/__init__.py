@@ -16,10 +16,11 @@ import stat
 from pathlib import Path
 
 from .. import safejson
-from ..errors import BadInput, UsageError, brief, encodable
+from ..errors import BadInput, UsageError, brief, encodable, printable
 from ..formats.manifest import MANIFEST
 from ..formats.mesh import MESH
 from ..formats.sums import NAME as SUMS, unsafe_name
+from . import unknown
 from .base import READERS, ReadOptions, Reader, Source
 
 __all__ = ["ReadOptions", "Reader", "Source", "readers", "reader_for", "open_checkpoint", "open_source"]
@@ -53,9 +54,7 @@ def detect(path) -> list:
             if p.name.endswith(weight_suffixes()) and p.is_symlink():
                 confined(p, root)
     if not found:
-        looked = "; ".join(f"{r.name}: {r.looks_for}" for r in readers().values() if r.looks_for)
-        raise BadInput(f"{path}: not a checkpoint format ckptconv knows; looked for {looked} (use --from to force "
-                       "one)")
+        raise BadInput(unknown.unrecognised(path, [r for r in readers().values() if r.holds_data or r.suffixes]))
     return found
 
 
@@ -80,7 +79,19 @@ def open_source(source: Source):
 def open_checkpoint(path, fmt=None, options=None):
     options = options or ReadOptions()
     reader, also = reader_for(path, fmt)
+    index = listing_index(Path(path)) if Path(path).is_file() else None
+    if index is not None and not options.one_shard:
+        raise BadInput(f"{path}: is one shard of the model {index.name} indexes; give the directory "
+                       f"{printable(str(index.parent), 300)} to convert the whole model (--one-shard converts "
+                       "this shard alone)")
     ckpt = reader.load(Path(path), options)
+    if ckpt.unsupported is not None and not options.skip_unsupported:
+        what, hint = ckpt.unsupported
+        more = len(ckpt.source.skipped) - 1
+        raise BadInput(what + (f" (and {more} more tensor{'s' if more > 1 else ''} it cannot store)" if more else "")
+                       + (f"; {hint}" if ckpt.tensors else "; no tensor safetensors can store is left to convert"))
+    if index is not None:
+        ckpt.source.more["one_shard"] = True   # (verify --against reads the source the same way)
     ckpt.format, ckpt.also = reader.name, also
     beside = paired_files(Path(path)) if Path(path).is_file() else []
     ckpt.model_files, ckpt.skipped_files = carried(ckpt.model_files + beside, source_root(Path(path)),
@@ -96,6 +107,29 @@ def open_checkpoint(path, fmt=None, options=None):
         # tensors). Let them go; the data is read later, block by block, and released as it goes.
         m.release(0, m.size)
     return ckpt
+
+
+MAX_INDEXES = 16   # index files beside a file SRC that are read to see whether one lists it
+
+
+def listing_index(path: Path):
+    """The shard index beside a weights file that lists it among other shards
+    (`model.safetensors.index.json` naming `model-00001-of-00006.safetensors`), or None; at most MAX_INDEXES of them are read, and one that
+    cannot be read or parsed lists nothing."""
+    try:
+        names = sorted(n for n in os.listdir(path.parent) if n.endswith(".index.json"))
+    except OSError:
+        return None
+    for name in names[:MAX_INDEXES]:
+        try:
+            data = safejson.load_file(path.parent / name, "shard index", limit=64 << 20)
+        except BadInput:
+            continue
+        entries = data.get("weight_map") if isinstance(data, dict) else None
+        shards = {v for v in entries.values() if isinstance(v, str)} if isinstance(entries, dict) else set()
+        if path.name in shards and len(shards) > 1:   # (an index of this file alone: it is the whole model)
+            return path.parent / name
+    return None
 
 
 # Weights of frameworks no reader reads (Flax, Keras) and any index: never carried as model files either.

@@ -34,6 +34,7 @@ class ReadOptions:
     workers: int = 2
     max_extra_size: int = 256 * 10**6                   # model files larger than this are not carried
     state_dict: str = "auto"                            # --state-dict auto|KEY|none (training wrappers)
+    one_shard: bool = False                             # --one-shard: SRC is one shard of an indexed set, alone
     declared: dict = field(default_factory=dict)        # ReaderOption.dest -> value
 
     def get(self, dest: str):

@@ -117,21 +117,25 @@ def read(path: Path, options: ReadOptions, allow, keep) -> Checkpoint:
     reader.claim([x for _, x in items if isinstance(x, Loc)], [c.loc for c in chunked])
 
     # 3. Read: bytes items now, tensor chunks lazily (untransformed ones validated now: headers only).
-    tensors, extras = [], {}
+    tensors, extras, skipped = [], {}, []
     for fqn, x in items:
         if isinstance(x, Loc):
-            _bytes_item(reader, fqn, x, tensors, extras, options)
+            _bytes_item(reader, fqn, x, tensors, extras, skipped)
             continue
         dt, shape, chunks, grid = x
         for c in chunks:
             if c.numel and not c.transformed:
                 c.source()
         tensors.append(_global(fqn, dt, shape, chunks, grid))
-    source = SourceFacts(format=NAME, path=str(path), files=sorted(p.name for p in path.glob("*.distcp")))
-    return Checkpoint(tensors, extras, source, model_files(path), [meta] + list(reader.files.values()))
+    source = SourceFacts(format=NAME, path=str(path), files=sorted(p.name for p in path.glob("*.distcp")),
+                         skipped=[s for s, _ in skipped])
+    return Checkpoint(tensors, extras, source, model_files(path), [meta] + list(reader.files.values()),
+                      unsupported=(f"{skipped[0][1]}: tensor {skipped[0][0]['name']!r} has dtype {skipped[0][0]['reason']}, "
+                                   "which safetensors cannot store", "--skip-unsupported leaves it out")
+                      if skipped else None)
 
 
-def _bytes_item(reader, fqn, loc, tensors, extras, options):
+def _bytes_item(reader, fqn, loc, tensors, extras, skipped):
     m, offset, length = reader.item_bytes(loc)
     budget = Budget(m.path)
     head = bytes(m.view[offset:offset + 4])
@@ -148,7 +152,8 @@ def _bytes_item(reader, fqn, loc, tensors, extras, options):
             raw = m.view[offset:offset + length]
             extras[fqn] = {"__opaque__": length, "sha256": hashlib.sha256(raw).hexdigest()}
             return
-    t, e, _ = flatten(value, m.path, prefix=fqn, skip_unsupported=options.skip_unsupported, budget=budget)
+    t, e, s = flatten(value, m.path, prefix=fqn, budget=budget)
+    skipped += [(x, m.path) for x in s]
     tensors.extend(t.values())
     extras.update(unpickler.extras_json(e, budget))
 

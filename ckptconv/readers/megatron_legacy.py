@@ -185,7 +185,7 @@ def _legacy(d: Path, root: str, options: ReadOptions):
                                     "iteration": head.iteration}, Budget(head.path))
     described = {"layout": "legacy", "files": [str(Path(ranks[c]) / RANK_FILE) for c in sorted(ranks)],
                  "tp": a.tp, "pp": a.pp, "ep": a.ep, **({"vp": a.vp} if a.vp else {})}
-    placeholders = [p for u in unlisted for p in u.listing()]
+    placeholders = unpickler.listing(unlisted)
     if placeholders:
         described["placeholders"] = placeholders
     return tensors, a, extras, described, dropped, mapped

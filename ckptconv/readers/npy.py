@@ -348,7 +348,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
                            "to read as SRC")
     else:
         files = [path]
-    tensors, skipped, mapped = [], [], []
+    tensors, skipped, mapped = [], _Skipped(), []
     for f in files:
         m = MappedFile(f)
         mapped.append(m)
@@ -358,8 +358,15 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
                 _add(tensors, skipped, name, *_npy(m), options)
         else:
             _npz(m, options, tensors, skipped)
-    source = SourceFacts(format=NAME, path=str(path), files=[p.name for p in files], skipped=skipped)
-    return Checkpoint(tensors, {}, source, model_files(path, files) if path.is_dir() else [], mapped)
+    source = SourceFacts(format=NAME, path=str(path), files=[p.name for p in files], skipped=list(skipped))
+    return Checkpoint(tensors, {}, source, model_files(path, files) if path.is_dir() else [], mapped,
+                      unsupported=skipped.first)
+
+
+class _Skipped(list):
+    """The arrays safetensors cannot store, and the line for the first (`_add`)."""
+
+    first = None
 
 
 def _npy(m: MappedFile) -> tuple:
@@ -422,13 +429,14 @@ def _head(m: MappedFile, entry, where) -> bytes:
 
 
 def _add(tensors, skipped, name, header: Header, source, where, options: ReadOptions):
+    """A tensor, or one safetensors cannot store: skipped, the first with the line that refuses the
+    source unless --skip-unsupported (readers/__init__)."""
     if header.problem is None:
         tensors.append(source(name))
-    elif options.skip_unsupported:
-        skipped.append({"name": name, "reason": header.problem})
-    else:
-        raise BadInput(f"{where}: {header.problem}; --skip-unsupported leaves it out"
-                       + (" unread" if header.pickled else ""))
+        return
+    skipped.append({"name": name, "reason": header.problem})
+    if len(skipped) == 1:
+        skipped.first = (f"{where}: {header.problem}", "--skip-unsupported leaves it out" + (" unread" if header.pickled else ""))
 
 
 READER = register(Reader(NAME, "numpy .npy and .npz files (np.save, np.savez, np.savez_compressed)", detect, load,

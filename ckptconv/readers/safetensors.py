@@ -53,19 +53,34 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     if target.name.endswith(".index.json"):
         listed = by_shard(weight_map(target, options.only))
         files = [weights_file(target.parent / f, source_root(target)) for f in sorted(listed)]
-    tensors, mapped = [], []
+    tensors, mapped, where = [], [], {}
     for f in files:
         m = MappedFile(f)
         mapped.append(m)
         held = file_tensors(m)
         if listed is not None:
             check_listed(target, f.name, listed[f.name], {t.name for t in held})
+        else:
+            _distinct(path, f, held, where)
         tensors += [t for t in held if wanted(t.name, options.only)]
     consumed = files + targets
     source = SourceFacts(format=NAME, path=str(path), files=[p.name for p in files])
     if path.is_dir() and listed is not None:
         source.unindexed = [p.name for p in sorted(path.glob("*.safetensors")) if p not in files]
     return Checkpoint(tensors, {}, source, model_files(path, consumed) if path.is_dir() else [], mapped)
+
+
+def _distinct(directory: Path, f: Path, held: list, where: dict):
+    """Files of a directory without an index are parts of one model: a name in two of them says they
+    are not (an ensemble of whole models, two copies): refused naming both files and how to pick."""
+    for t in held:
+        first = where.setdefault(t.name, f)
+        if first is not f:
+            common = sum(1 for u in held if where.get(u.name) is first)
+            raise BadInput(f"{directory}: {first.name} and {f.name} both hold {t.name!r} ({common} of {len(held)} "
+                           f"names in common): separate models, not parts of one; give one file as SRC "
+                           f"({f.parent.name}/{first.name}), or an index (*.safetensors.index.json) saying which "
+                           "file holds each tensor")
 
 
 def file_tensors(m: MappedFile) -> list:

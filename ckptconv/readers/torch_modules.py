@@ -23,6 +23,7 @@ from .pickle.numpy_globals import NumpyArray
 from .pickle.torch_globals import TorchTensor, TorchTensorUnsupported
 
 _PARTS = ("_parameters", "_buffers", "_modules")
+_WALKED = (dict, list, tuple, unpickler.InertObject)   # what may hold a module
 
 
 @dataclass(frozen=True)
@@ -50,17 +51,19 @@ def as_state_dicts(obj, path, budget: Budget) -> tuple:
     outermost ones). Containers are changed in place (a tuple is rebuilt); a container reached again
     gets the same replacement."""
     walk = _Walk(path, budget)
-    return walk.value(obj, "", 0), walk.found
+    return walk.value(obj, None, 0), walk.found
 
 
 class _Walk:
+    """One walk of what a pickle built. Where a value sits is a (parent, key) pair, spelled out only
+    for a module found: a dict of a million numbers costs a look at each, not a name each."""
+
     def __init__(self, path, budget: Budget):
         self.path, self.budget = path, budget
         self.found, self.done = [], {}   # done: id -> the value that replaces it (itself if none)
 
-    def value(self, v, name: str, depth: int):
-        if isinstance(v, (TorchTensor, TorchTensorUnsupported, NumpyArray)) or \
-                not isinstance(v, (dict, list, tuple, unpickler.InertObject)):
+    def value(self, v, where, depth: int):
+        if isinstance(v, (TorchTensor, TorchTensorUnsupported, NumpyArray)) or not isinstance(v, _WALKED):
             return v
         if id(v) in self.done:
             return self.done[id(v)]
@@ -69,42 +72,55 @@ class _Walk:
         self.done[id(v)] = v   # (a cycle back to a container being walked meets it unchanged)
         if is_module(v):
             out = _StateDict(self.path, self.budget).of(v)
-            self.found.append(PickledModule(name, printable(v.qualname, 200), len(out)))
+            self.found.append(PickledModule(_spelled(where), printable(v.qualname, 200), len(out)))
         else:
-            out = self._inside(v, name, depth)
+            out = self._inside(v, where, depth)
         self.done[id(v)] = out
         return out
 
-    def _inside(self, v, name, depth):
+    def _inside(self, v, where, depth):
         """`v` with its parts replaced; only containers that hold something to replace are touched."""
         self.budget.spend(1 + (len(v) if isinstance(v, (dict, list, tuple)) else 0), "its non-tensor state")
         if isinstance(v, unpickler.InertObject):
             if v.unread:
                 return v
-            v.args[:] = self._replaced(list(enumerate(v.args)), name, depth)
+            v.args[:] = self._replaced(v.args, where, depth)
             if v.items is not None:
-                v.items = self._inside(v.items, name, depth)
-            self._dict(v.state, name, depth)
+                v.items = self._inside(v.items, where, depth)
+            self._dict(v.state, where, depth)
             return v
         if isinstance(v, dict):
-            self._dict(v, name, depth)
+            self._dict(v, where, depth)
             return v
-        parts = self._replaced(list(enumerate(v)), name, depth)
+        parts = self._replaced(v, where, depth)
         if isinstance(v, list):
             v[:] = parts
             return v
         return tuple(parts) if any(a is not b for a, b in zip(parts, v)) else v
 
-    def _dict(self, d: dict, name, depth):
+    def _dict(self, d: dict, where, depth):
+        if not any(isinstance(item, _WALKED) for item in d.values()):   # (a table of numbers or text)
+            return
         changed = {}
         for k, item in d.items():
-            new = self.value(item, _join(name, unpickler.key_text(k)), depth + 1)
+            new = self.value(item, (where, k), depth + 1)
             if new is not item:
                 changed[k] = new
         d.update(changed)   # (the same keys: the order stays)
 
-    def _replaced(self, items, name, depth) -> list:
-        return [self.value(item, _join(name, str(i)), depth + 1) for i, item in items]
+    def _replaced(self, items, where, depth) -> list:
+        if not any(isinstance(item, _WALKED) for item in items):   # (a row of numbers: nothing to replace)
+            return list(items)
+        return [self.value(item, (where, i), depth + 1) for i, item in enumerate(items)]
+
+
+def _spelled(where) -> str:
+    """The dotted name of a (parent, key) place; "" for the top."""
+    parts = []
+    while where is not None:
+        where, key = where
+        parts.append(unpickler.key_text(key) if not isinstance(key, int) else str(key))
+    return ".".join(reversed(parts))
 
 
 class _StateDict:
@@ -158,7 +174,3 @@ def _names(value) -> set:
     if isinstance(value, (set, frozenset, list, tuple)):
         return {unpickler.key_text(v) for v in value if isinstance(v, str)}
     return set()
-
-
-def _join(name: str, key: str) -> str:
-    return f"{name}.{key}" if name else key

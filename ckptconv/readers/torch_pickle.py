@@ -78,7 +78,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         listed = by_shard(weight_map(target, options.only))
         shards = [weights_file(target.parent / f, source_root(target)) for f in sorted(listed)]
     tensors, extras, skipped, mapped, dropped, placeholders, unwrapped, layouts = [], {}, [], [], [], [], None, []
-    modules = []
+    modules, unsupported = [], None
     for shard in shards:
         m = MappedFile(shard)
         mapped.append(m)
@@ -88,7 +88,10 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         found = wrappers.unwrap(obj, options.state_dict, shard, budget)
         obj = None
         unwrapped = found.key
-        t, e, s = flatten(found.kept, shard, skip_unsupported=options.skip_unsupported, budget=budget)
+        t, e, s = flatten(found.kept, shard, budget=budget)
+        if s and unsupported is None:
+            unsupported = (f"{shard}: tensor {s[0]['name']!r} has dtype {s[0]['reason']}, which safetensors cannot "
+                           "store", "--skip-unsupported leaves it out")
         written = list(t) + [x["name"] for x in s]
         if listed is not None:
             check_listed(target, shard.name, listed[shard.name], set(written))
@@ -110,16 +113,18 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
                 extras.update(unpickler.extras_json({k: v for k, v in we.items() if wanted(k, options.only)}, budget))
         layouts.append(wrappers.layout(found, options.state_dict, written, rest_counts))
         found = None   # (the pickle's records: the sources replace them)
-        placeholders += unlisted.listing()
+        placeholders.append(unlisted)
     source = SourceFacts(format=NAME, path=str(path), files=[str(p.relative_to(path) if path.is_dir() else p.name)
                                                             for p in shards],
-                         skipped=skipped, dropped=dropped, placeholders=placeholders, modules=modules,
+                         skipped=skipped, dropped=dropped, placeholders=unpickler.listing(placeholders),
+                         modules=modules,
                          # (verify --against reads the source the same way)
                          state_dict=unwrapped or "none" if unwrapped is not None or options.state_dict == "none"
                          else None)
     consumed = shards + ([target] if target not in shards else [])
     files = model_files(path, consumed) if path.is_dir() else []
-    return Checkpoint(tensors, extras, source, files, mapped, layout=layouts[0] if len(layouts) == 1 else None)
+    return Checkpoint(tensors, extras, source, files, mapped, layout=layouts[0] if len(layouts) == 1 else None,
+                      unsupported=unsupported)
 
 
 def justified(m: MappedFile, tensors):

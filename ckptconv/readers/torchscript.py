@@ -78,7 +78,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
                                (*TORCH_OWNED, "torch.jit._pickle"))
     budget, unlisted = Budget(path), unpickler.Unlisted(path)
     root = load_zip(m, allow, budget=budget, unlisted=unlisted, entries=entries)
-    tree = _ModuleTree(m, entries, prefix, budget, options.skip_unsupported)
+    tree = _ModuleTree(m, entries, prefix, budget)
     if not isinstance(root, ScriptObject):
         raise BadInput(f"{path}: its data.pkl holds a {type(root).__name__}, not a TorchScript module")
     if not tree.is_module(root):
@@ -90,7 +90,10 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     extras = unpickler.extras_json({k: v for k, v in tree.extras.items() if wanted(k, options.only)}, budget)
     source = SourceFacts(format=NAME, path=str(path), files=[path.name], skipped=tree.skipped, dropped=tree.dropped,
                          placeholders=unlisted.listing(), more={"module": root.qualname})
-    return Checkpoint(tensors, extras, source, [], [m])
+    first = tree.skipped[0] if tree.skipped else None
+    return Checkpoint(tensors, extras, source, [], [m], unsupported=first and (
+        f"{path}: tensor {first['name']!r} has dtype {first['reason']}, which safetensors cannot store",
+        "--skip-unsupported leaves it out"))
 
 
 class _ModuleTree:
@@ -98,9 +101,8 @@ class _ModuleTree:
     its submodules, each by its attribute path. Every attribute visited is charged to the pickle's
     budget, so a submodule shared many times over cannot multiply the work beyond the file's size."""
 
-    def __init__(self, m, entries, prefix, budget, skip_unsupported):
+    def __init__(self, m, entries, prefix, budget):
         self.m, self.entries, self.prefix, self.budget = m, entries, prefix, budget
-        self.skip_unsupported = skip_unsupported
         self.tensors, self.extras, self.dropped, self.skipped = [], {}, [], []
         self.declared = {}   # qualname -> (is a module, parameters, buffers)
 
@@ -134,10 +136,7 @@ class _ModuleTree:
         if value is None:   # an optional parameter left unset (Linear(bias=False)): not in the state dict
             return
         if isinstance(value, (TorchTensor, TorchTensorUnsupported)) and value.unsupported:
-            if not self.skip_unsupported:
-                raise BadInput(f"{self.m.path}: tensor {name!r} has dtype {value.unsupported}, which safetensors "
-                               "cannot store (use --skip-unsupported to leave it out)")
-            self.skipped.append({"name": name, "reason": value.unsupported})
+            self.skipped.append({"name": name, "reason": value.unsupported})   # (readers/__init__ refuses them)
             return
         if not isinstance(value, TorchTensor):
             raise BadInput(f"{self.m.path}: parameter or buffer {name!r} is a {type(value).__name__}, not a tensor")
@@ -149,7 +148,7 @@ class _ModuleTree:
         if isinstance(value, ScriptObject):
             self.dropped.append({"name": name, "reason": f"TorchScript object of class {value.qualname}"})
             return
-        tensors, extras, skipped = flatten(value, self.m.path, prefix=name, skip_unsupported=True, budget=self.budget)
+        tensors, extras, skipped = flatten(value, self.m.path, prefix=name, budget=self.budget)
         self.extras.update(extras)
         if tensors or skipped:
             self.dropped.append({"name": name, "reason": "a tensor attribute, not a parameter or buffer"})

@@ -67,13 +67,16 @@ def test_a_directory_of_pth_tar_files_is_a_torch_checkpoint(tmp_path):
 
 
 def test_finding_nothing_names_what_was_looked_for(tmp_path):
+    """One short line: what SRC looked like and where the list of formats is (issue 38)."""
     d = tmp_path / "notes"
     d.mkdir()
     (d / "weights.tar").write_bytes(b"not a checkpoint")
     r = run("inspect", d)
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
     line = r.stderr
-    assert "not a checkpoint format ckptconv knows; looked for " in line and "(use --from to force one)" in line
+    assert "not a checkpoint ckptconv reads: a directory of 1 entry (weights.tar), none named like a weights file" \
+        in line and "`ckptconv inspect --formats`" in line
+    listed = run("inspect", "--formats").stdout
     for reader in readers().values():
-        assert f"{reader.name}: {reader.looks_for}" in line
-    assert "*.pth.tar" in line and "mesh.json" in line and ".metadata" in line
+        assert f"{reader.name}: {reader.description}" in listed and reader.looks_for in listed
+    assert "*.pth.tar" in listed and "mesh.json" in listed and ".metadata" in listed

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ... import signals, transforms
-from ...errors import BadInput, CkptError, brief
+from ...errors import BadInput, CkptError, UsageError, brief
 from ...io.hashing import CHUNK
 from ...io.mapped import MappedFile
 from ...readers import ReadOptions, open_checkpoint, readers
@@ -19,6 +19,7 @@ from ...tp.rules import read_config
 from ...tensor import as_bytes, iter_blocks
 from ...formats import manifest as manifest_format
 from ...formats.manifest import MANIFEST
+from ...layouts.base import for_target
 from ...layouts.report import Report
 from ...layouts.scan import _checked_manifest, _sha256_regular
 
@@ -50,15 +51,14 @@ def compare_against(out_path: Path, layout, src, read: ReadOptions, fmt, report:
     # slipped into OUT (and listed in its sums) must not become "the output" that matches the source
     out = layout.open(out_path)
     recorded, manifest, aliases, document = _recorded_source(out_path, layout)
-    applied = _as_recorded(read, manifest, fmt)
+    source, applied = _open_as_recorded(src, fmt, read, _as_recorded(read, manifest, fmt), out_path, report)
     if applied != read:  # say so: "matches the source" then means the selection convert recorded
         replayed = ([f"--state-dict {brief(applied.state_dict)}"] if applied.state_dict != read.state_dict else []) \
             + ([f"--only {brief(applied.only)}"] if applied.only != read.only else []) \
+            + (["--one-shard"] if applied.one_shard != read.one_shard else []) \
             + [f"--{k.replace('_', '-')} {brief(v)}" for k, v in applied.declared.items() if read.declared.get(k) != v]
         report.notes.append(f"{out_path}: compared with the part of the source the output records it was made "
                             f"from: {', '.join(replayed)}")
-    read = applied
-    source = open_checkpoint(src, fmt, read)
     if mine("structure", None) and document.get("format") == manifest_format.FORMAT:   # (not a foreign output)
         _compare_facts(recorded, document, manifest, source, report, beside=Path(src).is_file())
     try:
@@ -66,6 +66,9 @@ def compare_against(out_path: Path, layout, src, read: ReadOptions, fmt, report:
     except BadInput as e:
         report.add(recorded, str(e), "metadata")
         return
+    if recipe.target is not None and mine("structure", None):   # (what the target says of the source, again)
+        for line in for_target(recipe.target).target_differences(source, recipe.target):
+            report.add(recorded, line, "source")
     try:   # convert's own steps, with their own checks (a name clash, a layout that does not fit)
         src_list, _ = recipe.apply(source.tensors, src)
     except CkptError as e:
@@ -95,6 +98,22 @@ def compare_against(out_path: Path, layout, src, read: ReadOptions, fmt, report:
         report.add(out_path, f"tensor {name!r} of the source is missing from the output", "source", tensor=name)
 
 
+def _open_as_recorded(src, fmt, read: ReadOptions, applied: ReadOptions, out_path, report: Report):
+    """(the source, the options it was read with): as convert read it (`applied`); where the recorded --state-dict does not apply
+    to it (another checkpoint, without that entry), read as the user asked instead: the difference is
+    a problem line, and the tensors still compare (exit 1, never a flag the user did not type)."""
+    try:
+        return open_checkpoint(src, fmt, applied), applied
+    except UsageError as e:
+        if applied.state_dict == read.state_dict or "--state-dict" not in str(e):
+            raise
+    report.add(out_path, f"the output was made from the entry {brief(applied.state_dict)} of its source "
+                         f"(--state-dict {brief(applied.state_dict)}), which {src} does not hold; compared with what "
+                         f"--state-dict {read.state_dict} reads of it", "source")
+    applied = dataclasses.replace(applied, state_dict=read.state_dict)
+    return open_checkpoint(src, fmt, applied), applied
+
+
 def _prefix_between(only_out: list, only_src: list) -> str | None:
     """When the names on one side are the other side's with a prefix added (9 in 10 or more of them),
     one line saying so, to read before the details; else None. Bounded: the prefixes tried are those
@@ -119,7 +138,7 @@ def _prefix_between(only_out: list, only_src: list) -> str | None:
 
 
 def _as_recorded(read: ReadOptions, manifest: dict, fmt=None) -> ReadOptions:
-    """The source read the way convert read it: its recorded --state-dict and --only (when they are
+    """The source read the way convert read it: its recorded --state-dict, --only and --one-shard (when they are
     what convert writes: a key or "none", a list of prefixes) and the options its reader declares and
     records (Grok's --dequantize and --layout: one of their choices), unless given again here."""
     wrapper, only = manifest.get("state_dict"), manifest.get("only")
@@ -128,6 +147,8 @@ def _as_recorded(read: ReadOptions, manifest: dict, fmt=None) -> ReadOptions:
     if isinstance(only, list) and 0 < len(only) <= 1000 and all(isinstance(p, str) and len(p) <= 1000 for p in only) \
             and not read.only:
         read = dataclasses.replace(read, only=list(only))
+    if manifest.get("one_shard") is True and not read.one_shard:   # (SRC was one shard of an indexed set)
+        read = dataclasses.replace(read, one_shard=True)
     name = manifest.get("format") if fmt is None else fmt
     reader = readers().get(name) if isinstance(name, str) else None   # (a manifest is read, not trusted)
     declared = dict(read.declared)
@@ -189,10 +210,11 @@ def _compare_description(recorded: Path, document: dict, manifest: dict, source,
 def _compare_extras(recorded: Path, document: dict, source, report: Report):
     """The extras, and the other facts the reader records beside its tensors (`quantization` …), are
     the source's."""
-    extras, theirs = _plain(document.get("extras", {})), _plain(source.extras)
+    extras = _plain(document.get("extras", {}))
     if not isinstance(extras, dict):
         report.add(recorded, f"extras is {brief(extras, 80)}, not the object ckptconv records", "source")
         extras = {}
+    theirs = _plain(manifest_format.summarised_like(source.extras, extras))   # (--max-extras: summarised alike)
     for key in sorted(set(extras) | set(theirs), key=str) if extras != theirs else ():
         if extras.get(key) != theirs.get(key):
             report.add(recorded, f"extras {key!r} is {brief(extras.get(key), 120)}, the source's is "

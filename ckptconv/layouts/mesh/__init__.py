@@ -55,6 +55,12 @@ class MeshDirectory(Layout):
         return tensors
 
     @classmethod
+    def target_differences(cls, ckpt, record) -> list:
+        """Lines for what `record` (a target an output records) says of the source `ckpt` that the
+        source, read again, does not give (verify --against): nothing, for a layout without one."""
+        return []
+
+    @classmethod
     def top_parts(cls, path, ranks: int) -> dict | None:
         """{top-level file: (the rank shard it is, that shard's digest)} of what the layout puts beside
         the rank directories ({}: nothing; None: the ranks' manifests could not be read)."""

@@ -47,7 +47,7 @@ class ShardedDirectory(Layout):
         process 0 does the rest."""
         mine = None if share is None or share.processes == 1 else \
             {f for f, _ in share.units.get("shard", ()) if share.mine("shard", f)}
-        verify_dir(Path(path), report, progress, mine, structural=share is None or share.is_main)
+        verify_dir(Path(path), report, progress, mine, structural=share is None or share.is_main, plain=True)
 
     def plan(self, tensors) -> list:
         self.shards = plan_shards(tensors, self.options.max_shard_size, self.options.stem)

@@ -104,6 +104,28 @@ class VllmDirectory(MeshDirectory):
         return to_vllm(tensors, record["model_type"], record["tied"], record["params"])
 
     @classmethod
+    def target_differences(cls, ckpt, record) -> list:
+        """The target as `engine` makes it from the source's config.json today, compared field by
+        field: the model type, tied embeddings, the layer count, and each head count config.json
+        states itself (one --heads/--kv-heads/--head-dim supplied, or derived, is the record's)."""
+        config = read_config(ckpt.model_files, ckpt.made) or {}
+        flags = {k: record["params"][k] for k in ("heads", "kv_heads", "head_dim")}
+        try:
+            fresh, _ = cls.engine(ckpt, MeshSpec(tp=1, heads=flags))
+        except (UsageError, BadInput) as e:
+            return [f"the recorded target {brief(record, 120)} cannot be made from the source: {e}"]
+        stated = {"heads": ("num_attention_heads", "n_head"), "kv_heads": ("num_key_value_heads",),
+                  "head_dim": ("head_dim",), "layers": ("num_hidden_layers",)}
+        out = [f"target {key} is {brief(record.get(key), 60)}, the source gives {brief(fresh[key], 60)}"
+               for key in ("model_type", "tied") if record.get(key) != fresh[key]]
+        for key, names in stated.items():
+            theirs = next((config[n] for n in names if type(config.get(n)) is int), None)
+            ours = record["params"].get(key)
+            if theirs is not None and ours != theirs:
+                out.append(f"target params.{key} is {brief(ours, 60)}, the source's config.json gives {theirs}")
+        return out
+
+    @classmethod
     def top_parts(cls, path, ranks: int) -> dict | None:
         return check.top_parts(Path(path), ranks)
 

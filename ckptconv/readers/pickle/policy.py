@@ -106,7 +106,17 @@ class Unlisted:
     def listing(self) -> list:
         """Every such global of the file, with how often the file names it: for the summary and the
         manifest's `source.placeholders`."""
-        return [{"global": q, "count": c} for q, (c, _) in sorted(self.found.items())]
+        return listing([self])
+
+
+def listing(unlisted) -> list:
+    """The globals several files (`Unlisted`s) record as inert data, each once, with how often they
+    name it in all (a class every rank file of a checkpoint pickles is one line, not one per rank)."""
+    counts = {}
+    for u in unlisted:
+        for q, (c, _) in u.found.items():
+            counts[q] = counts.get(q, 0) + c
+    return [{"global": q, "count": c} for q, c in sorted(counts.items())]
 
 
 def hint(qualnames) -> str:

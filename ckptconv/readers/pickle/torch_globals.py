@@ -236,16 +236,17 @@ def storage_dtype(storage_type, ctx):
     return storage_type.value.dtype
 
 
-def flatten(obj, path, prefix="", skip_unsupported=False, budget: Budget = None):
+def flatten(obj, path, prefix="", budget: Budget = None):
     """Flatten nested containers with `.` (docs/output.md#names): tensors become sources, the rest extras.
-    Returns (tensors, extras, skipped). A container reached a second time (shared, or a cycle) is
+    Returns (tensors, extras, skipped): skipped are the tensors safetensors cannot store, {"name",
+    "reason"} (whether they refuse the source is `readers.open_checkpoint`'s to decide). A container reached a second time (shared, or a cycle) is
     walked again only if it holds tensors (each needs its name); otherwise it is recorded as a Ref to
     its first name. A record (an instance of a class, as data: unpickler.InertObject) that holds
     tensors is walked as a dict of its parts (`unpickler.record_parts`; its class under `NAME.__class__`),
-    so a pickled module or a dict subclass of tensors loses none; one that holds none is one extras
+    so a dict subclass of tensors loses none; one that holds none is one extras
     value. Every step is charged to `budget` (the pickle's), so shared structure cannot expand beyond
     what the file's size justifies."""
-    walker = _Flattener(path, skip_unsupported, budget or Budget(path))
+    walker = _Flattener(path, budget or Budget(path))
     walker.walk(obj, prefix, 0)
     return walker.tensors, walker.extras, walker.skipped
 
@@ -253,8 +254,8 @@ def flatten(obj, path, prefix="", skip_unsupported=False, budget: Budget = None)
 class _Flattener:
     """flatten's walk: what it found so far, and what it has seen (see flatten)."""
 
-    def __init__(self, path, skip_unsupported: bool, budget: Budget):
-        self.path, self.skip_unsupported, self.budget = path, skip_unsupported, budget
+    def __init__(self, path, budget: Budget):
+        self.path, self.budget = path, budget
         self.tensors, self.extras, self.skipped = {}, {}, []
         self.seen = {}   # id -> [container, first name, holds tensors (None while being walked), depth]
         self.aside = []  # [depth, reaches out] of each record being walked aside, innermost last
@@ -262,10 +263,7 @@ class _Flattener:
     def leaf(self, value, name) -> bool:
         path = self.path
         if isinstance(value, (TorchTensor, TorchTensorUnsupported)) and value.unsupported:
-            if not self.skip_unsupported:
-                raise BadInput(f"{path}: tensor {name!r} has dtype {value.unsupported}, which safetensors cannot "
-                               "store (use --skip-unsupported to leave it out)")
-            self.skipped.append({"name": name, "reason": value.unsupported})
+            self.skipped.append({"name": name, "reason": value.unsupported})   # (readers/__init__ refuses them)
         elif isinstance(value, TorchTensor):
             _add(self.tensors, path, name, value.source(name))
         elif isinstance(value, NumpyArray):

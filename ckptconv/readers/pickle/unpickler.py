@@ -6,7 +6,7 @@ accepts.
 from .context import Context
 from .extras import Ref, extras_json, key_text
 from .policy import (CODE_LAST, CODE_MODULES, CODE_NAMES, CODE_PARTS, SAFE_BUILTINS, Allowlist, Placeholder, Unlisted,
-                     allow_globals, allowing, hint, record_parts, runs_code, unread_in)
+                     allow_globals, allowing, hint, listing, record_parts, runs_code, unread_in)
 from .standins import (BENIGN, PAYLOAD_MIN, Function, InertClass, InertObject, Marker, Payload, StandIn, StateDict,
                        as_buffer)
 from .memo import fetched_memo
@@ -15,4 +15,4 @@ from .vm import load, load_prefix
 __all__ = ["BENIGN", "CODE_LAST", "CODE_MODULES", "CODE_NAMES", "CODE_PARTS", "PAYLOAD_MIN", "SAFE_BUILTINS",
            "Allowlist", "Context", "Function", "InertClass", "InertObject", "Marker", "Payload", "Placeholder", "Ref",
            "StandIn", "StateDict", "Unlisted", "allow_globals", "allowing", "as_buffer", "extras_json",
-           "fetched_memo", "hint", "key_text", "load", "load_prefix", "record_parts", "runs_code", "unread_in"]
+           "fetched_memo", "hint", "key_text", "listing", "load", "load_prefix", "record_parts", "runs_code", "unread_in"]
