@@ -261,6 +261,16 @@ def weight_map(index: Path, only=()) -> dict:
     return out
 
 
+def first_missing(held, count: int):
+    """The first of 0..count-1 that `held` (a set of numbers, or a dict keyed by them) lacks, or None:
+    found in at most len(held) + 1 steps, however large `count` is (a number from a file name or
+    a file: docs/security.md, "rank and index numbers in file names")."""
+    for i in range(min(count, len(held) + 1)):
+        if i not in held:
+            return i
+    return None
+
+
 def by_shard(entries: dict) -> dict:
     """{shard file: [tensor names the index places there]}."""
     out = {}

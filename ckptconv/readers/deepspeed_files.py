@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import BadInput, brief, printable
 from ..io.mapped import MappedFile
 from ..limits import Budget, shape_problem
-from . import ziparchive
+from . import first_missing, ziparchive
 from .pickle.torch_globals import TorchTensor
 from .torch_pickle import justified, load_zip
 
@@ -243,11 +243,11 @@ def _layout(directory: Path) -> Layout:
         raise BadInput(f"{directory}: holds files of {len(mp)} model-parallel ranks ({shown}): a tensor- or "
                        "pipeline-parallel checkpoint (as Megatron-DeepSpeed writes), whose ranks hold different "
                        "parts of each layer; merging them is not supported; refused")
-    world = max(r for r, _ in optim) + 1
-    missing = [r for r in range(world) if (r, 0) not in optim]
-    if missing:
-        raise BadInput(f"{directory}: the optimizer state of rank {missing[0]} is missing "
-                       f"(zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt; {len(optim)} rank files for ranks "
+    world = max(r for r, _ in optim) + 1   # (a number from a name: looked at only as far as the files go)
+    missing = first_missing({r for r, _ in optim}, world)
+    if missing is not None:
+        raise BadInput(f"{directory}: the optimizer state of rank {missing} is missing "
+                       f"(zero_pp_rank_{missing}_mp_rank_00_optim_states.pt; {len(optim)} rank files for ranks "
                        f"0-{world - 1}); refused")
     return Layout(directory, [optim[(r, 0)] for r in range(world)], model)
 

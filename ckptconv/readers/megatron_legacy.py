@@ -15,7 +15,7 @@ from ..tensor import TensorSource
 from ..tp import megatron as mt
 from ..tp.layout import joined
 from ..tp.presets import PRESETS
-from . import ReadOptions, confined
+from . import ReadOptions, confined, first_missing
 from . import ziparchive
 from .pickle import unpickler
 from .pickle.megatron_globals import megatron_globals
@@ -204,13 +204,14 @@ def _rank_coords(dirs: dict, a: mt.Arch, d: Path) -> dict:
             raise BadInput(f"{d / name}: holds rank (tp {coords[0]}, pp {coords[1]}, ep {coords[2]}), as "
                            f"{ranks[coords]} does; refused")
         ranks[coords] = name
-    if len(ranks) != a.tp * a.pp * a.ep:   # (every rank held is inside the mesh: one is missing; found in
-        for i in range(len(ranks) + 1):     # at most len(ranks) + 1 steps, whatever sizes args claims)
-            t, p, e = i % a.tp, i // a.tp % a.pp, i // (a.tp * a.pp)
-            if (t, p, e) not in ranks:
-                spelled = f"mp_rank_{t:02d}" + (f"_{p:03d}" if a.pp > 1 else "") + (f"_{e:03d}" if a.ep > 1 else "")
-                raise BadInput(f"{d}: rank (tp {t}, pp {p}, ep {e}) is missing ({spelled}/{RANK_FILE}); args "
-                               f"says tp {a.tp} x pp {a.pp} x ep {a.ep}")
+    # every rank held is inside the mesh: one missing is found in at most len(ranks) + 1 steps, whatever
+    # sizes args claims
+    i = first_missing({t + a.tp * (p + a.pp * e) for t, p, e in ranks}, a.tp * a.pp * a.ep)
+    if i is not None:
+        t, p, e = i % a.tp, i // a.tp % a.pp, i // (a.tp * a.pp)
+        spelled = f"mp_rank_{t:02d}" + (f"_{p:03d}" if a.pp > 1 else "") + (f"_{e:03d}" if a.ep > 1 else "")
+        raise BadInput(f"{d}: rank (tp {t}, pp {p}, ep {e}) is missing ({spelled}/{RANK_FILE}); args "
+                       f"says tp {a.tp} x pp {a.pp} x ep {a.ep}")
     return ranks
 
 def _record(rf: RankFile):

@@ -110,6 +110,14 @@ def test_files_of_another_run_are_refused(tmp_path, edit, fragment):
     refused_here(src, tmp_path, "zero_pp_rank_1_mp_rank_00_optim_states.pt", fragment, "different runs")
 
 
+def test_a_rank_number_in_a_name_costs_nothing_beyond_the_files(tmp_path):
+    """Issue 8: rank 999,999,999 in a name made a list of a billion ranks (1.8 GB, MemoryError after
+    21 s); the missing rank is found in as many steps as there are files, in a capped process."""
+    src, tag = copy("z2-fp32-mlp", tmp_path)
+    shutil.copy(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt", tag / "zero_pp_rank_999999999_mp_rank_00_optim_states.pt")
+    refused(src, tmp_path, "the optimizer state of rank 2 is missing", "ranks 0-999999999")
+
+
 def test_shapes_the_partitions_do_not_hold_are_refused(tmp_path):
     src, tag = copy("z2-fp32-mlp", tmp_path)
 
