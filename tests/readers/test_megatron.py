@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import DATA, assert_clean, assert_refused, assert_same, cli, load_output, run
+from tests.helpers import DATA, assert_clean, assert_refused, assert_same, cli, load_output, patch_pickle, run
 
 FIXTURES = DATA / "megatron"
 COMMITTED = ["legacy-untied-tp2-pp2", "dist-tied-tp2-pp2", "legacy-moe-tp2-pp1-ep2"]
@@ -200,6 +200,29 @@ def test_ranks_of_another_run_are_refused(tmp_path):
     shutil.copy(moe, src / "iter_0000001" / "mp_rank_01_001" / "model_optim_rng.pt")
     _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "mp_rank_01_001", "rank (tp 1, pp 1, ep 0)",
              "files of different runs")
+
+
+def _a_later_save(b: bytes) -> bytes:
+    """Iteration 1 -> 2 where Megatron records it: beside the model (`iteration`, memoized after
+    args'), in args (`iteration`) and in the scheduler (`num_steps`)."""
+    for old, new in ((b"iterationq<K\x01", b"iterationq<K\x02"), (b"h<K\x01", b"h<K\x02"),
+                     (b"num_stepsr{\x01\x00\x00K\x01", b"num_stepsr{\x01\x00\x00K\x02")):
+        assert b.count(old) == 1
+        b = b.replace(old, new)
+    return b
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (_a_later_save, "iteration 2, rank (tp 0, pp 0, ep 0)'s 1"),
+    (lambda b: b.replace(b"/checkpoints/run", b"/checkpoints/ruN"), "args (sha256)"),
+])
+def test_ranks_of_different_saves_are_refused(tmp_path, edit, fragment):
+    """One rank file of a later save (or whose args differ: another run's) beside the others: the
+    rule DeepSpeed's rank files are held to (readers.one_save)."""
+    src = _copy(tmp_path)
+    patch_pickle(src / "iter_0000001" / "mp_rank_01_001" / "model_optim_rng.pt", edit)
+    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "mp_rank_01_001/model_optim_rng.pt: rank (tp 1, "
+             "pp 1, ep 0): ", fragment, "files of different saves")
 
 
 def test_a_truncated_rank_file_is_refused_naming_it(tmp_path):
