@@ -4,10 +4,14 @@ reading outputs back with the real safetensors library, comparing tensors bit fo
 assertions every refusal must meet."""
 import json
 import os
+import re
 import resource
+import struct
 import subprocess
 import sys
 import sysconfig
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,3 +168,28 @@ def opened_outside(r: Run, *allowed) -> list:
         return any(Path(p).resolve().is_relative_to(root) for root in roots)
 
     return sorted(p for p in r.opened | r.listed if not inside(p) and Path(p).resolve() not in ancestors)
+
+
+def patch_pickle(path, edit):
+    """Rewrite the data.pkl of a torch zip in place with `edit(bytes) -> bytes` (same length), its
+    CRC-32 fixed in the local header and the central directory, as if the producer had written it."""
+    data = bytearray(Path(path).read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    start = info.header_offset + 30 + name_len + extra_len
+    old = bytes(data[start:start + info.file_size])
+    new = edit(old)
+    assert len(new) == len(old) and new != old
+    data[start:start + len(new)] = new
+    crc = zlib.crc32(new)
+    struct.pack_into("<I", data, info.header_offset + 14, crc)
+    for m in re.finditer(rb"PK\x01\x02", bytes(data)):
+        at = m.start()
+        n = struct.unpack_from("<H", data, at + 28)[0]
+        if bytes(data[at + 46:at + 46 + n]) == info.filename.encode():
+            struct.pack_into("<I", data, at + 16, crc)
+            break
+    else:
+        raise AssertionError(f"no central directory entry for {info.filename}")
+    Path(path).write_bytes(bytes(data))

@@ -295,6 +295,39 @@ def weight_map(index: Path, only=()) -> dict:
     return out
 
 
+def one_save(files, kind: str = "saves"):
+    """The one rule for a source of several files that each record what run and what save they are
+    of (DeepSpeed's and Megatron's rank files; docs/security.md, class 26): every
+    file that records a fact records what the first file to record it does. `files`: (path, label,
+    {fact: value}) in rank order, the label naming the file's rank ("rank 1"), a fact the file does
+    not record left out; values are compared with ==, so what is not a number or text is compared
+    as its digest (pickle.extras.recorded_digest). The first disagreement is refused in one line
+    naming the file, its rank, the fact and both values: `PATH: rank 1: global_steps 1, rank 0's 2:
+    files of different saves; refused` (`kind` "runs" for what a run fixes: its architecture, ZeRO
+    stage, version)."""
+    first = {}
+    for path, label, facts in files:
+        for fact, value in facts.items():
+            if fact not in first:
+                first[fact] = (label, value)
+                continue
+            theirs_label, theirs = first[fact]
+            if value != theirs and not (isinstance(value, float) and isinstance(theirs, float) and value != value
+                                        and theirs != theirs):   # (NaN recorded twice is the same)
+                raise BadInput(f"{path}: {label}: {fact} {brief(value, 60)}, {theirs_label}'s {brief(theirs, 60)}: "
+                               f"files of different {kind}; refused")
+
+
+def first_missing(held, count: int):
+    """The first of 0..count-1 that `held` (a set of numbers, or a dict keyed by them) lacks, or None:
+    found in at most len(held) + 1 steps, however large `count` is (a number from a file name or
+    a file: docs/security.md, "rank and index numbers in file names")."""
+    for i in range(min(count, len(held) + 1)):
+        if i not in held:
+            return i
+    return None
+
+
 def by_shard(entries: dict) -> dict:
     """{shard file: [tensor names the index places there]}."""
     out = {}

@@ -12,7 +12,9 @@ through the allowlisting VM, with stand-ins for DeepSpeed's classes: pickle/deep
 What is read (docs/formats.md#deepspeed):
 - of each optimizer-state file, the rank's flat fp32 partition per parameter group
   (`single_partition_of_fp32_groups` at stages 1-2, `fp32_flat_groups` at 3) and the numbers that
-  say how the run was split; the Adam moments beside them are unpickled as records and never read;
+  say how the run was split, and what it records of its save (the optimizer's step: a 0-d tensor
+  per group, read; the loss scaler's state); the Adam moments beside them are unpickled as records
+  and never read;
 - of the model-state file(s), `param_shapes` (names and shapes, in partition order), the frozen
   parameters (`frozen_param_fragments`: whole at stages 1-2, one piece per rank at 3), the buffers
   (`buffer_names`, from `module`; floating ones as fp32, as DeepSpeed restores them) and
@@ -21,7 +23,9 @@ What is read (docs/formats.md#deepspeed):
 Each parameter is a lazy join of slices of the partitions: at stages 1-2 the groups' partitions end
 to end, each parameter followed by its `param_alignment_paddings`; at 3 each parameter holds
 ceil(numel / world) elements of every rank, one after another, the last rank's piece padded. Every
-file name, count and size is checked against the others before any tensor is handed out.
+file name, count and size is checked against the others, and every file must be of one run and one
+save (readers.one_save: what each records of it, deepspeed_files.saved_facts), before any tensor is
+handed out.
 
 What one file says and the tag directory's rank files are deepspeed_files.py's, the joins of the
 partitions deepspeed_tensors.py's; this module is the reader.
@@ -35,7 +39,8 @@ from .. import dtypes
 from ..errors import BadInput, printable
 from ..io.mapped import MappedFile
 from ..tensor import Checkpoint, SourceFacts, MappedView, TensorSource, cast
-from . import DEEPSPEED_RANK_FILE, ReadOptions, confined, deepspeed_tag_directory, model_files, source_root, wanted
+from . import (DEEPSPEED_RANK_FILE, ReadOptions, confined, deepspeed_tag_directory, model_files, one_save,
+               source_root, wanted)
 from .deepspeed_files import Layout, ModelStates, OptimRank, _found, _layout, _model_files, read_model, read_optim
 from .deepspeed_tensors import _check_names, _frozen, _stage12, _stage3
 from .pickle import unpickler
@@ -116,6 +121,8 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     first = ranks[0]
     stage = first.stage
     states, tops = _model_states(layout, stage, root, allow, mapped, first)
+    one_save([(s.path, f"rank {r}", s.saved) for r, s in enumerate(states)]
+             + [(rec.path, f"rank {rec.rank}", rec.saved) for rec in ranks])   # (all ranks save together)
     s0 = states[0]
     _parallelism(tops[0], s0.path)
     tensors = _buffers(s0)
@@ -145,13 +152,9 @@ def _optim_ranks(layout: Layout, root: str, allow, mapped: list) -> list:
         mapped.append(m)
         ranks.append(read_optim(m, r, allow))
     first = ranks[0]
+    one_save([(rec.path, f"rank {rec.rank}", {"ZeRO stage": rec.stage, "ds_version": rec.ds_version, "partition_count":
+               rec.world, "parameter groups": len(rec.groups)}) for rec in ranks], "runs")
     for rec in ranks:
-        for what, mine, theirs in (("ZeRO stage", rec.stage, first.stage), ("ds_version", rec.ds_version,
-                                   first.ds_version), ("partition_count", rec.world, first.world),
-                                   ("parameter groups", len(rec.groups), len(first.groups))):
-            if mine != theirs:
-                raise BadInput(f"{rec.path}: {what} {_found(mine)}, {first.path.name} says {_found(theirs)}: files of "
-                               "different runs; refused")
         if rec.world > world:
             raise BadInput(f"{rec.path}: partition_count says {rec.world} ranks, the directory holds the optimizer "
                            f"state of {world} (rank {world}'s, *zero_pp_rank_{world}_mp_rank_00_optim_states.pt, is "
@@ -178,10 +181,9 @@ def _model_states(layout: Layout, stage: int, root: str, allow, mapped: list, fi
         states.append(s)
         tops.append(top)
     s0 = states[0]
+    one_save([(p, f"rank {r}", {"ds_version": v} if v is not None else {}) for p, r, v in
+              [(first.path, 0, first.ds_version)] + [(s.path, r, s.ds_version) for r, s in enumerate(states)]], "runs")
     for s in states:
-        if s.ds_version is not None and first.ds_version is not None and s.ds_version != first.ds_version:
-            raise BadInput(f"{s.path}: ds_version {_found(s.ds_version)}, {first.path.name} says "
-                           f"{_found(first.ds_version)}: files of different runs; refused")
         if s.dp_world is not None and s.dp_world != world:
             raise BadInput(f"{s.path}: dp_world_size says {s.dp_world} ranks, the directory holds {world} "
                            "optimizer-state files; refused")

@@ -2,6 +2,7 @@
 model-state file says, checked (OptimRank, ModelStates), and the tag directory's rank files by name
 (Layout). Registers nothing: deepspeed.py is the reader.
 """
+import math
 import mmap
 import os
 import re
@@ -11,7 +12,8 @@ from pathlib import Path
 from ..errors import BadInput, brief, printable
 from ..io.mapped import MappedFile
 from ..limits import Budget, shape_problem
-from . import ziparchive
+from . import first_missing, ziparchive
+from .pickle import unpickler
 from .pickle.torch_globals import TorchTensor
 from .torch_pickle import justified, load_zip
 
@@ -35,6 +37,7 @@ class OptimRank:
     ds_version: str | None
     groups: list                      # per parameter group: the rank's flat partition (a 1-D source)
     paddings: list | None = None      # stages 1-2: param_alignment_paddings, per group per parameter
+    saved: dict | None = None         # what it records of its save (readers.one_save): saved_facts
 
 
 @dataclass
@@ -50,6 +53,7 @@ class ModelStates:
     module_params: list               # names in `module` that are neither buffers nor listed parameters
     ds_version: str | None
     dp_world: int | None
+    saved: dict | None = None         # what it records of its save (readers.one_save): saved_facts
 
 
 @dataclass
@@ -131,6 +135,48 @@ def _version(obj, path):
     return v
 
 
+# --- What a file records of its save ------------------------------------------------------------
+
+def _number(value):
+    """A recorded count or scale as compared across files: an int or a finite float (2.0 as 2), else
+    None (not compared); a 0-d or one-element tensor (torch's Adam keeps `step` as one) is read:
+    4 or 8 bytes."""
+    if isinstance(value, TorchTensor) and not value.unsupported and math.prod(value.shape) == 1:
+        value = value.source("step").region().reshape(-1)[0].item()
+    if isinstance(value, float) and math.isfinite(value):
+        return int(value) if value.is_integer() else value
+    return value if type(value) is int else None
+
+
+def _steps(osd: dict):
+    """The optimizer's step count as a rank's file records it: `step` of each entry of the (base)
+    optimizer's `state` (one per flat group: torch's Adam and AdamW), one number when they agree."""
+    inner = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
+    state = inner.get("state") if isinstance(inner, dict) else None
+    steps = [_number(v.get("step")) for v in state.values() if isinstance(v, dict)] if isinstance(state, dict) else []
+    steps = tuple(x for x in steps if x is not None)
+    return None if not steps else steps[0] if len(set(steps)) == 1 else steps
+
+
+def saved_facts(top: dict, osd: dict | None, path) -> dict:
+    """What a model- or optimizer-state file records of the save it is of (docs/formats.md#deepspeed):
+    the engine's counters (model-state files), the optimizer's step and the loss scaler's (optimizer-
+    state files), and the ds_config every file carries (its digest). All ranks save together, so
+    all record the same."""
+    config = top.get("ds_config")
+    facts = {"ds_config (sha256)": unpickler.recorded_digest(config, Budget(path)) if config is not None else None}
+    if osd is None:
+        for key in ("global_steps", "global_samples", "skipped_steps"):
+            facts[key] = _number(top.get(key))
+        return {k: v for k, v in facts.items() if v is not None}
+    facts["optimizer step"] = _steps(osd)
+    scaler = osd.get("loss_scaler")
+    state = scaler.state if isinstance(scaler, unpickler.InertObject) and isinstance(scaler.state, dict) else {}
+    facts["loss scale"] = _number(state.get("cur_scale"))
+    facts["loss scaler iteration"] = _number(state.get("cur_iter"))
+    return {k: v for k, v in facts.items() if v is not None}
+
+
 def read_optim(m: MappedFile, rank: int, allow) -> OptimRank:
     path = Path(m.path)
     top = _load(m, allow)
@@ -151,7 +197,7 @@ def read_optim(m: MappedFile, rank: int, allow) -> OptimRank:
     groups = [_flat(t, f"{key}[{i}]", path).source(f"{key}[{i}]") for i, t in enumerate(raw)]
     justified(m, groups)   # (views of one storage, listed a thousand times, are not a thousand partitions)
     version = _version(osd, path) or _version(top, path)
-    rec = OptimRank(path, rank, stage, counts[0], version, groups)
+    rec = OptimRank(path, rank, stage, counts[0], version, groups, saved=saved_facts(top, osd, path))
     if stage < 3:
         pads = osd.get("param_alignment_paddings")
         if pads is not None:
@@ -202,7 +248,7 @@ def read_model(m: MappedFile, allow) -> tuple:
     justified(m, [t for _, t in buffers] + [t for n, t in frozen.items() if n in dict(frozen_list)])
     dp = top.get("dp_world_size")
     return ModelStates(path, shapes, frozen_list, frozen, buffers, shared, others, _version(top, path),
-                       dp if type(dp) is int else None), top
+                       dp if type(dp) is int else None, saved_facts(top, None, path)), top
 
 
 # --- The tag directory ---------------------------------------------------------------------------
@@ -243,11 +289,11 @@ def _layout(directory: Path) -> Layout:
         raise BadInput(f"{directory}: holds files of {len(mp)} model-parallel ranks ({shown}): a tensor- or "
                        "pipeline-parallel checkpoint (as Megatron-DeepSpeed writes), whose ranks hold different "
                        "parts of each layer; merging them is not supported; refused")
-    world = max(r for r, _ in optim) + 1
-    missing = [r for r in range(world) if (r, 0) not in optim]
-    if missing:
-        raise BadInput(f"{directory}: the optimizer state of rank {missing[0]} is missing "
-                       f"(zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt; {len(optim)} rank files for ranks "
+    world = max(r for r, _ in optim) + 1   # (a number from a name: looked at only as far as the files go)
+    missing = first_missing({r for r, _ in optim}, world)
+    if missing is not None:
+        raise BadInput(f"{directory}: the optimizer state of rank {missing} is missing "
+                       f"(zero_pp_rank_{missing}_mp_rank_00_optim_states.pt; {len(optim)} rank files for ranks "
                        f"0-{world - 1}); refused")
     return Layout(directory, [optim[(r, 0)] for r in range(world)], model)
 

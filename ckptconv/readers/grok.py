@@ -22,7 +22,7 @@ from ..io.mapped import MappedFile
 from .pickle.numpy_globals import NUMPY_OWNED, NumpyArray, numpy_globals, numpy_source
 from ..tensor import Checkpoint, SourceFacts, Computed, Concat, cast
 from .pickle.unpickler import StandIn
-from . import ReadOptions, confined, model_files, source_root, wanted
+from . import ReadOptions, confined, first_missing, model_files, source_root, wanted
 
 NAME = "grok"
 
@@ -112,10 +112,10 @@ def _inventory(d: Path, root: str) -> dict:
         m = FILE_RE.fullmatch(p.name)
         if m:
             files.setdefault(int(m.group(1)), {})[int(m.group(2))] = confined(p, root)
-    count = max(files) + 1
-    missing = [i for i in range(count) if i not in files]
-    if missing:
-        raise BadInput(f"{d}: tensor files for index {missing[0]} are missing (expected 0..{count - 1})")
+    count = max(files) + 1   # (numbers from names: looked at only as far as the files go)
+    missing = first_missing(files, count)
+    if missing is not None:
+        raise BadInput(f"{d}: tensor files for index {missing} are missing (expected 0..{count - 1})")
     hosts = len(files[0])
     for i in range(count):
         if sorted(files[i]) != list(range(hosts)):

@@ -2,6 +2,7 @@
 the DCP checkpoint beside it read with readers/dcp.py, and its stacked layer (and expert) tensors
 unstacked under the merged names as lazy views. Registers nothing: megatron.py is the reader.
 """
+import math
 from pathlib import Path
 
 from ..errors import BadInput
@@ -88,10 +89,10 @@ def _unstack(tensors: list, a: mt.Arch, d: Path) -> tuple:
         if t.name.startswith(("embedding.", "output_layer.", "decoder.final_layernorm.")):
             continue   # (placed below, in Megatron's order)
         raise BadInput(f"{d}: tensor {t.name!r} is not part of a Megatron GPT model ckptconv reads")
-    for t in stacked:
-        if not t.shape or t.shape[0] != a.layers:
-            raise BadInput(f"{d}: tensor {t.name!r} stacks {t.shape[0] if t.shape else 0} layers; args.num_layers "
-                           f"says {a.layers}")
+    for t in stacked:   # (one piece per layer and expert: as many as it has elements, whatever args claims)
+        if not t.shape or t.shape[0] != a.layers or not math.prod(t.shape):
+            raise BadInput(f"{d}: tensor {t.name!r} stacks {t.shape[0] if t.shape else 0} layers"
+                           f"{'' if math.prod(t.shape) else ' of no elements'}; args.num_layers says {a.layers}")
         rest = t.name[len(_STACKED):]
         if rest.startswith(_EXPERTS) and (len(t.shape) < 2 or t.shape[1] != a.experts):
             raise BadInput(f"{d}: tensor {t.name!r} stacks {t.shape[1] if len(t.shape) > 1 else 0} experts; "

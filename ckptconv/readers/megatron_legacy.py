@@ -15,7 +15,7 @@ from ..tensor import TensorSource
 from ..tp import megatron as mt
 from ..tp.layout import joined
 from ..tp.presets import PRESETS
-from . import ReadOptions, confined
+from . import ReadOptions, confined, first_missing, one_save
 from . import ziparchive
 from .pickle import unpickler
 from .pickle.megatron_globals import megatron_globals
@@ -27,6 +27,10 @@ RANK_FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"mp_rank_(\d{2,6})(?:_(\d{3,6}))?(?:_(\d{3,6}))?")
 CHUNK = re.compile(r"model(\d{0,4})")
 SUPPORTED_VERSION = 3.0          # checkpoint_version: older ones order linear_qkv differently
+# args fields that count a run's progress, compared across the rank files as the iteration is; and
+# the ones each process sets for itself (its global and local rank), left out of the args compared
+SAVED_ARGS = ("iteration", "consumed_train_samples", "consumed_valid_samples", "skipped_train_samples")
+PER_PROCESS_ARGS = ("rank", "local_rank")
 
 
 # --- What one rank file says ---------------------------------------------------------------------
@@ -44,6 +48,7 @@ class RankFile:
     chunks: list                      # per virtual chunk: {name: TorchTensor or None}, in saved order
     iteration: object
     version: object
+    saved: dict                       # what it records of its save, as read (_saved)
 
 
 def _namespace(obj, where) -> dict:
@@ -112,7 +117,24 @@ def read_rank(m: MappedFile, coords: tuple, allow, unlisted) -> RankFile:
                        "2020: linear_qkv per query group) is read; older ones order q, k, v differently")
     chunks = _chunks(top, path)
     justified(m, [t for c in chunks for t in c.values() if t is not None])
-    return RankFile(path, *coords, args, mt.arch(args, path), chunks, top.get("iteration"), version)
+    sched = top.get("opt_param_scheduler")
+    saved = {k: top[k] for k in ("iteration", "num_floating_point_operations_so_far") if k in top}
+    saved.update({f"args.{k}": args[k] for k in SAVED_ARGS if k in args})
+    if isinstance(sched, dict) and "num_steps" in sched:
+        saved["opt_param_scheduler's num_steps"] = sched["num_steps"]
+    return RankFile(path, *coords, args, mt.arch(args, path), chunks, top.get("iteration"), version, saved)
+
+
+def _saved(rf: RankFile) -> dict:
+    """What a rank file records of the save it is of (readers.one_save): the iteration, the counters
+    in args and beside it, and args itself (its digest, without the fields each process sets
+    for itself): every rank saves the same at once."""
+    budget = Budget(rf.path)
+    out = {k: v if v is None or isinstance(v, (int, float, str)) else unpickler.recorded_digest(v, budget)
+           for k, v in rf.saved.items()}
+    out["args (sha256)"] = unpickler.recorded_digest({k: v for k, v in rf.args.items() if k not in PER_PROCESS_ARGS},
+                                                     budget)
+    return out
 
 
 # --- The legacy layout ---------------------------------------------------------------------------
@@ -180,6 +202,7 @@ def _legacy(d: Path, root: str, options: ReadOptions):
         for rf in files.values():
             if rf.path == Path(u.path) and unpickler.unread_in(rf.args) is not None:
                 raise u.refusal()
+    one_save([(rf.path, _rank(rf), _saved(rf)) for rf in files.values()])
     tensors, dropped = _merge_legacy(files, a, d)
     extras = unpickler.extras_json({"args": _record(head), "checkpoint_version": head.version,
                                     "iteration": head.iteration}, Budget(head.path))
@@ -204,13 +227,14 @@ def _rank_coords(dirs: dict, a: mt.Arch, d: Path) -> dict:
             raise BadInput(f"{d / name}: holds rank (tp {coords[0]}, pp {coords[1]}, ep {coords[2]}), as "
                            f"{ranks[coords]} does; refused")
         ranks[coords] = name
-    if len(ranks) != a.tp * a.pp * a.ep:   # (every rank held is inside the mesh: one is missing; found in
-        for i in range(len(ranks) + 1):     # at most len(ranks) + 1 steps, whatever sizes args claims)
-            t, p, e = i % a.tp, i // a.tp % a.pp, i // (a.tp * a.pp)
-            if (t, p, e) not in ranks:
-                spelled = f"mp_rank_{t:02d}" + (f"_{p:03d}" if a.pp > 1 else "") + (f"_{e:03d}" if a.ep > 1 else "")
-                raise BadInput(f"{d}: rank (tp {t}, pp {p}, ep {e}) is missing ({spelled}/{RANK_FILE}); args "
-                               f"says tp {a.tp} x pp {a.pp} x ep {a.ep}")
+    # every rank held is inside the mesh: one missing is found in at most len(ranks) + 1 steps, whatever
+    # sizes args claims
+    i = first_missing({t + a.tp * (p + a.pp * e) for t, p, e in ranks}, a.tp * a.pp * a.ep)
+    if i is not None:
+        t, p, e = i % a.tp, i // a.tp % a.pp, i // (a.tp * a.pp)
+        spelled = f"mp_rank_{t:02d}" + (f"_{p:03d}" if a.pp > 1 else "") + (f"_{e:03d}" if a.ep > 1 else "")
+        raise BadInput(f"{d}: rank (tp {t}, pp {p}, ep {e}) is missing ({spelled}/{RANK_FILE}); args "
+                       f"says tp {a.tp} x pp {a.pp} x ep {a.ep}")
     return ranks
 
 def _record(rf: RankFile):
@@ -218,18 +242,16 @@ def _record(rf: RankFile):
     return InertObject("argparse.Namespace", state=dict(rf.args))
 
 
+def _rank(rf: RankFile) -> str:
+    return f"rank (tp {rf.tp}, pp {rf.pp}, ep {rf.ep})"
+
+
 def _agree(rf: RankFile, head: RankFile):
-    """Every rank file is of the same run: the same architecture and parallel sizes, iteration and
-    number of virtual chunks."""
-    for f in fields(mt.Arch):
-        mine, theirs = getattr(rf.arch, f.name), getattr(head.arch, f.name)
-        if mine != theirs:
-            raise BadInput(f"{rf.path}: rank (tp {rf.tp}, pp {rf.pp}, ep {rf.ep}): args gives {f.name} "
-                           f"{brief(mine, 60)}, {head.path.parent.name}'s {brief(theirs, 60)}: files of different "
-                           "runs; refused")
-    if rf.iteration != head.iteration:
-        raise BadInput(f"{rf.path}: rank (tp {rf.tp}, pp {rf.pp}, ep {rf.ep}): iteration {_found(rf.iteration)}, "
-                       f"{head.path.parent.name}'s {_found(head.iteration)}: files of different saves; refused")
+    """Every rank file is of the same run (the same architecture and parallel sizes, as args gives
+    them: readers.one_save) and holds the number of virtual chunks args says; that they are of
+    one save is checked once all are read (_saved)."""
+    one_save([(f.path, _rank(f), {f"args' {x.name}": getattr(f.arch, x.name) for x in fields(mt.Arch)})
+              for f in (head, rf)], "runs")
     want = head.arch.vp or 1
     if len(rf.chunks) != want:
         raise BadInput(f"{rf.path}: rank (tp {rf.tp}, pp {rf.pp}, ep {rf.ep}) holds {len(rf.chunks)} model chunk(s), "

@@ -218,9 +218,10 @@ def _qkv(src: TensorSource, base: str, a: Arch) -> list:
     its v; as q_proj, k_proj, v_proj (each group's rows, in group order)."""
     qpg, hd = a.heads // a.groups, a.head_dim
     per = (qpg + 2) * hd
-    if src.shape[0] != a.groups * per:
-        raise BadInput(f"tensor {src.name!r}: {src.shape[0]} rows, not {a.groups} query groups x ({qpg} + 2) heads x "
-                       f"{hd}")
+    # (a row range per query group: as many as the tensor has elements, whatever count args claims)
+    if src.shape[0] != a.groups * per or not math.prod(src.shape):
+        raise BadInput(f"tensor {src.name!r}: {list(src.shape)}, not {a.groups} query groups x ({qpg} + 2) heads x "
+                       f"{hd} rows of elements")
     kind = src.name.rsplit(".", 1)[1]
     q = [(g * per, g * per + qpg * hd) for g in range(a.groups)]
     k = [(g * per + qpg * hd, g * per + (qpg + 1) * hd) for g in range(a.groups)]

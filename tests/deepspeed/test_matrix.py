@@ -8,6 +8,7 @@ Run by `make test-deepspeed`, which makes DeepSpeed's venv and the fixtures (abo
 and points CKPTCONV_DEEPSPEED_FIXTURES at them; skipped otherwise."""
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,12 @@ def variants(pipeline=False):
     return [n for n, v in VARIANTS.items() if (v["model"] == "pipe") == pipeline]
 
 
+def saves(name) -> tuple:
+    """The steps after which variant `name` was saved (one global_stepN/ each)."""
+    from tests.fixtures.deepspeed import VARIANTS
+    return VARIANTS[name].get("saves", ())
+
+
 @pytest.mark.parametrize("name", variants())
 def test_bit_for_bit_with_deepspeeds_merge(name, tmp_path):
     for src in (ROOT / name, ROOT / name / (ROOT / name / "latest").read_text().strip()):
@@ -39,6 +46,19 @@ def test_bit_for_bit_with_deepspeeds_merge(name, tmp_path):
     r = run("convert", ROOT / name, tmp_path / "bf16", "--dtype", "bf16", "--quiet")
     assert r.exit_code == 0, r.stderr
     check_output(tmp_path / "bf16", name, ROOT, cast=torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", [n for n in variants() if len(saves(n)) > 1])
+def test_ranks_of_two_saves_are_refused(name, tmp_path):
+    """Rank 1's files of the first save beside rank 0's of the last: one line naming rank 1's file."""
+    src = tmp_path / name
+    shutil.copytree(ROOT / name, src)
+    first, last = (f"global_step{s}" for s in (saves(name)[0], saves(name)[-1]))
+    for f in (src / first).glob("*zero_pp_rank_1_*"):
+        shutil.copy(f, src / last / f.name)
+    r = run("convert", src, tmp_path / "out")
+    assert r.exit_code == 2 and "zero_pp_rank_1_mp_rank_00" in r.stderr and "files of different saves" in r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_frozen_parameters_stage_1_does_not_save_are_listed(tmp_path):

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from tests.helpers import DATA, ROOT, assert_same, load_output, run
 
 FIXTURES = DATA / "deepspeed"
-COMMITTED = ["z1-fp32-mlp", "z2-fp32-mlp", "z3-bf16-frozen-tied", "z3-bf16-llama-tied"]
+COMMITTED = ["z1-fp32-mlp", "z2-fp32-mlp", "z3-bf16-frozen-tied", "z3-bf16-llama-tied", "z3-fp32-saves", "z2-bf16-saves"]
+SAVED_TWICE = ["z3-fp32-saves", "z2-bf16-saves"]   # global_step1/ and global_step2/ of one run
 
 
 def reference(name, root=FIXTURES):
@@ -108,6 +109,21 @@ def test_inspect_plan_and_verify_against_the_zero_directory(tmp_path):
     # a master changed in the output is found
     r = run("verify", tmp_path / "out", "--against", FIXTURES / "z2-fp32-mlp")
     assert r.exit_code != 0
+
+
+@pytest.mark.parametrize("name", SAVED_TWICE)
+def test_each_save_of_a_run_reads_alone(name, tmp_path):
+    """Both saves of one run (the files every rank records the same of: steps, samples, the
+    optimizer's step, ds_config) convert, each to its own masters, and verify against its files."""
+    got = {}
+    for tag in ("global_step1", "global_step2"):
+        src = FIXTURES / name / tag
+        r = run("convert", src, tmp_path / tag, "--quiet")
+        assert r.exit_code == 0, r.stderr
+        assert run("verify", tmp_path / tag, "--against", src).exit_code == 0
+        got[tag] = load_output(tmp_path / tag)
+    check_output(tmp_path / "global_step2", name)
+    assert any(not torch.equal(got["global_step1"][k], v) for k, v in got["global_step2"].items())
 
 
 def test_reshard_and_vllm_target_straight_from_zero(tmp_path):

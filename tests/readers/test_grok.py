@@ -168,6 +168,15 @@ def test_missing_host_file_named(tmp_path):
     assert r.exit_code == 2 and "index 5" in r.stderr and not (tmp_path / "out").exists()
 
 
+def test_a_missing_index_is_found_as_far_as_the_files_go(tmp_path):
+    """tensor99999_000 beside tensor00000_000: index 1 is missing, found in as many steps as there
+    are files (the number in a name sizes nothing)."""
+    src = gf.write_dir(tmp_path / "src", {"p0": np.zeros(3, np.float32)})
+    (src / "tensor99999_000").write_bytes((src / "tensor00000_000").read_bytes())
+    r = run("convert", src, tmp_path / "out")
+    assert r.exit_code == 2 and "index 1 are missing (expected 0..99999)" in r.stderr, r.stderr
+
+
 def test_names_file_and_positional_names(tmp_path):
     arrays = {f"p{i}": np.full((3,), i, np.float32) for i in range(5)}
     src = gf.write_dir(tmp_path / "src", arrays)

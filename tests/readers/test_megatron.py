@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import DATA, assert_clean, assert_same, load_output, run
+from tests.helpers import DATA, assert_clean, assert_refused, assert_same, cli, load_output, patch_pickle, run
 
 FIXTURES = DATA / "megatron"
 COMMITTED = ["legacy-untied-tp2-pp2", "dist-tied-tp2-pp2", "legacy-moe-tp2-pp1-ep2"]
@@ -202,6 +202,29 @@ def test_ranks_of_another_run_are_refused(tmp_path):
              "files of different runs")
 
 
+def _a_later_save(b: bytes) -> bytes:
+    """Iteration 1 -> 2 where Megatron records it: beside the model (`iteration`, memoized after
+    args'), in args (`iteration`) and in the scheduler (`num_steps`)."""
+    for old, new in ((b"iterationq<K\x01", b"iterationq<K\x02"), (b"h<K\x01", b"h<K\x02"),
+                     (b"num_stepsr{\x01\x00\x00K\x01", b"num_stepsr{\x01\x00\x00K\x02")):
+        assert b.count(old) == 1
+        b = b.replace(old, new)
+    return b
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (_a_later_save, "iteration 2, rank (tp 0, pp 0, ep 0)'s 1"),
+    (lambda b: b.replace(b"/checkpoints/run", b"/checkpoints/ruN"), "args (sha256)"),
+])
+def test_ranks_of_different_saves_are_refused(tmp_path, edit, fragment):
+    """One rank file of a later save (or whose args differ: another run's) beside the others: the
+    rule DeepSpeed's rank files are held to (readers.one_save)."""
+    src = _copy(tmp_path)
+    patch_pickle(src / "iter_0000001" / "mp_rank_01_001" / "model_optim_rng.pt", edit)
+    _refused(run("convert", src, tmp_path / "out"), tmp_path / "out", "mp_rank_01_001/model_optim_rng.pt: rank (tp 1, "
+             "pp 1, ep 0): ", fragment, "files of different saves")
+
+
 def test_a_truncated_rank_file_is_refused_naming_it(tmp_path):
     src = _copy(tmp_path)
     f = src / "iter_0000001" / "mp_rank_00_001" / "model_optim_rng.pt"
@@ -243,14 +266,14 @@ class Unknown:   # a class of no allowlist, pickled by name into args
     pass
 
 
-def _tiny_legacy(root: Path, tp=1, pp=1, **args):
+def _tiny_legacy(root: Path, tp=1, pp=1, qkv=(24, 8), **args):
     """A one-file legacy checkpoint written here with torch.save: args as given, one 1-layer stage."""
     import argparse
     base = dict(num_layers=1, hidden_size=8, num_attention_heads=2, padded_vocab_size=16, normalization="RMSNorm",
                 swiglu=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model = {"embedding.word_embeddings.weight": torch.zeros(16, 8),
              "decoder.layers.0.input_layernorm.weight": torch.ones(8),
-             "decoder.layers.0.self_attention.linear_qkv.weight": torch.zeros(24, 8)}
+             "decoder.layers.0.self_attention.linear_qkv.weight": torch.zeros(qkv)}
     f = root / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
     f.parent.mkdir(parents=True)
     torch.save({"args": argparse.Namespace(**{**base, **args}), "checkpoint_version": 3.0, "iteration": 1,
@@ -268,6 +291,44 @@ def test_sizes_args_claims_cost_nothing_beyond_the_files(tmp_path):
         _refused(r, tmp_path / "out", str(src))
     r = run("convert", _tiny_legacy(tmp_path / "neg", num_layers=-3), tmp_path / "out")
     _refused(r, tmp_path / "out", "args.num_layers is -3")
+
+
+def _tiny_dist(root: Path, stacked, **args):
+    """A torch_dist checkpoint written here with torch's DCP (one process): common.pt's args as
+    given, the embedding and one stacked layer tensor of shape `stacked`."""
+    import argparse
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    it = root / "iter_0000001"
+    it.mkdir(parents=True)
+    base = dict(num_layers=stacked[0], hidden_size=8, num_attention_heads=2, padded_vocab_size=16,
+                normalization="RMSNorm", swiglu=True)
+    torch.save({"args": argparse.Namespace(**{**base, **args}), "checkpoint_version": 3.0, "iteration": 1},
+               it / "common.pt")
+    (it / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                  "common_backend": "torch", "common_backend_version": 1}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # (no process group: one process saves)
+        dcp.save({"embedding.word_embeddings.weight": torch.zeros(16, 8),
+                  "decoder.layers.input_layernorm.weight": torch.ones(stacked)}, checkpoint_id=str(it), no_dist=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+    return root
+
+
+def test_counts_args_claims_are_bounded_by_the_elements_present(tmp_path):
+    """A count from args is looked at only as far as the tensors it cuts hold elements: 2**40 layers
+    stacked in a torch_dist tensor of none, 2**38 query groups cut out of an empty linear_qkv (--to
+    hf) were each a MemoryError; now one line, in a process whose memory is capped."""
+    src = _tiny_dist(tmp_path / "dist", (2**40, 0))
+    r = cli("convert", src, tmp_path / "out")
+    assert_refused(r, tmp_path / "out", "decoder.layers.input_layernorm.weight", "stacks 1099511627776 layers of no "
+                   "elements")
+    groups = 2**38
+    src = _tiny_legacy(tmp_path / "hf", qkv=(3 * groups, 0), num_attention_heads=groups, group_query_attention=True,
+                       num_query_groups=groups, kv_channels=1, position_embedding_type="rope", add_bias_linear=False)
+    r = cli("convert", src, tmp_path / "out", "--to", "hf")
+    assert_refused(r, tmp_path / "out", "linear_qkv.weight", f"not {groups} query groups")
+    assert run("convert", src, tmp_path / "out", "--quiet").exit_code == 0   # (Megatron's names: nothing is cut)
 
 
 def test_a_class_of_no_allowlist_in_args_is_recorded_as_data_naming_it(tmp_path):

@@ -6,17 +6,13 @@ written. Attacks (code, links leading out, a truncated file, classes off the all
 CLI in a fresh process under a memory cap and a timeout, with every file it opens recorded;
 inconsistent files run it in this process (`refused_here`: the same line, a second each saved)."""
 import os
-import re
 import shutil
-import struct
-import zipfile
-import zlib
 
 import pytest
 import torch
 
 from tests.fixtures.attacks import Reduce
-from tests.helpers import DATA, assert_clean, assert_refused, cli, run
+from tests.helpers import DATA, assert_clean, assert_refused, cli, patch_pickle, run
 
 FIXTURES = DATA / "deepspeed"
 
@@ -24,31 +20,6 @@ FIXTURES = DATA / "deepspeed"
 def copy(name, tmp_path):
     shutil.copytree(FIXTURES / name, tmp_path / name)
     return tmp_path / name, tmp_path / name / "global_step2"
-
-
-def patch_pickle(path, edit):
-    """Rewrite the data.pkl of a torch zip in place with `edit(bytes) -> bytes` (same length), its
-    CRC-32 fixed in the local header and the central directory, as if the producer had written it."""
-    data = bytearray(path.read_bytes())
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
-    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
-    start = info.header_offset + 30 + name_len + extra_len
-    old = bytes(data[start:start + info.file_size])
-    new = edit(old)
-    assert len(new) == len(old) and new != old
-    data[start:start + len(new)] = new
-    crc = zlib.crc32(new)
-    struct.pack_into("<I", data, info.header_offset + 14, crc)
-    for m in re.finditer(rb"PK\x01\x02", bytes(data)):
-        at = m.start()
-        n = struct.unpack_from("<H", data, at + 28)[0]
-        if bytes(data[at + 46:at + 46 + n]) == info.filename.encode():
-            struct.pack_into("<I", data, at + 16, crc)
-            break
-    else:
-        raise AssertionError(f"no central directory entry for {info.filename}")
-    path.write_bytes(bytes(data))
 
 
 def convert(src, tmp_path):
@@ -108,6 +79,54 @@ def test_files_of_another_run_are_refused(tmp_path, edit, fragment):
     target = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     patch_pickle(target, edit)
     refused_here(src, tmp_path, "zero_pp_rank_1_mp_rank_00_optim_states.pt", fragment, "different runs")
+
+
+def mixed(name, tmp_path, pattern):
+    """Variant `name`, which the real DeepSpeed saved after step 1 and after step 2, with the files
+    of global_step2/ that match `pattern` taken from global_step1/."""
+    src, tag = copy(name, tmp_path)
+    taken = sorted((src / "global_step1").glob(pattern))
+    assert taken
+    for f in taken:
+        shutil.copy(f, tag / f.name)
+    return src, tag
+
+
+@pytest.mark.parametrize("name, pattern, fragment", [
+    # ZeRO-3: rank 1's files, or only its optimizer state, of step 1 beside rank 0's of step 2 ...
+    ("z3-fp32-saves", "zero_pp_rank_1_*", "zero_pp_rank_1_mp_rank_00_model_states.pt: rank 1: global_steps 1, "
+                                          "rank 0's 2"),
+    ("z3-fp32-saves", "zero_pp_rank_1_*_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt: rank 1: "
+                                                          "optimizer step 1, rank 0's 2"),
+    # ... or rank 0's of step 1 (the first file is the one the others are held to)
+    ("z3-fp32-saves", "zero_pp_rank_0_*", "zero_pp_rank_1_mp_rank_00_model_states.pt: rank 1: global_steps 2, "
+                                          "rank 0's 1"),
+    # ZeRO-2: one model-state file; each rank's optimizer state records the optimizer's step
+    ("z2-bf16-saves", "bf16_zero_pp_rank_1_*", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt: rank 1: optimizer "
+                                               "step 1, rank 0's 2"),
+])
+def test_ranks_of_two_saves_are_refused_naming_the_ranks_and_their_steps(tmp_path, name, pattern, fragment):
+    """Issue 7: such a directory converted into tensors half of one step and half of the other, and
+    verify --against passed."""
+    src, tag = mixed(name, tmp_path, pattern)
+    for s in (src, tag):
+        refused_here(s, tmp_path, fragment, "files of different saves")
+
+
+def test_verify_against_ranks_of_two_saves_is_refused(tmp_path):
+    out = tmp_path / "converted"
+    assert run("convert", FIXTURES / "z3-fp32-saves", out, "--quiet").exit_code == 0
+    src, _ = mixed("z3-fp32-saves", tmp_path, "zero_pp_rank_1_*")
+    r = run("verify", out, "--against", src)
+    assert r.exit_code == 2 and "rank 1: global_steps 1, rank 0's 2: files of different saves" in r.stderr, r.stderr
+
+
+def test_a_rank_number_in_a_name_costs_nothing_beyond_the_files(tmp_path):
+    """Issue 8: rank 999,999,999 in a name made a list of a billion ranks (1.8 GB, MemoryError after
+    21 s); the missing rank is found in as many steps as there are files, in a capped process."""
+    src, tag = copy("z2-fp32-mlp", tmp_path)
+    shutil.copy(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt", tag / "zero_pp_rank_999999999_mp_rank_00_optim_states.pt")
+    refused(src, tmp_path, "the optimizer state of rank 2 is missing", "ranks 0-999999999")
 
 
 def test_shapes_the_partitions_do_not_hold_are_refused(tmp_path):

@@ -58,6 +58,14 @@ def extras_json(extras: dict, budget: Budget) -> dict:
     return {name: walk.value(value, (None, name), 0) for name, value in extras.items()}
 
 
+def recorded_digest(value, budget: Budget) -> str:
+    """What a file records (a run's arguments, DeepSpeed's ds_config), in 16 hex digits of the
+    SHA-256 of its extras JSON with sorted keys: compared across a source's files
+    (readers.one_save) without keeping it, and charged to the budget as extras are."""
+    text = json.dumps(extras_json({"": value}, budget)[""], sort_keys=True, ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 class _Extras:
     """One walk over extras. Paths are (parent, key) pairs, spelled out only when written (a
     reference) or reported: building every dotted name up front costs its length per value."""

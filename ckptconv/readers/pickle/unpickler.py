@@ -4,7 +4,7 @@ what it built becomes extras extras.py. docs/security.md, "The allowlists", list
 accepts.
 """
 from .context import Context
-from .extras import Ref, extras_json, key_text
+from .extras import Ref, extras_json, key_text, recorded_digest
 from .policy import (CODE_LAST, CODE_MODULES, CODE_NAMES, CODE_PARTS, SAFE_BUILTINS, Allowlist, Placeholder, Unlisted,
                      allow_globals, allowing, hint, listing, record_parts, runs_code, unread_in)
 from .standins import (BENIGN, PAYLOAD_MIN, Function, InertClass, InertObject, Marker, Payload, StandIn, StateDict,
@@ -15,4 +15,5 @@ from .vm import load, load_prefix
 __all__ = ["BENIGN", "CODE_LAST", "CODE_MODULES", "CODE_NAMES", "CODE_PARTS", "PAYLOAD_MIN", "SAFE_BUILTINS",
            "Allowlist", "Context", "Function", "InertClass", "InertObject", "Marker", "Payload", "Placeholder", "Ref",
            "StandIn", "StateDict", "Unlisted", "allow_globals", "allowing", "as_buffer", "extras_json",
-           "fetched_memo", "hint", "key_text", "listing", "load", "load_prefix", "record_parts", "runs_code", "unread_in"]
+           "fetched_memo", "hint", "key_text", "listing", "load", "load_prefix", "record_parts", "recorded_digest",
+           "runs_code", "unread_in"]
