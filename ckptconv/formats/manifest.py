@@ -156,9 +156,7 @@ def summarised(extras: dict, limit: int) -> tuple:
     JSON passes `limit` bytes, the largest groups (by first dotted part) are each replaced by one
     entry `{"__summarised__": {type, entries, json_bytes, sha256}}` until the rest fits. Linear in
     the extras' JSON (each value is encoded once to measure it)."""
-    groups = {}
-    for name, value in extras.items():
-        groups.setdefault(_group(name), []).append((name, value))
+    groups = _groups(extras)
     sizes = {g: sum(len(json.dumps(n)) + len(json.dumps(v)) + 4 for n, v in items) for g, items in groups.items()}
     total, cut = sum(sizes.values()), set()
     for g in sorted(sizes, key=lambda g: (-sizes[g], g)):
@@ -166,29 +164,32 @@ def summarised(extras: dict, limit: int) -> tuple:
             break
         cut.add(g)
         total -= sizes[g]
-    if not cut:
-        return extras, []
-    out, done = {}, []
-    for name, value in extras.items():
-        g = _group(name)
-        if g not in cut:
-            out[name] = value
-        elif g not in out:
-            out[g] = _summary(g, groups[g])
-            done.append((g, len(groups[g]), out[g][SUMMARY]["json_bytes"]))
-    return out, done
+    out = _with_summaries(extras, groups, cut)
+    return out, [(g, len(groups[g]), out[g][SUMMARY]["json_bytes"]) for g in out if g in cut]
 
 
 def summarised_like(extras: dict, recorded: dict) -> dict:
     """`extras` (a fresh read of the source) with the groups `recorded` (a manifest's) summarises
     summarised the same way, so the two compare (verify --against)."""
     cut = {g for g, v in recorded.items() if isinstance(v, dict) and set(v) == {SUMMARY}}
+    return _with_summaries(extras, _groups(extras, cut), cut)
+
+
+def _groups(extras: dict, only=None) -> dict:
+    """{group: [(name, value)]} of `extras` (of the groups in `only`, if given), in their order."""
+    groups = {}
+    for name, value in extras.items():
+        g = _group(name)
+        if only is None or g in only:
+            groups.setdefault(g, []).append((name, value))
+    return groups
+
+
+def _with_summaries(extras: dict, groups: dict, cut: set) -> dict:
+    """`extras` with each group in `cut` one summary, where its first name was."""
     if not cut:
         return extras
-    groups, out = {}, {}
-    for name, value in extras.items():
-        if _group(name) in cut:
-            groups.setdefault(_group(name), []).append((name, value))
+    out = {}
     for name, value in extras.items():
         g = _group(name)
         if g not in cut:
