@@ -104,8 +104,9 @@ def _sha256_regular(path: Path) -> str | None:
 
 
 def _index_name(entries: dict) -> str:
-    """The index of a directory: the one `STEM.safetensors.index.json` (`--name STEM`), model's by default."""
-    found = sorted(n for n in entries if n.endswith(manifest_format.INDEX_SUFFIX))
+    """The index of a directory: the one `STEM.safetensors.index.json` (`--name STEM`; a variant's
+    `STEM.safetensors.index.VARIANT.json`, a pipeline component's), model's by default."""
+    found = sorted(n for n in entries if manifest_format.is_index(n))
     return found[0] if len(found) == 1 else manifest_format.index_name()
 
 

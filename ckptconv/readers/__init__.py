@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import safejson
 from ..errors import BadInput, UsageError, brief, encodable
-from ..formats.manifest import MANIFEST
+from ..formats.manifest import MANIFEST, index_kind
 from ..formats.mesh import MESH
 from ..formats.sums import NAME as SUMS, unsafe_name
 from .base import READERS, ReadOptions, Reader, Source
@@ -106,6 +106,14 @@ OTHER_WEIGHTS = (".index.json", ".msgpack", ".h5")
 def weight_suffixes() -> tuple:
     """How weight files' names end: what each reader declares (`Reader.suffixes`), and OTHER_WEIGHTS."""
     return tuple(sorted({s for r in readers().values() for s in r.suffixes} | set(OTHER_WEIGHTS)))
+
+
+def weights_name(name: str) -> bool:
+    """Whether a file of this name is weights or an index (weight_suffixes, or a variant's index,
+    `STEM.safetensors.index.fp16.json`): never carried into OUT as a model file."""
+    return name.endswith(weight_suffixes()) or index_kind(name) is not None
+
+
 OUTPUT_METADATA = (MANIFEST, SUMS, MESH)
 
 # A single weights file given as SRC carries the one config file beside it that its consumer pairs
@@ -171,7 +179,7 @@ def model_files(directory: Path, consumed=()) -> list:
     consumed = {os.path.abspath(p) for p in consumed}
     out = []
     for p in sorted(directory.iterdir()):
-        if (p.name.startswith(".") or os.path.abspath(p) in consumed or p.name.endswith(weight_suffixes())
+        if (p.name.startswith(".") or os.path.abspath(p) in consumed or weights_name(p.name)
                 or p.name in OUTPUT_METADATA or p.is_dir() or training_state(p.name)):
             continue
         out.append((p.name, p))

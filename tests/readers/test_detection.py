@@ -77,3 +77,30 @@ def test_finding_nothing_names_what_was_looked_for(tmp_path):
     for reader in readers().values():
         assert f"{reader.name}: {reader.looks_for}" in line
     assert "*.pth.tar" in line and "mesh.json" in line and ".metadata" in line
+
+
+def test_a_variants_index_is_read_and_never_carried(tmp_path):
+    """Hugging Face names a variant's index `STEM.safetensors.index.VARIANT.json` (diffusers' and
+    transformers' `_add_variant`): a directory holding one reads it (safetensors and .bin); beside the
+    index without a variant, that one is read; either way it is weights, never a model file carried."""
+    from huggingface_hub import save_torch_state_dict
+    tensors = {f"w{i}": torch.full((64,), float(i)) for i in range(4)}
+
+    def variant(d, kind):
+        d.mkdir()
+        save_torch_state_dict(tensors, d, filename_pattern="model.fp16{suffix}." + kind, max_shard_size=300,
+                              safe_serialization=kind == "safetensors")
+        (d / f"model.fp16.{kind}.index.json").rename(d / f"model.{kind}.index.fp16.json")
+
+    for kind, reader in (("safetensors", "safetensors"), ("bin", "torch")):
+        d = tmp_path / kind
+        variant(d, kind)
+        (d / "config.json").write_text("{}")
+        ckpt = open_checkpoint(d)
+        assert ckpt.format == reader and sorted(t.name for t in ckpt.tensors) == sorted(tensors), kind
+        assert [rel for rel, _ in ckpt.model_files] == ["config.json"]
+    d = tmp_path / "both"
+    variant(d, "safetensors")
+    save_torch_state_dict({"a": torch.ones(2), "b": torch.ones(2)}, d, max_shard_size=8)
+    assert (d / "model.safetensors.index.json").is_file()
+    assert sorted(t.name for t in open_checkpoint(d).tensors) == ["a", "b"]

@@ -222,7 +222,8 @@ def _compare_model_files(recorded: Path, files: dict, manifest: dict, source, re
     added = set(manifest["with"]) if isinstance(manifest.get("with"), list) and all(
         isinstance(n, str) for n in manifest["with"]) else set()   # (--with: written from elsewhere, not compared)
     for name in sorted(files):
-        if name not in theirs | added and not name.endswith((".safetensors", manifest_format.INDEX_SUFFIX)):
+        if name not in theirs | added and not (name.endswith((".safetensors", manifest_format.INDEX_SUFFIX))
+                                              or manifest_format.is_index(name)):
             report.add(recorded.parent / name, "is listed as carried, but the source has no such model file", "source")
     for rel, path in carried:
         info = files.get(rel)
