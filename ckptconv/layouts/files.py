@@ -365,17 +365,21 @@ def write_json(out_dir, name, obj, written: Written = None) -> str:
 
 
 def finish_dir(out_dir, shards, written: Written, source: dict, extras: dict, extra_manifest=None,
-               stem: str = fmt.STEM, variant: str | None = None) -> dict:
+               stem: str = fmt.STEM, variant: str | None = None, sums: bool = True) -> dict:
     """Write a directory's index (when it has several shards; a `variant`'s is named as diffusers and
     transformers name it: formats/manifest.index_name), manifest and SHA256SUMS once every shard is
-    written and hashed."""
+    written and hashed. `sums=False`: no SHA256SUMS, an enclosing output's lists the directory's
+    files (a pipeline's component folder: layouts/diffusers); `written` then gets manifest.json's."""
     order = fmt.name_order(shards)
     if fmt.indexed(len(shards)):
         write_json(out_dir, fmt.index_name(stem, variant), fmt.index_document(shards, order), written)
     manifest = fmt.manifest_document(source, written.files, shards, order, written.digests, extras, extra_manifest)
-    sums = {name: info["sha256"] for name, info in written.files.items()}
-    sums[fmt.MANIFEST] = write_json(out_dir, fmt.MANIFEST, manifest)
-    write_sums(out_dir, sums)
+    if not sums:
+        write_json(out_dir, fmt.MANIFEST, manifest, written)
+        return manifest
+    digests = {name: info["sha256"] for name, info in written.files.items()}
+    digests[fmt.MANIFEST] = write_json(out_dir, fmt.MANIFEST, manifest)
+    write_sums(out_dir, digests)
     return manifest
 
 

@@ -120,15 +120,16 @@ def _needs_index(index: str, entries: dict, m_files, sums) -> bool:
     return manifest_format.indexed(len({n for n in listed if n.endswith(".safetensors")}))
 
 
-def _read_meta(d: Path, entries: dict, report: Report):
+def _read_meta(d: Path, entries: dict, report: Report, sums=None):
     """Index, manifest and SHA256SUMS of an output directory, type-checked (no index: weight_map and
-    its names None)."""
+    its names None). `sums`: its files' digests as an enclosing output's SHA256SUMS lists them (a
+    pipeline's component folder, which has none of its own), instead of its own file."""
     later = Report()   # (the manifest's and SHA256SUMS' problems are reported after the index's)
     m_files, m_tensors, problems = (_document(d, MANIFEST, entries, later, MANIFEST, manifest_format.read_manifest)
                                     or (None, None, []))
     for p in problems:
         later.add(d / MANIFEST, p, "metadata")
-    sums = _sums(d, entries, later)
+    sums = _sums(d, entries, later) if sums is None else sums
     index = _index_name(entries)
     weight_map = index_names = None
     if _needs_index(index, entries, m_files, sums):

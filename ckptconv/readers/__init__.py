@@ -7,6 +7,8 @@ with the first that recognises the path; when a directory also holds weights ano
 recognises (a model saved both as safetensors and as .bin), the checkpoint lists them in `also`
 and the summary says which were read.
 """
+import contextlib
+import contextvars
 import functools
 import importlib
 import os
@@ -83,8 +85,8 @@ def open_checkpoint(path, fmt=None, options=None):
     ckpt = reader.load(Path(path), options)
     ckpt.format, ckpt.also = reader.name, also
     beside = paired_files(Path(path)) if Path(path).is_file() else []
-    ckpt.model_files, ckpt.skipped_files = carried(ckpt.model_files + beside, source_root(Path(path)),
-                                                   options.max_extra_size)
+    files, skipped = carried(ckpt.model_files + beside, source_root(Path(path)), options.max_extra_size)
+    ckpt.model_files, ckpt.skipped_files = files, ckpt.skipped_files + skipped   # (after what the reader skipped)
     if Path(path).is_dir():
         ckpt.skipped_files += [{"name": p.name, "reason": f"training state: {what}"}
                                for p, what in training_files(Path(path))]
@@ -186,12 +188,32 @@ def model_files(directory: Path, consumed=()) -> list:
     return out
 
 
+# The directory of a source made of parts (a diffusers pipeline), while a part of it is read
+# (`within`): every file of the part must resolve inside it, not just inside the part's own folder.
+_WITHIN = contextvars.ContextVar("ckptconv_source_within", default=None)
+
+
+@contextlib.contextmanager
+def within(root: str):
+    """Read the parts of the source whose root is `root` (source_root of the whole, resolved): a part's
+    files may lead anywhere inside it (one folder's file linked to another's, a Hugging Face cache
+    snapshot's links into its repo's blobs), and nowhere outside."""
+    token = _WITHIN.set(root)
+    try:
+        yield
+    finally:
+        _WITHIN.reset(token)
+
+
 def source_root(path: Path) -> str:
     """The directory every file of the source must resolve into: SRC itself (a file's directory), or
     for a Hugging Face cache snapshot (`.../snapshots/REV/`, whose files link into the repo's
     `blobs/`), that repo; for a DeepSpeed tag directory (`global_stepN/` beside `latest`), its
-    checkpoint directory."""
+    checkpoint directory; for a part of a source made of parts (`within`), the whole's."""
     d = path if path.is_dir() else path.parent
+    whole = _WITHIN.get()
+    if whole is not None and inside(d, whole):
+        return whole
     if d.parent.name == "snapshots" and (d.parent.parent / "blobs").is_dir():
         d = d.parent.parent
     elif path.is_dir() and deepspeed_tag_directory(d):
