@@ -139,6 +139,9 @@ class Inspection:
     also: list = field(default_factory=list)
     layout: Layout | None = None   # a training checkpoint's parts and which convert writes (readers/wrappers.py)
     placeholders: list = field(default_factory=list)   # classes on no allowlist, recorded as inert data
+    components: list = field(default_factory=list)     # a diffusers pipeline's: {"name", "library", "class",
+                                                       # "format" (None: no weights), "variant", "tensor_count",
+                                                       # "bytes", "files" (carried)}
 
 
 def _tensor_row(fact) -> dict:
@@ -167,4 +170,13 @@ def inspection(source: Source) -> Inspection:
     return Inspection(str(path), ckpt.format, RowView(facts, _tensor_row),
                       ckpt.total_bytes, dict(sorted(hist.items())), ckpt.extras, ckpt.source.to_json(),
                       [rel for rel, _ in ckpt.out_files()[0]], ckpt.skipped_files, ckpt.also, ckpt.layout,
-                      ckpt.source.placeholders)
+                      ckpt.source.placeholders, [_component(p) for p in ckpt.parts])
+
+
+def _component(part) -> dict:
+    """A part of a source made of parts (a diffusers pipeline's component), as inspect shows it."""
+    weights = part.ckpt
+    return {"name": part.name, "library": part.facts.get("library"), "class": part.facts.get("class"),
+            "format": weights.format if weights else None, "variant": part.variant,
+            "tensor_count": len(weights.tensors) if weights else 0, "bytes": weights.total_bytes if weights else 0,
+            "files": [rel for rel, _ in part.files]}

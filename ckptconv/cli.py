@@ -382,10 +382,19 @@ def inspect_cmd(path, list_formats, fmt, read, quiet, as_json):
                          **({"skipped_files": found.skipped_files} if found.skipped_files else {}),
                          **({"also": found.also} if found.also else {}),
                          **({"layout": found.layout.to_json()} if found.layout is not None else {}),
-                         **({"placeholders": found.placeholders} if found.placeholders else {})})
+                         **({"placeholders": found.placeholders} if found.placeholders else {}),
+                         **({"components": found.components} if found.components else {})})
         return
     say(f"{path}: {found.format}, {len(found.tensors)} tensors, {format_size(found.total_bytes)}")
     say("dtypes: " + ", ".join(f"{k} {format_size(v)}" for k, v in found.dtypes.items()))
+    if found.components:
+        say(f"components of {found.source.get('pipeline')}:")
+        width = min(max(len(c["name"]) for c in found.components), 40)
+        for c in found.components:
+            what = (f"{c['format']}" + (f" ({c['variant']} variant)" if c["variant"] else "")
+                    + f", {c['tensor_count']} tensors, {format_size(c['bytes'])}") if c["format"] else "no weights"
+            say(f"  {c['name']:<{width}}  {c['library']} {c['class']}: {what}; carried: "
+                + (", ".join(c["files"]) or "nothing"))
     width = min(max((len(t["name"]) for t in found.tensors), default=4), 80)  # one long name must not pad every line
     for t in found.tensors:
         say(f"  {t['name']:<{width}}  {t['dtype']:<7} {str(t['shape']):<20} {format_size(t['bytes'])}")

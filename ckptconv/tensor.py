@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .dtypes import DType
-from .errors import BadInput, encodable
+from .errors import BadInput, UsageError, encodable
 from .io.output import Inputs
 from .limits import shape_problem
 
@@ -385,6 +385,23 @@ class SourceFacts:
 
 
 @dataclass
+class Part:
+    """One part of a source made of others (a diffusers pipeline's component folder): its name (the
+    folder's), its weights as the reader that recognises them reads them (`ckpt`; None: a part without
+    weights, carried whole), the files carried from it ((name, path), checked by readers.carried) and
+    those not carried ({"name", "reason"}), the stem and variant its weight files are named by (`stem`
+    and `variant`: `diffusion_pytorch_model`, `fp16`), and what the source says of it (`facts`)."""
+
+    name: str
+    ckpt: "Checkpoint | None" = None
+    files: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    stem: str | None = None
+    variant: str | None = None
+    facts: dict = field(default_factory=dict)
+
+
+@dataclass
 class Checkpoint:
     """What a reader returns: ordered tensors, JSON-able extras, what it found out about the source."""
 
@@ -404,6 +421,9 @@ class Checkpoint:
                                                      # name -> bytes (a Megatron checkpoint's config.json)
     unsupported: tuple | None = None                 # (what, hint) of the first tensor in source.skipped: what
                                                      # refuses the source unless --skip-unsupported (readers/__init__)
+    parts: list = field(default_factory=list)        # Part: a source made of others (a diffusers pipeline's
+                                                     # components); `tensors` then lists theirs as PART/NAME
+    output: str | None = None                        # the output layout such a source is written as (its name)
 
     def __post_init__(self):
         """Every reader's tensors meet the same rules before anything is planned or written: distinct
@@ -425,8 +445,10 @@ class Checkpoint:
                 raise BadInput(f"{where}: tensor {t.name!r}: {problem}")
 
     def inputs(self, src) -> list:
-        """Every path this checkpoint reads: SRC, its mapped files and the model files it carries."""
-        return [src] + [m.path for m in self.mapped] + [p for _, p in self.model_files]
+        """Every path this checkpoint reads: SRC, its mapped files and the model files it (and each of
+        its parts) carries."""
+        return [src] + [m.path for m in self.mapped] + [p for _, p in self.model_files] \
+            + [p for part in self.parts for _, p in part.files]
 
     def reads(self, src) -> Inputs:
         """What a run over this checkpoint must not write into: its files, and the directories a
@@ -447,6 +469,15 @@ class Checkpoint:
         """(the model files for OUT as layouts take them: (name, path) carried, (name, None) made; the
         bytes of those made, {name: bytes})."""
         return self.model_files + [(name, None) for name in self.made], dict(self.made)
+
+    def whole(self, src, what: str) -> "Checkpoint":
+        """This checkpoint, for `what` (reshard, plan --tp), which takes one: UsageError for a source made
+        of parts, naming the parts to give instead."""
+        if self.parts:
+            names = [os.path.join(str(src), p.name) for p in self.parts if p.ckpt is not None]
+            raise UsageError(f"{src}: {what} takes one checkpoint, not a {self.format} source of several; give one of "
+                             f"its components ({', '.join(names[:6])})")
+        return self
 
     @property
     def total_bytes(self) -> int:

@@ -5,6 +5,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -23,6 +24,10 @@ STEM = "model"                        # `--name` when the source's files take no
 # The stems Hugging Face libraries load besides `model`: a PEFT adapter's, a diffusers component's.
 HUB_STEMS = ("adapter_model", "diffusion_pytorch_model")
 INDEX_SUFFIX = ".safetensors.index.json"
+# Hugging Face's `variant` (diffusers' and transformers' `_add_variant`, docs/output.md): `STEM.VARIANT.safetensors`,
+# shards `STEM.VARIANT-0000k-of-0000n.safetensors`, and the index `STEM.safetensors.index.VARIANT.json`.
+VARIANT = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_INDEX = re.compile(r"(?P<stem>.+)\.(?P<kind>safetensors|bin|pt)\.index(?:\.(?P<variant>[A-Za-z0-9_-]{1,64}))?\.json")
 
 
 def stem_problem(stem: str) -> str | None:
@@ -49,8 +54,23 @@ def source_name(path) -> str:
     return os.path.basename(os.path.abspath(os.fspath(path)))
 
 
-def index_name(stem: str = STEM) -> str:
-    return stem + INDEX_SUFFIX
+def index_name(stem: str = STEM, variant: str | None = None) -> str:
+    """The index of shards named after `stem`; of a `variant`'s (their stem `STEM.VARIANT`), the name
+    diffusers and transformers give it, `STEM.safetensors.index.VARIANT.json`."""
+    return stem + INDEX_SUFFIX if variant is None else f"{stem}.safetensors.index.{variant}.json"
+
+
+def index_kind(name: str) -> tuple | None:
+    """(what the shards it indexes are, `safetensors`, `bin` or `pt`; its variant or None) of an
+    index's name, `STEM.KIND.index.json` or `STEM.KIND.index.VARIANT.json`; None for another name."""
+    m = _INDEX.fullmatch(name)
+    return (m.group("kind"), m.group("variant")) if m else None
+
+
+def is_index(name: str, kinds=("safetensors",)) -> bool:
+    """Whether `name` names an index of shards of one of `kinds`, with or without a variant."""
+    kind = index_kind(name)
+    return kind is not None and kind[0] in kinds
 
 
 def shard_name(stem: str, i: int, n: int) -> str:

@@ -1,5 +1,7 @@
 """convert: any supported source -> sharded safetensors, or one .safetensors file (reader ->
 transforms -> writer), atomically, on one process or several (run/runner.py)."""
+import dataclasses
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -13,7 +15,7 @@ from ..readers import Source, open_source, readers
 from ..readers.wrappers import Layout
 from ..tp.rules import read_config
 from ..layouts import layout
-from ..layouts.base import Content, WriteOptions, named_after, source_id
+from ..layouts.base import Content, PartContent, WriteOptions, named_after, source_id
 from ..layouts.files import read_added
 
 
@@ -75,6 +77,72 @@ def single_file(out) -> bool:
     return str(out).endswith(".safetensors")
 
 
+def _content(ckpt, src, options: ConvertOptions, one_file: bool, read, max_extras: int, taken=()) -> tuple:
+    """(the tensors as convert's recipe makes them, what the output holds besides them, the extras
+    groups summarised past `max_extras`) of a checkpoint read from `src`: the manifest's source
+    record, the model files carried (or not), the --with files (`taken`: more names they may not
+    have), config.json as --dtype edits it, and the run's identity."""
+    config = _config(ckpt.model_files, ckpt.made)
+    target = None if options.dtype == "keep" else dtypes.CAST_TARGETS[options.dtype]
+    recipe = Recipe(options.strip_prefix, target)
+    tensors, aliases = recipe.apply(ckpt.tensors, src, untie=True, same_bytes=config.get("tie_word_embeddings") is True)
+    described = {**ckpt.source.to_json(), "path": source_name(src), **recipe.records()}
+    if read.only:
+        described["only"] = list(read.only)   # verify --against compares the same selection
+    carry = options.copy_extras and not one_file  # one file carries no model files
+    if not options.copy_extras and not one_file and ckpt.model_files:
+        described["model_files"] = "not carried"       # (--no-copy-extras: verify --against expects none)
+    files, made = ckpt.out_files()
+    added = read_added(options.with_files, read.max_extra_size, [*(rel for rel, _ in files), *taken] if carry else ())
+    if added:
+        described["with"] = [a.name for a in added]    # (not the source's: verify --against leaves them out)
+    extras, summarised = summarised_extras(ckpt.extras, max_extras)
+    content = Content(described, extras, {**ckpt.manifest, **({"aliases": aliases} if aliases else {})},
+                      files if carry else [], ckpt.skipped_files if carry else [], added=added,
+                      edited=made if carry else {})
+    if carry and target is not None:
+        content.edited.update(transforms.config_with_dtype(config, target, described))
+    content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()}, ckpt.extras, ckpt.manifest,
+                                                    [rel for rel, _ in content.model_files]])
+    return tensors, content, summarised
+
+
+def _parts_writer(ckpt, src, out, options: ConvertOptions, write: WriteOptions, read) -> tuple:
+    """(the writer, every part's tensors, the whole's Content, the extras groups summarised as
+    PART/GROUP) of a source made of parts (a diffusers
+    pipeline, docs/convert.md#diffusers-pipelines): each part with weights made as convert makes a
+    checkpoint read from its folder (its recipe, model files, identity), the others carried whole,
+    into the layout the source names (`ckpt.output`)."""
+    refused = [flag for flag, given in (("a .safetensors OUT", single_file(out)), ("--strip-prefix", options.strip_prefix),
+                                        ("--name", write.stem is not None), ("--no-copy-extras", not options.copy_extras))
+               if given]
+    if refused:
+        raise UsageError(f"{src}: {refused[0]} does not apply to a {ckpt.format} source, whose components keep "
+                         "their own folders, names and files; convert a component's folder (SRC/unet) for that")
+    parts, skipped, summarised = [], list(ckpt.skipped_files), []
+    for part in ckpt.parts:
+        skipped += [{**s, "name": f"{part.name}/{s['name']}"} for s in part.skipped]
+        if part.ckpt is None:
+            parts.append(PartContent(part.name, Content({}, model_files=part.files, skipped_files=part.skipped)))
+            continue
+        tensors, content, cut = _content(part.ckpt, os.path.join(src, part.name),
+                                         dataclasses.replace(options, with_files=()), False, read, write.max_extras)
+        summarised += [(f"{part.name}/{g}", n, b) for g, n, b in cut]
+        content.skipped_files = part.skipped
+        parts.append(PartContent(part.name, content, tensors, part.stem, part.variant))
+    target = None if options.dtype == "keep" else dtypes.CAST_TARGETS[options.dtype]
+    described = {**ckpt.source.to_json(), "path": source_name(src), **Recipe(None, target).records()}
+    files, made = ckpt.out_files()
+    added = read_added(options.with_files, read.max_extra_size, [rel for rel, _ in files] + [p.name for p in parts])
+    if added:
+        described["with"] = [a.name for a in added]
+    content = Content(described, model_files=files, skipped_files=skipped, edited=made, added=added, parts=parts)
+    content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()},
+                                                    [[p.name, p.content.identity] for p in parts]])
+    tensors = [t for p in parts for t in p.tensors]
+    return layout(ckpt.output)(write, content, out), tensors, content, summarised
+
+
 def convert(source: Source, out, options: ConvertOptions = None, write: WriteOptions = None, cluster=None,
             progress=None) -> ConvertResult:
     """Convert `source` into `out`. `progress(total_bytes)` gives a context manager yielding an
@@ -92,32 +160,13 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
         raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
     if write.resume and cluster is not None and cluster.num_processes > 1:
         raise UsageError("--resume applies to a run of one process (each process would need its own journal)")
-    config = _config(ckpt.model_files, ckpt.made)
-    target = None if options.dtype == "keep" else dtypes.CAST_TARGETS[options.dtype]
-    recipe = Recipe(options.strip_prefix, target)
-    tensors, aliases = recipe.apply(ckpt.tensors, src, untie=True, same_bytes=config.get("tie_word_embeddings") is True)
-    described = {**ckpt.source.to_json(), "path": source_name(src), **recipe.records()}
-    if source.options.only:
-        described["only"] = list(source.options.only)   # verify --against compares the same selection
-    carry = options.copy_extras and not one_file  # one file carries no model files
-    if not options.copy_extras and not one_file and ckpt.model_files:
-        described["model_files"] = "not carried"       # (--no-copy-extras: verify --against expects none)
     if options.with_files and one_file:
         raise UsageError(f"{out}: --with writes files into an output directory; one .safetensors file holds none")
-    files, made = ckpt.out_files()
-    added = read_added(options.with_files, source.options.max_extra_size,
-                       [rel for rel, _ in files] if carry else ())
-    if added:
-        described["with"] = [a.name for a in added]    # (not the source's: verify --against leaves them out)
-    extras, summarised = summarised_extras(ckpt.extras, write.max_extras)
-    content = Content(described, extras, {**ckpt.manifest, **({"aliases": aliases} if aliases else {})},
-                      files if carry else [], ckpt.skipped_files if carry else [], added=added,
-                      edited=made if carry else {})
-    if carry and target is not None:
-        content.edited.update(transforms.config_with_dtype(config, target, described))
-    content.identity = source_id(ckpt.inputs(src), [{**described, **content.skipped()}, ckpt.extras, ckpt.manifest,
-                                                    [rel for rel, _ in content.model_files]])
-    writer = layout("single" if one_file else "sharded")(named_after(write, ckpt, src), content, out)
+    if ckpt.parts:
+        writer, tensors, content, summarised = _parts_writer(ckpt, src, out, options, write, source.options)
+    else:
+        tensors, content, summarised = _content(ckpt, src, options, one_file, source.options, write.max_extras)
+        writer = layout("single" if one_file else "sharded")(named_after(write, ckpt, src), content, out)
     facts = runner.run(writer, tensors, out, write, ckpt.reads(src), ckpt.check_unchanged, cluster, progress)
     seconds = time.perf_counter() - started
     total = sum(t.nbytes for t in tensors)

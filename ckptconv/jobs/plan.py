@@ -12,7 +12,7 @@ from ..run.share import assign
 from ..tp.layout import plan as reshard_plan
 from ..tp.presets import MeshSpec, choose_rules
 from ..layouts import layout
-from ..layouts.base import Content, MeshPlan, WriteOptions, named_after
+from ..layouts.base import Content, MeshPlan, PartContent, WriteOptions, named_after
 
 # The estimates' constants, measured on the bench machine (docs/benchmarks.md, "plan against the run"):
 BASE_RSS = 45 * 2**20          # interpreter, numpy, the reader and writer modules
@@ -33,10 +33,15 @@ PER_TENSOR_SECONDS = {"convert": 115e-6, "reshard": 110e-6}
 def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
     """(name, bytes) of every output file (convert) or rank directory (reshard, with `mesh`), in
     output order, and the rules chosen."""
+    if ckpt.parts and mesh is None:   # (a diffusers pipeline: each component's shards, in its folder)
+        parts = [PartContent(p.name, Content(p.ckpt.source.to_json()), p.ckpt.tensors, p.stem, p.variant)
+                 for p in ckpt.parts if p.ckpt is not None]
+        writer = layout(ckpt.output)(write or WriteOptions(), Content(ckpt.source.to_json(), parts=parts))
+        return [(u.name, u.size) for u in writer.plan(ckpt.tensors)], None
     write, content = named_after(write or WriteOptions(), ckpt, ckpt.source.path), Content(ckpt.source.to_json())
     if mesh is None:
         return [(u.name, u.size) for u in layout("sharded")(write, content).plan(ckpt.tensors)], None
-    rules = choose_rules(ckpt, mesh)
+    rules = choose_rules(ckpt.whole(ckpt.source.path, "a reshard plan (--tp)"), mesh)
     plans = reshard_plan(ckpt.tensors, rules, mesh.tp, mesh.ep, mesh.pad_vocab)
     writer = layout("mesh")(write, content, mesh=MeshPlan(plans, rules, mesh.tp, mesh.ep))
     return [(u.name, u.size) for u in writer.plan(ckpt.tensors)], rules

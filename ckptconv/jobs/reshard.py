@@ -75,7 +75,7 @@ def reshard(source: Source, out, mesh: MeshSpec, options: ReshardOptions = None,
     options, write = options or ReshardOptions(), write or WriteOptions()
     strip_prefix, target, dtype, with_files = options.strip_prefix, options.target, options.dtype, options.with_files
     started = time.perf_counter()
-    ckpt = open_source(source)
+    ckpt = open_source(source).whole(source.path, "reshard")
     cast_to = None if dtype == "keep" else dtypes.CAST_TARGETS[dtype]
     written = layout(target)
     engine, rules = written.engine(ckpt, mesh)   # (an engine's layout: its tensors and the rules that split them)

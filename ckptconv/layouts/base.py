@@ -101,6 +101,8 @@ class Content:
     identity: str | None = None                           # what the run reads (source_id)
     edited: dict = field(default_factory=dict)            # model file name -> the bytes written instead of it
     added: list = field(default_factory=list)             # AddedFile (--with), written beside the model files
+    parts: list = field(default_factory=list)             # PartContent: an output made of outputs (a pipeline's
+                                                          # components), each in its folder
 
     def added_bytes(self) -> int:
         return sum(len(a.data) for a in self.added)
@@ -108,6 +110,24 @@ class Content:
     def skipped(self) -> dict:
         """The manifest's source entry listing the model files not carried, when there are any."""
         return {"skipped_files": self.skipped_files} if self.skipped_files else {}
+
+
+@dataclass
+class PartContent:
+    """One folder of an output made of outputs (a diffusers pipeline's component): its name, what it
+    holds besides its tensors (a Content of its own: its source record, model files, identity), its
+    tensors as the recipe makes them (none: a folder carried whole), and the stem and variant its
+    weight files are named by (`diffusion_pytorch_model`, `fp16`: formats/manifest.index_name)."""
+
+    name: str
+    content: Content
+    tensors: list = field(default_factory=list)
+    stem: str | None = None
+    variant: str | None = None
+
+    @property
+    def weights(self) -> bool:
+        return self.stem is not None
 
 
 def source_id(paths, description) -> str:
@@ -179,6 +199,18 @@ class FilesResult:
         return cls(data["files"], digests, reused, note)
 
 
+@dataclass(frozen=True)
+class OutputPart:
+    """What an output made of outputs records of one of its folders (`Layout.parts`): its name ("": the
+    top level, beside the folders), the layout that reads its weights back (None: files carried
+    whole), and the files carried into it, {name inside it: sha256} (a folder of weights: its own
+    manifest lists them)."""
+
+    name: str
+    layout: type | None
+    files: dict = field(default_factory=dict)
+
+
 @dataclass
 class RunFacts:
     """What a run wrote, for the command's summary: from `finish` (process 0), the files of OUT, the
@@ -238,6 +270,13 @@ class Layout:
     def recorded_in(cls, path):
         """Where the output records its source (its manifest, or a single file's header): `path`."""
         return path
+
+    @classmethod
+    def parts(cls, path) -> list | None:
+        """An output made of outputs (a diffusers pipeline): its OutputParts as its records name them,
+        for verify --against to compare each with the source's part of the same name; None for an
+        output of one checkpoint."""
+        return None
 
     @classmethod
     def accepts_target(cls, record) -> bool:

@@ -24,7 +24,7 @@ from ..formats.safetensors import fits, header_entry, header_length, header_piec
 from ..formats.sums import NAME as SUMS, unsafe_name, write_sums
 from ..io.hashing import CHUNK, GATHERED, SMALL, Digests, Pipeline, write_all
 from ..io.outfile import OutFile
-from ..readers import weight_suffixes
+from ..readers import weights_name
 from ..tensor import as_bytes, iter_blocks
 from .base import AddedFile, FilesResult
 
@@ -299,7 +299,7 @@ def read_added(paths, limit: int, taken=()) -> list:
         name = os.path.basename(os.path.normpath(os.fspath(path)))
         why = unsafe_name(name) or (None if encodable(name) else "not valid Unicode text")
         if why is None and (name.startswith(".") or name in (fmt.MANIFEST, SUMS, MESH) or rank_number(name) is not None
-                            or name.endswith(weight_suffixes())):
+                            or weights_name(name)):
             why = "an output's own file name or a weights file's; OUT holds only the converted weights under those"
         if why is None and name in seen:
             why = ("the name of a model file carried from the source (--no-copy-extras carries none)"
@@ -365,16 +365,21 @@ def write_json(out_dir, name, obj, written: Written = None) -> str:
 
 
 def finish_dir(out_dir, shards, written: Written, source: dict, extras: dict, extra_manifest=None,
-               stem: str = fmt.STEM) -> dict:
-    """Write a directory's index (when it has several shards), manifest and SHA256SUMS once every
-    shard is written and hashed."""
+               stem: str = fmt.STEM, variant: str | None = None, sums: bool = True) -> dict:
+    """Write a directory's index (when it has several shards; a `variant`'s is named as diffusers and
+    transformers name it: formats/manifest.index_name), manifest and SHA256SUMS once every shard is
+    written and hashed. `sums=False`: no SHA256SUMS, an enclosing output's lists the directory's
+    files (a pipeline's component folder: layouts/diffusers); `written` then gets manifest.json's."""
     order = fmt.name_order(shards)
     if fmt.indexed(len(shards)):
-        write_json(out_dir, fmt.index_name(stem), fmt.index_document(shards, order), written)
+        write_json(out_dir, fmt.index_name(stem, variant), fmt.index_document(shards, order), written)
     manifest = fmt.manifest_document(source, written.files, shards, order, written.digests, extras, extra_manifest)
-    sums = {name: info["sha256"] for name, info in written.files.items()}
-    sums[fmt.MANIFEST] = write_json(out_dir, fmt.MANIFEST, manifest)
-    write_sums(out_dir, sums)
+    if not sums:
+        write_json(out_dir, fmt.MANIFEST, manifest, written)
+        return manifest
+    digests = {name: info["sha256"] for name, info in written.files.items()}
+    digests[fmt.MANIFEST] = write_json(out_dir, fmt.MANIFEST, manifest)
+    write_sums(out_dir, digests)
     return manifest
 
 

@@ -105,8 +105,9 @@ def _sha256_regular(path: Path) -> str | None:
 
 
 def _index_name(entries: dict) -> str:
-    """The index of a directory: the one `STEM.safetensors.index.json` (`--name STEM`), model's by default."""
-    found = sorted(n for n in entries if n.endswith(manifest_format.INDEX_SUFFIX))
+    """The index of a directory: the one `STEM.safetensors.index.json` (`--name STEM`; a variant's
+    `STEM.safetensors.index.VARIANT.json`, a pipeline component's), model's by default."""
+    found = sorted(n for n in entries if manifest_format.is_index(n))
     return found[0] if len(found) == 1 else manifest_format.index_name()
 
 
@@ -120,16 +121,18 @@ def _needs_index(index: str, entries: dict, m_files, sums) -> bool:
     return manifest_format.indexed(len({n for n in listed if n.endswith(".safetensors")}))
 
 
-def _read_meta(d: Path, entries: dict, report: Report, plain: bool = False):
+def _read_meta(d: Path, entries: dict, report: Report, sums=None, plain: bool = False):
     """Index, manifest and SHA256SUMS of an output directory, type-checked (no index: weight_map and
-    its names None); `plain`: a convert output (read_manifest)."""
+    its names None). `sums`: its files' digests as an enclosing output's SHA256SUMS lists them (a
+    pipeline's component folder, which has none of its own), instead of its own file; `plain`: a
+    convert output (read_manifest)."""
     later = Report()   # (the manifest's and SHA256SUMS' problems are reported after the index's)
     m_files, m_tensors, problems = (_document(d, MANIFEST, entries, later, MANIFEST,
                                               functools.partial(manifest_format.read_manifest, plain=plain))
                                     or (None, None, []))
     for p in problems:
         later.add(d / MANIFEST, p, "metadata")
-    sums = _sums(d, entries, later)
+    sums = _sums(d, entries, later) if sums is None else sums
     index = _index_name(entries)
     weight_map = index_names = None
     if _needs_index(index, entries, m_files, sums):

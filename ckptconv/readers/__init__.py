@@ -7,6 +7,8 @@ with the first that recognises the path; when a directory also holds weights ano
 recognises (a model saved both as safetensors and as .bin), the checkpoint lists them in `also`
 and the summary says which were read.
 """
+import contextlib
+import contextvars
 import functools
 import importlib
 import os
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from .. import safejson
 from ..errors import BadInput, UsageError, brief, encodable, printable
-from ..formats.manifest import MANIFEST
+from ..formats.manifest import MANIFEST, index_kind
 from ..formats.mesh import MESH
 from ..formats.sums import NAME as SUMS, unsafe_name
 from . import unknown
@@ -94,8 +96,8 @@ def open_checkpoint(path, fmt=None, options=None):
         ckpt.source.more["one_shard"] = True   # (verify --against reads the source the same way)
     ckpt.format, ckpt.also = reader.name, also
     beside = paired_files(Path(path)) if Path(path).is_file() else []
-    ckpt.model_files, ckpt.skipped_files = carried(ckpt.model_files + beside, source_root(Path(path)),
-                                                   options.max_extra_size)
+    files, skipped = carried(ckpt.model_files + beside, source_root(Path(path)), options.max_extra_size)
+    ckpt.model_files, ckpt.skipped_files = files, ckpt.skipped_files + skipped   # (after what the reader skipped)
     if Path(path).is_dir():
         ckpt.skipped_files += [{"name": p.name, "reason": f"training state: {what}"}
                                for p, what in training_files(Path(path))]
@@ -140,6 +142,14 @@ OTHER_WEIGHTS = (".index.json", ".msgpack", ".h5")
 def weight_suffixes() -> tuple:
     """How weight files' names end: what each reader declares (`Reader.suffixes`), and OTHER_WEIGHTS."""
     return tuple(sorted({s for r in readers().values() for s in r.suffixes} | set(OTHER_WEIGHTS)))
+
+
+def weights_name(name: str) -> bool:
+    """Whether a file of this name is weights or an index (weight_suffixes, or a variant's index,
+    `STEM.safetensors.index.fp16.json`): never carried into OUT as a model file."""
+    return name.endswith(weight_suffixes()) or index_kind(name) is not None
+
+
 OUTPUT_METADATA = (MANIFEST, SUMS, MESH)
 
 # A single weights file given as SRC carries the one config file beside it that its consumer pairs
@@ -205,19 +215,39 @@ def model_files(directory: Path, consumed=()) -> list:
     consumed = {os.path.abspath(p) for p in consumed}
     out = []
     for p in sorted(directory.iterdir()):
-        if (p.name.startswith(".") or os.path.abspath(p) in consumed or p.name.endswith(weight_suffixes())
+        if (p.name.startswith(".") or os.path.abspath(p) in consumed or weights_name(p.name)
                 or p.name in OUTPUT_METADATA or p.is_dir() or training_state(p.name)):
             continue
         out.append((p.name, p))
     return out
 
 
+# The directory of a source made of parts (a diffusers pipeline), while a part of it is read
+# (`within`): every file of the part must resolve inside it, not just inside the part's own folder.
+_WITHIN = contextvars.ContextVar("ckptconv_source_within", default=None)
+
+
+@contextlib.contextmanager
+def within(root: str):
+    """Read the parts of the source whose root is `root` (source_root of the whole, resolved): a part's
+    files may lead anywhere inside it (one folder's file linked to another's, a Hugging Face cache
+    snapshot's links into its repo's blobs), and nowhere outside."""
+    token = _WITHIN.set(root)
+    try:
+        yield
+    finally:
+        _WITHIN.reset(token)
+
+
 def source_root(path: Path) -> str:
     """The directory every file of the source must resolve into: SRC itself (a file's directory), or
     for a Hugging Face cache snapshot (`.../snapshots/REV/`, whose files link into the repo's
     `blobs/`), that repo; for a DeepSpeed tag directory (`global_stepN/` beside `latest`), its
-    checkpoint directory."""
+    checkpoint directory; for a part of a source made of parts (`within`), the whole's."""
     d = path if path.is_dir() else path.parent
+    whole = _WITHIN.get()
+    if whole is not None and inside(d, whole):
+        return whole
     if d.parent.name == "snapshots" and (d.parent.parent / "blobs").is_dir():
         d = d.parent.parent
     elif path.is_dir() and deepspeed_tag_directory(d):

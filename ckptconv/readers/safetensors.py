@@ -9,7 +9,7 @@ from pathlib import Path
 from .base import Reader, register
 from ..errors import BadInput
 from ..io.mapped import MappedFile
-from ..formats.manifest import INDEX_SUFFIX
+from ..formats.manifest import index_kind, is_index
 from ..formats.safetensors import parse_header
 from ..tensor import Checkpoint, SourceFacts, MappedView
 from . import ReadOptions, by_shard, check_listed, model_files, source_root, wanted, weight_map, weights_file
@@ -18,16 +18,18 @@ NAME = "safetensors"
 
 
 def _dir_targets(path: Path) -> list:
-    """What a directory offers: its index (`STEM.safetensors.index.json`) if it has one, else every
-    .safetensors file in it (hidden files aside)."""
-    index = sorted(p for p in path.glob("*" + INDEX_SUFFIX) if not p.name.startswith("."))
+    """What a directory offers: its index (`STEM.safetensors.index.json`; without one, a variant's
+    `STEM.safetensors.index.VARIANT.json`) if it has one, else every .safetensors file in it (hidden
+    files aside)."""
+    indexes = sorted(p for p in path.iterdir() if is_index(p.name) and not p.name.startswith("."))
+    index = [p for p in indexes if not index_kind(p.name)[1]] or indexes
     return index or sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("."))
 
 
 def detect(path: Path) -> bool:
     if path.is_dir():
         return bool(_dir_targets(path))
-    if path.name.endswith(INDEX_SUFFIX):
+    if is_index(path.name):
         return True
     try:
         with open(path, "rb") as f:
@@ -43,14 +45,14 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     targets = _dir_targets(path) if path.is_dir() else [path]
     if not targets:
         raise BadInput(f"{path}: no safetensors file or index found")
-    indexes = [t for t in targets if t.name.endswith(INDEX_SUFFIX)]
+    indexes = [t for t in targets if is_index(t.name)]
     if len(indexes) > 1:
         raise BadInput(f"{path}: holds {len(indexes)} indexes ({', '.join(t.name for t in indexes[:4])}); "
                        "give the one to read as SRC")
     if path.is_dir():
         targets = [weights_file(t, source_root(path)) for t in targets]
     target, files, listed = targets[0], targets, None
-    if target.name.endswith(".index.json"):
+    if target.name.endswith(".index.json") or index_kind(target.name) is not None:
         listed = by_shard(weight_map(target, options.only))
         files = [weights_file(target.parent / f, source_root(target)) for f in sorted(listed)]
     tensors, mapped, where = [], [], {}

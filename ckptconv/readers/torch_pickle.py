@@ -15,6 +15,7 @@ from ..errors import BadInput, brief
 from ..limits import Budget
 from ..io.mapped import MappedFile
 from ..tensor import Checkpoint, SourceFacts
+from ..formats.manifest import index_kind, is_index
 from .pickle.torch_globals import TORCH_OWNED, Storage, flatten, storage_dtype, torch_globals
 from . import (DEEPSPEED_RANK_FILE, ReadOptions, by_shard, check_listed, inside, model_files, source_root,
                training_state, wanted, weight_map, weights_file)
@@ -44,9 +45,11 @@ def _is_torch_file(path: Path) -> bool:
 
 
 def _dir_files(directory: Path) -> list:
-    """A directory's index files (`*.bin.index.json`, `*.pt.index.json`) if it has any, else its torch
-    files; `load` reads a directory only when this is exactly one."""
-    found = sorted(directory.glob("*.bin.index.json")) + sorted(directory.glob("*.pt.index.json"))
+    """A directory's index files (`*.bin.index.json`, `*.pt.index.json`; without one, a variant's
+    `*.bin.index.VARIANT.json`) if it has any, else its torch files; `load` reads a directory only
+    when this is exactly one."""
+    found = sorted(directory.glob("*.bin.index.json")) + sorted(directory.glob("*.pt.index.json")) \
+        or sorted(p for p in directory.iterdir() if is_index(p.name, ("bin", "pt")) and index_kind(p.name)[1])
     if found:
         return found
     root = source_root(directory)
@@ -59,7 +62,7 @@ def _dir_files(directory: Path) -> list:
 def detect(path: Path) -> bool:
     if path.is_dir():
         return bool(_dir_files(path))  # several: load says so
-    return path.name.endswith((".bin.index.json", ".pt.index.json")) or _is_torch_file(path)
+    return is_index(path.name, ("bin", "pt")) or _is_torch_file(path)
 
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
@@ -67,14 +70,15 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     if path.is_dir():
         found = _dir_files(path)
         if len(found) != 1:
-            what = "indexes" if found and found[0].name.endswith(".index.json") else "torch files and no index"
+            indexes = found and (found[0].name.endswith(".index.json") or index_kind(found[0].name))
+            what = "indexes" if indexes else "torch files and no index"
             raise BadInput(f"{path}: holds {len(found)} {what} ({', '.join(p.name for p in found[:4])}); give the "
                            "one to read as SRC")
         target = weights_file(found[0], source_root(path))
     else:
         target = path
     shards, listed = [target], None
-    if target.name.endswith(".index.json"):
+    if target.name.endswith(".index.json") or index_kind(target.name) is not None:
         listed = by_shard(weight_map(target, options.only))
         shards = [weights_file(target.parent / f, source_root(target)) for f in sorted(listed)]
     tensors, extras, skipped, mapped, dropped, placeholders, unwrapped, layouts = [], {}, [], [], [], [], None, []

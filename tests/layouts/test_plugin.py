@@ -15,7 +15,7 @@ from ckptconv.layouts.mesh.check import check_only_ranks
 from tests.helpers import split_all_rules
 
 PACKAGE = Path(ckptconv.__file__).parent
-OWN = {"sharded", "single", "mesh", "vllm", "foreign"}   # the layouts' own modules and packages
+OWN = {"sharded", "single", "mesh", "vllm", "foreign", "diffusers"}   # the layouts' own modules and packages
 
 
 def _imported(path: Path) -> set:
@@ -48,7 +48,7 @@ def test_nothing_but_the_layouts_names_a_layout_module():
 
 
 def test_every_layout_is_registered_and_detected_in_its_order():
-    assert {"sharded", "single", "mesh", "vllm", "foreign"} <= set(LAYOUTS)
+    assert {"sharded", "single", "mesh", "vllm", "foreign", "diffusers"} <= set(LAYOUTS)
     assert list(layouts.targets()) == ["mesh", "vllm"]
     orders = [cls.order for cls in LAYOUTS.values()]
     assert len(set(orders)) == len(orders)   # (no two tried at the same step)

@@ -13,7 +13,8 @@ from tests.helpers import ROOT, assert_same, load_output, run
 def test_the_detection_order_is_the_documented_one():
     table = re.findall(r"^\| (\d+) \| `(\w+)` \|", (ROOT / "docs" / "formats.md").read_text(), re.M)
     assert [(r.priority, r.name) for r in readers().values()] == [(int(p), n) for p, n in table]
-    assert list(readers())[:7] == ["mesh", "megatron", "dcp", "safetensors", "torchscript", "deepspeed", "torch"]
+    assert list(readers())[:8] == ["diffusers", "mesh", "megatron", "dcp", "safetensors", "torchscript", "deepspeed",
+                                   "torch"]
 
 
 def test_a_directory_saved_both_ways_reads_the_safetensors_and_says_so(tmp_path):
@@ -80,3 +81,30 @@ def test_finding_nothing_names_what_was_looked_for(tmp_path):
     for reader in readers().values():
         assert f"{reader.name}: {reader.description}" in listed and reader.looks_for in listed
     assert "*.pth.tar" in listed and "mesh.json" in listed and ".metadata" in listed
+
+
+def test_a_variants_index_is_read_and_never_carried(tmp_path):
+    """Hugging Face names a variant's index `STEM.safetensors.index.VARIANT.json` (diffusers' and
+    transformers' `_add_variant`): a directory holding one reads it (safetensors and .bin); beside the
+    index without a variant, that one is read; either way it is weights, never a model file carried."""
+    from huggingface_hub import save_torch_state_dict
+    tensors = {f"w{i}": torch.full((64,), float(i)) for i in range(4)}
+
+    def variant(d, kind):
+        d.mkdir()
+        save_torch_state_dict(tensors, d, filename_pattern="model.fp16{suffix}." + kind, max_shard_size=300,
+                              safe_serialization=kind == "safetensors")
+        (d / f"model.fp16.{kind}.index.json").rename(d / f"model.{kind}.index.fp16.json")
+
+    for kind, reader in (("safetensors", "safetensors"), ("bin", "torch")):
+        d = tmp_path / kind
+        variant(d, kind)
+        (d / "config.json").write_text("{}")
+        ckpt = open_checkpoint(d)
+        assert ckpt.format == reader and sorted(t.name for t in ckpt.tensors) == sorted(tensors), kind
+        assert [rel for rel, _ in ckpt.model_files] == ["config.json"]
+    d = tmp_path / "both"
+    variant(d, "safetensors")
+    save_torch_state_dict({"a": torch.ones(2), "b": torch.ones(2)}, d, max_shard_size=8)
+    assert (d / "model.safetensors.index.json").is_file()
+    assert sorted(t.name for t in open_checkpoint(d).tensors) == ["a", "b"]

@@ -44,21 +44,26 @@ def _recorded_source(out_path: Path, layout) -> tuple:
 
 
 def compare_against(out_path: Path, layout, src, read: ReadOptions, fmt, report: Report,
-                    mine=lambda kind, key: True):
+                    mine=lambda kind, key: True, source=None):
     """Every tensor (global tensor, for a reshard output) of the output, as its `layout` reads it
-    back, equal to the source, bit for bit, streaming."""
+    back, equal to the source, bit for bit, streaming. `source`: the source's checkpoint as read
+    already (a part of a source made of parts, compare_parts), else SRC is read the way the output
+    records it was."""
     # what OUT holds is read by the reader its layout names, never by detection: a .pt or .metadata
     # slipped into OUT (and listed in its sums) must not become "the output" that matches the source
     out = layout.open(out_path)
     recorded, manifest, aliases, document = _recorded_source(out_path, layout)
-    source, applied = _open_as_recorded(src, fmt, read, _as_recorded(read, manifest, fmt), out_path, report)
-    if applied != read:  # say so: "matches the source" then means the selection convert recorded
-        replayed = ([f"--state-dict {brief(applied.state_dict)}"] if applied.state_dict != read.state_dict else []) \
-            + ([f"--only {brief(applied.only)}"] if applied.only != read.only else []) \
-            + (["--one-shard"] if applied.one_shard != read.one_shard else []) \
-            + [f"--{k.replace('_', '-')} {brief(v)}" for k, v in applied.declared.items() if read.declared.get(k) != v]
-        report.notes.append(f"{out_path}: compared with the part of the source the output records it was made "
-                            f"from: {', '.join(replayed)}")
+    if source is None:
+        source, applied = _open_as_recorded(src, fmt, read, _as_recorded(read, manifest, fmt), out_path, report)
+        if applied != read:  # say so: "matches the source" then means the selection convert recorded
+            replayed = ([f"--state-dict {brief(applied.state_dict)}"] if applied.state_dict != read.state_dict
+                        else []) \
+                + ([f"--only {brief(applied.only)}"] if applied.only != read.only else []) \
+                + (["--one-shard"] if applied.one_shard != read.one_shard else []) \
+                + [f"--{k.replace('_', '-')} {brief(v)}" for k, v in applied.declared.items()
+                   if read.declared.get(k) != v]
+            report.notes.append(f"{out_path}: compared with the part of the source the output records it was made "
+                                f"from: {', '.join(replayed)}")
     if mine("structure", None) and document.get("format") == manifest_format.FORMAT:   # (not a foreign output)
         _compare_facts(recorded, document, manifest, source, report, beside=Path(src).is_file())
     try:
@@ -112,6 +117,53 @@ def _open_as_recorded(src, fmt, read: ReadOptions, applied: ReadOptions, out_pat
                          f"--state-dict {read.state_dict} reads of it", "source")
     applied = dataclasses.replace(applied, state_dict=read.state_dict)
     return open_checkpoint(src, fmt, applied), applied
+
+
+def compare_parts(out_path: Path, layout, src, read: ReadOptions, fmt, report: Report,
+                  mine=lambda kind, key: True, parts=()):
+    """An output made of outputs (a diffusers pipeline: `layout.parts`), against the source read again:
+    the same parts; each part of weights compared as an output of its own with the source's part of
+    the same name (compare_against: every tensor, the source facts, the model files); the files
+    carried (a part's whole, and those beside the parts) the source's, byte for byte."""
+    source = open_checkpoint(src, fmt, read)
+    theirs = {p.name: p for p in source.parts}
+    if not source.parts:
+        report.add(out_path, f"is made of parts ({', '.join(p.name for p in parts if p.name)}); {src} is a "
+                             f"{source.format} source of one", "source")
+        return
+    ours = {p.name: p for p in parts}
+    structure = mine("structure", None)
+    for name in sorted(set(theirs) - set(ours)) if structure else ():
+        report.add(out_path / name, f"component {name!r} of the source is not in the output", "source")
+    for part in parts:
+        their = theirs.get(part.name) if part.name else None
+        if part.name and their is None:
+            if structure:
+                report.add(out_path / part.name, "is not a component of the source", "source")
+        elif part.name and (part.layout is None) != (their.ckpt is None):
+            if structure:
+                report.add(out_path / part.name, "holds weights, the source's component none" if part.layout
+                           else "holds no weights, the source's component does", "source")
+        elif part.layout is not None:
+            compare_against(out_path / part.name, part.layout, Path(src) / part.name, read, fmt, report,
+                            lambda kind, key, at=part.name: mine(kind, f"{at}/{key}" if kind == "tensor" else key),
+                            source=their.ckpt)
+        elif structure:
+            files = source.out_files()[0] if not part.name else their.files
+            _compare_carried(out_path / part.name, part.files, files, report)
+
+
+def _compare_carried(where: Path, ours: dict, theirs: list, report: Report):
+    """Files carried whole ({name: recorded sha256}) are the source's ((name, path) as its reader
+    carries them today), byte for byte, and none of those is left out."""
+    theirs = dict(theirs)
+    for name in sorted(ours):
+        if name not in theirs:
+            report.add(where / name, "is listed as carried, but the source has no such file", "source")
+        elif _sha256_regular(Path(theirs[name])) != ours[name]:
+            report.add(where / name, f"is not the source's {name}", "source")
+    for name in sorted(set(theirs) - set(ours)):
+        report.add(where, f"file {name!r} of the source was not carried", "source")
 
 
 def _prefix_between(only_out: list, only_src: list) -> str | None:
@@ -244,7 +296,8 @@ def _compare_model_files(recorded: Path, files: dict, manifest: dict, source, re
     added = set(manifest["with"]) if isinstance(manifest.get("with"), list) and all(
         isinstance(n, str) for n in manifest["with"]) else set()   # (--with: written from elsewhere, not compared)
     for name in sorted(files):
-        if name not in theirs | added and not name.endswith((".safetensors", manifest_format.INDEX_SUFFIX)):
+        if name not in theirs | added and not (name.endswith((".safetensors", manifest_format.INDEX_SUFFIX))
+                                              or manifest_format.is_index(name)):
             report.add(recorded.parent / name, "is listed as carried, but the source has no such model file", "source")
     for rel, path in carried:
         info = files.get(rel)

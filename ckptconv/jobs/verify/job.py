@@ -3,13 +3,14 @@ job runner (run/runner.run_stages: each only if the ones before found nothing) â
 check, --against, --device â€” on one process or shared out across several by the one balancer
 (run/share.Share: each checks its share of the units the layout names, and process 0 gathers the
 report); and the bytes an output holds, for the progress bar."""
+import functools
 import hashlib
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ... import safejson, signals
-from ...errors import BadInput
+from ...errors import BadInput, UsageError
 from ...formats.identity import identity
 from ...formats.sums import NAME as SUMS
 from ...layouts import detected
@@ -17,7 +18,7 @@ from ...layouts.report import Problem, Report, _detail
 from ...readers import ReadOptions
 from ...run.runner import run_stages
 from ...run.share import Share
-from .against import compare_against
+from .against import compare_against, compare_parts
 
 
 def verify(request: "VerifyRequest", progress=None, cluster=None) -> Report:
@@ -80,12 +81,17 @@ def _verify(request: VerifyRequest, progress, cluster) -> Report:
 
     def against():
         if main or not whole:
-            compare_against(path, layout, request.against, request.read or ReadOptions(), request.fmt, report, mine)
+            parts = layout.parts(path)   # (an output made of outputs: each compared with the source's part)
+            compare = compare_against if parts is None else functools.partial(compare_parts, parts=parts)
+            compare(path, layout, request.against, request.read or ReadOptions(), request.fmt, report, mine)
 
     def device():
         if report.foreign and main:
             report.notes.append(f"{path}: --device compares what reaches the device with the recorded digests; "
                                 "there are none here, so nothing was placed")
+        elif layout.parts(path) is not None:
+            raise UsageError(f"{path}: --device places the tensors of one output; give one of its folders "
+                             f"({', '.join(str(path / p.name) for p in layout.parts(path) if p.layout)})")
         elif main or not whole:
             from .device import device_check
             report.device = device_check(path, request.device, request.allow_fewer, report,

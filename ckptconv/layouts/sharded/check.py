@@ -16,11 +16,12 @@ from ..scan import _kind, _read_meta, _regular, _scan, _sha256_regular
 from ..shardcheck import _hash_shard, _library_view, _our_view, _parsed
 
 
-def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structural=True, plain=False):
+def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structural=True, sums=None, plain=False):
     """Check one output directory. `hash_only` limits the (expensive) hashing to some shards;
     `structural=False` skips everything else (another process of a multi-process run does it);
+    `sums`: the directory's files as an enclosing output's SHA256SUMS lists them (scan._read_meta);
     `plain`: a convert output, not a rank directory of a reshard output."""
-    consumer = _check_dir(d, report, progress, hash_only, structural, plain)
+    consumer = _check_dir(d, report, progress, hash_only, structural, sums, plain)
     # last, once the directory's tables are let go: the library's own table of a header is about
     # 0.7 KB per tensor (1 KB at its peak), and is never held beside ours
     for path, ours in consumer:
@@ -28,11 +29,11 @@ def verify_dir(d: Path, report: Report, progress=None, hash_only=None, structura
         _library_view(path, ours, report)
 
 
-def _check_dir(d: Path, report: Report, progress, hash_only, structural, plain=False) -> list:
+def _check_dir(d: Path, report: Report, progress, hash_only, structural, sums=None, plain=False) -> list:
     """Every check of verify_dir but the safetensors library's; returns the shards that check is
     still owed, as [(path, _our_view of its header)]."""
     found = report if structural else Report()  # what every process would find alike: reported once
-    meta = _dir_meta(d, found, plain)
+    meta = _dir_meta(d, found, sums, plain)
     located, differs, consumer = _check_shards(meta, found, report, progress, hash_only, structural)
     if not structural:
         return []
@@ -61,9 +62,9 @@ class _DirMeta:
     shard_names: list
 
 
-def _dir_meta(d: Path, found: Report, plain=False) -> _DirMeta:
+def _dir_meta(d: Path, found: Report, given=None, plain=False) -> _DirMeta:
     entries = _scan(d, found)
-    index, weight_map, index_names, m_files, m_tensors, sums = _read_meta(d, entries, found, plain)
+    index, weight_map, index_names, m_files, m_tensors, sums = _read_meta(d, entries, found, given, plain)
     manifest_ok = m_files is not None
     m_files, m_tensors, sums_ok = m_files or {}, m_tensors or {}, sums is not None
     sums = sums or {}
