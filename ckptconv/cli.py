@@ -66,10 +66,23 @@ def _allow_many_open_files():
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def shell_word(path) -> str:
+    """`path` as one word a POSIX shell (bash, zsh) reads back exactly: quoted where it must be, after
+    `./` where it would read as an option, and as $'...' with escapes where it holds characters a
+    terminal would not show as themselves (a newline, an escape, bytes that are not UTF-8)."""
+    text = str(path)
+    if text.startswith("-"):
+        text = "./" + text
+    if text.isprintable():
+        return shlex.quote(text)
+    raw = os.fsencode(text)
+    return "$'" + "".join(chr(b) if 32 <= b < 127 and chr(b) not in "\\'" else f"\\x{b:02x}" for b in raw) + "'"
+
+
 def identity_line(out, identity) -> str:
-    """The output's identity and the command that checks it, quoted for a shell (a path with spaces
-    or quotes pastes as it is)."""
-    return f"identity: {identity} (check with: ckptconv verify {shlex.quote(str(out))} --expect {identity})"
+    """The output's identity and the command that checks it, quoted for a shell (a path with spaces,
+    quotes or control characters pastes as it is)."""
+    return f"identity: {identity} (check with: ckptconv verify {shell_word(out)} --expect {identity})"
 
 
 def placeholder_line(placeholders) -> str:
@@ -80,8 +93,9 @@ def placeholder_line(placeholders) -> str:
 
 def summarised_line(groups) -> str:
     """The extras written as summaries, not whole (--max-extras)."""
-    return ("extras summarised in the manifest (past --max-extras): "
-            + ", ".join(f"{g} ({n} entr{'y' if n == 1 else 'ies'}, {format_size(b)} of JSON)" for g, n, b in groups))
+    shown = ", ".join(f"{g} ({n} entr{'y' if n == 1 else 'ies'}, {format_size(b)} of JSON)" for g, n, b in groups[:8])
+    return ("extras summarised in the manifest (past --max-extras): " + shown
+            + (f" and {len(groups) - 8} more groups" if len(groups) > 8 else ""))
 
 
 def module_lines(modules) -> list:

@@ -146,6 +146,8 @@ def dump_chunks(obj, size=1 << 20):
 
 SUMMARY = "__summarised__"      # an extras entry standing for a group too large to write whole
 MAX_EXTRAS = 10**6               # --max-extras: JSON bytes of extras written whole, by default
+MAX_SUMMARIES = 100              # groups summarised one by one; past it, every extra in one summary
+_SUMMARY_BYTES = 220             # about what one summary takes in the manifest
 _JSON_TYPES = ((dict, "object"), (list, "array"), (str, "string"), (bool, "boolean"), (int, "number"),
                (float, "number"), (type(None), "null"))
 
@@ -163,7 +165,9 @@ def _canonical(items) -> bytes:
 
 def _summary(group: str, items: list) -> dict:
     data = _canonical(items)
-    if len(items) == 1 and items[0][0] == group:   # one value, written whole: its JSON type
+    if group == SUMMARY:   # (every extra: flattened entries of the pickle's top level)
+        kind = "object"
+    elif len(items) == 1 and items[0][0] == group:   # one value, written whole: its JSON type
         kind = next(t for cls, t in _JSON_TYPES if isinstance(items[0][1], cls))
     else:   # flattened entries of a list (group.0, group.1 ...) or of a dict
         kind = "array" if all(n[len(group) + 1:].split(".", 1)[0].isdigit() for n, _ in items) else "object"
@@ -174,16 +178,21 @@ def _summary(group: str, items: list) -> dict:
 def summarised(extras: dict, limit: int) -> tuple:
     """(extras as the manifest writes them, [(group, entries, JSON bytes)] summarised): when their
     JSON passes `limit` bytes, the largest groups (by first dotted part) are each replaced by one
-    entry `{"__summarised__": {type, entries, json_bytes, sha256}}` until the rest fits. Linear in
-    the extras' JSON (each value is encoded once to measure it)."""
+    entry `{"__summarised__": {type, entries, json_bytes, sha256}}` until the rest fits; when that
+    takes more than MAX_SUMMARIES groups, or cannot fit (many small groups), all the extras are one
+    such summary under the key "__summarised__". Linear in the extras' JSON (each value is encoded
+    once to measure it, and once more if it is summarised)."""
     groups = _groups(extras)
     sizes = {g: sum(len(json.dumps(n)) + len(json.dumps(v)) + 4 for n, v in items) for g, items in groups.items()}
     total, cut = sum(sizes.values()), set()
     for g in sorted(sizes, key=lambda g: (-sizes[g], g)):
-        if total <= limit:
+        if total <= limit or sizes[g] <= _SUMMARY_BYTES:   # (a summary would not be smaller)
             break
         cut.add(g)
-        total -= sizes[g]
+        total -= sizes[g] - _SUMMARY_BYTES
+    if total > limit or len(cut) > MAX_SUMMARIES:   # (many small groups: their summaries are no smaller)
+        whole = _summary(SUMMARY, list(extras.items()))
+        return {SUMMARY: whole}, [("(all extras)", len(extras), whole[SUMMARY]["json_bytes"])]
     out = _with_summaries(extras, groups, cut)
     return out, [(g, len(groups[g]), out[g][SUMMARY]["json_bytes"]) for g in out if g in cut]
 
@@ -191,6 +200,8 @@ def summarised(extras: dict, limit: int) -> tuple:
 def summarised_like(extras: dict, recorded: dict) -> dict:
     """`extras` (a fresh read of the source) with the groups `recorded` (a manifest's) summarises
     summarised the same way, so the two compare (verify --against)."""
+    if set(recorded) == {SUMMARY}:   # (all of them, as one)
+        return {SUMMARY: _summary(SUMMARY, list(extras.items()))}
     cut = {g for g, v in recorded.items() if isinstance(v, dict) and set(v) == {SUMMARY}}
     return _with_summaries(extras, _groups(extras, cut), cut)
 
@@ -387,9 +398,14 @@ def read_manifest(data, where, plain: bool = False) -> tuple:
         for key, value in safejson.members(data, where, MANIFEST, nested="tensors", nested_keys=tensors):
             if key == "format":
                 fmt = value
-            elif key == "source" and plain and isinstance(value, dict) and value.get("target") is not None:
-                odd.append(f"source.target is {brief(value['target'], 80)}: a convert output records no engine's "
-                           "target (a reshard output's is in mesh.json beside its rank directories)")
+            elif key == "source" and plain and isinstance(value, dict):
+                odd += [f"source.{k} is {brief(value[k], 80)}: a convert output records no {what} (a reshard "
+                        "output's rank directories and mesh.json do)"
+                        for k, what in (("target", "engine's target"), ("resharded", "resharding"))
+                        if value.get(k) is not None]
+            elif key == "target" and plain:
+                odd.append(f"'target' is {brief(value, 80)}: a manifest records its target under source.target, "
+                           "and a convert output none")
             elif key == "files" and not isinstance(value, dict):
                 odd.append("'files' is not an object")
             elif key == "files":

@@ -128,7 +128,8 @@ def listing_index(path: Path):
         except BadInput:
             continue
         entries = data.get("weight_map") if isinstance(data, dict) else None
-        shards = {v for v in entries.values() if isinstance(v, str)} if isinstance(entries, dict) else set()
+        shards = {os.path.normpath(v) for v in entries.values() if isinstance(v, str) and v and "\0" not in v} \
+            if isinstance(entries, dict) else set()
         if path.name in shards and len(shards) > 1:   # (an index of this file alone: it is the whole model)
             return path.parent / name
     return None

@@ -281,6 +281,9 @@ def _layout(directory: Path) -> Layout:
             if (rank, int(md.group(2))) in model:
                 raise BadInput(f"{directory / n}: a second model-state file of rank {rank}; refused")
             model[(rank, int(md.group(2)))] = directory / n
+        elif n.endswith(("_optim_states.pt", "_model_states.pt")):   # (never silently left out)
+            raise BadInput(f"{directory / n}: a rank file whose name does not spell its ranks as DeepSpeed does "
+                           "(zero_pp_rank_R_mp_rank_MM_..., numbers of at most 9 digits); refused")
     if not optim:
         raise BadInput(f"{directory}: holds no ZeRO optimizer-state files (*_optim_states.pt): not a DeepSpeed "
                        "ZeRO checkpoint, or one saved without its optimizer state")

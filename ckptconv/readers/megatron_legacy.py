@@ -148,6 +148,9 @@ def _rank_dirs(d: Path) -> dict:
     out = {}
     for n in names:
         m = RANK_DIR.fullmatch(n)
+        if not m and n.startswith("mp_rank_") and (d / n / RANK_FILE).is_file():   # (never silently left out)
+            raise BadInput(f"{d / n}: a rank directory whose name is not mp_rank_TT[_PPP][_EEE] with numbers of 2 to "
+                           "6 digits; refused")
         if m and (d / n).is_dir():
             if not (d / n / RANK_FILE).is_file():
                 raise BadInput(f"{d / n}: a rank directory without {RANK_FILE}")

@@ -34,6 +34,7 @@ class PickledModule:
     name: str
     cls: str
     entries: int
+    left_out: tuple = ()   # attributes (dotted, inside the module) holding tensors its state dict does not
 
     def to_json(self) -> dict:
         return {"name": self.name, "class": self.cls, "entries": self.entries}
@@ -71,8 +72,9 @@ class _Walk:
             raise BadInput(f"{self.path}: containers nested more than {MAX_DEPTH} deep")
         self.done[id(v)] = v   # (a cycle back to a container being walked meets it unchanged)
         if is_module(v):
-            out = _StateDict(self.path, self.budget).of(v)
-            self.found.append(PickledModule(_spelled(where), printable(v.qualname, 200), len(out)))
+            made = _StateDict(self.path, self.budget)
+            out = made.of(v)
+            self.found.append(PickledModule(_spelled(where), v.qualname[:1000], len(out), made.left_out()))
         else:
             out = self._inside(v, where, depth)
         self.done[id(v)] = out
@@ -129,6 +131,7 @@ class _StateDict:
     def __init__(self, path, budget: Budget):
         self.path, self.budget = path, budget
         self.out, self.open = unpickler.StateDict(), set()   # open: modules on the current path
+        self.held = []   # (attribute's dotted name, ids of the tensors it reaches): what else modules hold
 
     def of(self, module) -> dict:
         self._add(module, "", 0)
@@ -158,9 +161,44 @@ class _StateDict:
                 self._add(child, name + ".", depth + 1)
             else:   # (not a module record: kept whole under its name, flattened like any value)
                 self._put(name, child)
+        for k, v in module.state.items():
+            if k not in _PARTS:
+                found = self._tensors_in(v)
+                if found:
+                    self.held.append((prefix + unpickler.key_text(k), found))
         self.open.discard(id(module))
 
+    def _tensors_in(self, value) -> list:
+        """The ids of the tensors `value` reaches through containers and records (not through another
+        module: each is looked at where its own state dict is made), and of the records of a format's own
+        module that ckptconv does not read (a quantized tensor's packed form); each object looked at once."""
+        todo, seen, found = [value], set(), []
+        while todo:
+            v = todo.pop()
+            if isinstance(v, (TorchTensor, TorchTensorUnsupported, NumpyArray)) or \
+                    (isinstance(v, unpickler.InertObject) and v.unread):   # (a kind of tensor ckptconv does not read)
+                found.append(id(v))
+                continue
+            if id(v) in seen or not isinstance(v, _WALKED) or is_module(v):
+                continue
+            seen.add(id(v))
+            self.budget.spend(1, "its modules")
+            if isinstance(v, dict):
+                todo.extend(v.values())
+            elif isinstance(v, unpickler.InertObject):
+                todo.extend(part for _, part in unpickler.record_parts(v))
+            else:
+                todo.extend(v)
+        return found
+
+    def left_out(self) -> tuple:
+        """The attributes holding a tensor the state dict does not (a class that writes its own state
+        dict, a quantized module's packed weights, a cache kept as a plain attribute)."""
+        placed = {id(v) for v in self.out.values()}
+        return tuple(name for name, ids in self.held if any(i not in placed for i in ids))
+
     def _put(self, name: str, value):
+        self.budget.spend(len(name), "naming its tensors")
         if name in self.out:
             raise BadInput(f"{self.path}: two entries of a pickled module's state dict are named "
                            f"{printable(name, 200)!r}")

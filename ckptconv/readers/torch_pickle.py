@@ -89,6 +89,8 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         budget, unlisted = Budget(shard), unpickler.Unlisted(shard)
         obj, pickled = torch_modules.as_state_dicts(_load_file(m, allow, budget, unlisted), shard, budget)
         modules += [p.to_json() for p in pickled]
+        dropped += [{"name": f"{p.name}.{a}" if p.name else a, "reason": "tensors outside the module's state dict: "
+                     "its class's own state-dict code never runs"} for p in pickled for a in p.left_out]
         found = wrappers.unwrap(obj, options.state_dict, shard, budget)
         obj = None
         unwrapped = found.key

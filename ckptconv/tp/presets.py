@@ -5,11 +5,12 @@ A preset is a function from head counts ({"heads", "kv_heads", "head_dim"}) to a
 registration says which config.json `model_type`s it serves and, for checkpoints without a config,
 which tensor name marks its family; adding a model family is one decorated function here.
 """
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import BadInput, UsageError, brief
+from ..errors import BadInput, CkptError, UsageError, brief
 from .rules import Rule, RuleSet, load_rules_file, read_config
 
 
@@ -72,6 +73,39 @@ def choose_rules(ckpt, spec: MeshSpec) -> RuleSet:
                          "or --rules)") from None
     rules.guessed = guessed and not chosen.defaults   # a family with fixed shapes (Grok-1) is recognised, not guessed
     return rules
+
+
+# Where a Hugging Face config.json states each head count itself (not derived from others)
+STATED = {"heads": ("num_attention_heads", "n_head"), "kv_heads": ("num_key_value_heads",),
+          "head_dim": ("head_dim",), "layers": ("num_hidden_layers",)}
+
+
+def stated(config: dict, key: str):
+    """The count `key` (STATED) config.json states, or None."""
+    return next((config[n] for n in STATED[key] if type(config.get(n)) is int), None)
+
+
+def recorded_differences(recorded: dict, config: dict) -> list:
+    """Lines for what a reshard output's recorded rules (mesh.json's `rules`) say that the source does
+    not give (verify --against): a preset's recorded head counts against those config.json states
+    (a count given by a flag where config.json has none is the record's), and its recorded rules
+    against those its recorded counts build. Rules from a --rules file are the file's: nothing."""
+    name = recorded.get("name") if isinstance(recorded, dict) else None
+    chosen = PRESETS.get(name) if isinstance(name, str) else None
+    if chosen is None:
+        return []
+    params = recorded.get("params") if isinstance(recorded.get("params"), dict) else {}
+    out = [] if chosen.defaults else [
+        f"rules.params.{key} is {brief(params.get(key), 40)}, the source's config.json gives {stated(config, key)}"
+        for key in ("heads", "kv_heads", "head_dim") if stated(config, key) is not None
+        and params.get(key) != stated(config, key)]
+    try:
+        built = json.loads(json.dumps(chosen.build(params).to_json()["rules"]))
+    except (KeyError, TypeError, ValueError, ArithmeticError, CkptError):
+        built = None
+    if built != recorded.get("rules"):
+        out.append(f"rules of preset {name!r} are not those its recorded params {brief(params, 80)} build")
+    return out
 
 
 def _by_model_type(config: dict) -> str | None:

@@ -6,6 +6,7 @@ import json
 import shlex
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -228,3 +229,125 @@ def test_sha256sum_checks_a_summarised_output(tmp_path):
     torch.save({"w": torch.ones(2), "vocab": {f"t{i}": i for i in range(80000)}}, tmp_path / "t.pt")
     assert run("convert", tmp_path / "t.pt", tmp_path / "out").exit_code == 0
     assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=tmp_path / "out", capture_output=True).returncode == 0
+
+
+# -- what the outside attack on these fixes found ------------------------------------------------------
+
+def test_a_shared_huge_integer_or_long_name_costs_what_the_file_justifies(tmp_path):
+    """One 1 MiB integer referenced 300 times (629 MB of JSON before), one 200,000-character key in a dict
+    shared 2000 times (1.2 GB of names before): each reference is charged, refused in one line."""
+    import struct
+    from tests.security.test_trust import _u, torch_file
+    big = ((1 << (8 * 1024 * 1024 - 9)) + 12345).to_bytes(1024 * 1024, "little", signed=True)
+    body = _u("ints") + b"]" + b"\x8b" + struct.pack("<I", len(big)) + big + b"q\x010" + b"(" + b"h\x01" * 300 + b"e"
+    r = run("convert", torch_file(tmp_path / "int.pt", body), tmp_path / "o1")
+    _refused(r, "int.pt", "expands far beyond")
+    shared = {"x" * 200_000: torch.ones(1)}
+    torch.save({f"m{j}": shared for j in range(2000)}, tmp_path / "names.pt")
+    _refused(run("convert", tmp_path / "names.pt", tmp_path / "o2"), "names.pt", "naming its tensors expands")
+    leaf = torch.nn.Module()
+    leaf.register_parameter("x" * 200_000, torch.nn.Parameter(torch.ones(1)))
+    parent = torch.nn.Module()
+    for j in range(2000):
+        parent.add_module(f"m{j}", leaf)
+    torch.save(parent, tmp_path / "mods.pt")
+    _refused(run("convert", tmp_path / "mods.pt", tmp_path / "o3"), "mods.pt", "naming its tensors expands")
+
+
+def test_verify_against_a_source_with_tensors_safetensors_cannot_store(tmp_path):
+    torch.save({"x": torch.ones(2, dtype=torch.complex64), "y": torch.ones(2)}, tmp_path / "mix.pt")
+    torch.save({"y": torch.ones(2)}, tmp_path / "plain.pt")
+    assert run("convert", tmp_path / "mix.pt", tmp_path / "skip", "--skip-unsupported").exit_code == 0
+    r = run("verify", tmp_path / "skip", "--against", tmp_path / "mix.pt")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert run("convert", tmp_path / "plain.pt", tmp_path / "plain").exit_code == 0
+    r = run("verify", tmp_path / "plain", "--against", tmp_path / "mix.pt")
+    assert r.exit_code == 1 and "source.skipped" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_quantized_module_s_packed_weights_are_listed_as_left_out(tmp_path):
+    model = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)),
+                                                   {torch.nn.Linear}, dtype=torch.qint8)
+    torch.save(model, tmp_path / "q.pt")
+    r = run("convert", tmp_path / "q.pt", tmp_path / "out")
+    assert r.exit_code == 0, r.stderr
+    assert "left out: 0._packed_params._packed_params (tensors outside the module's state dict" in r.stdout
+    dropped = json.loads((tmp_path / "out" / "manifest.json").read_text())["source"]["dropped"]
+    assert [d["name"] for d in dropped] == ["0._packed_params._packed_params"]
+
+
+def test_many_small_extras_are_one_summary(tmp_path):
+    torch.save({"w": torch.ones(2), **{f"k{i}": i for i in range(100_000)}}, tmp_path / "flat.pt")
+    r = run("convert", tmp_path / "flat.pt", tmp_path / "out")
+    assert r.exit_code == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("extras summarised"))
+    assert "(all extras) (100000 entries" in line and len(line) < 300
+    assert (tmp_path / "out" / "manifest.json").stat().st_size < 4096
+    assert run("verify", tmp_path / "out", "--against", tmp_path / "flat.pt").exit_code == 0
+
+
+def test_non_finite_floats_and_their_names_as_text_stay_apart(tmp_path):
+    torch.save({"w": torch.ones(1), "a": float("nan"), "b": "nan", "c": float("-inf")}, tmp_path / "f.pt")
+    assert run("convert", tmp_path / "f.pt", tmp_path / "out").exit_code == 0
+    extras = json.loads((tmp_path / "out" / "manifest.json").read_text())["extras"]
+    assert extras == {"a": {"__float__": "nan"}, "b": "nan", "c": {"__float__": "-inf"}}
+    torch.save({"w": torch.ones(1), "a": "nan", "b": "nan", "c": float("-inf")}, tmp_path / "g.pt")
+    assert run("verify", tmp_path / "out", "--against", tmp_path / "g.pt").exit_code == 1
+
+
+def test_the_check_command_pastes_for_names_a_shell_reads_otherwise(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    for name in ("-dash", "--help", "new\nline", "esc\x1b[31m", "tab\there"):
+        out = tmp_path / name
+        r = run("convert", tmp_path / "m.pt", out)
+        assert r.exit_code == 0, (name, r.stderr)
+        line = next(x for x in r.stdout.splitlines() if x.startswith("identity:"))
+        command = line.split("(check with: ", 1)[1].removesuffix(")").replace("ckptconv ", "", 1)
+        shown = subprocess.run(["bash", "-c", f"printf '%s\\n' {command.split(' --expect ')[0].removeprefix('verify ')}"],
+                               capture_output=True)
+        assert shown.stdout == (str(out) + "\n").encode(), (name, command, shown.stdout)
+
+
+def test_a_directory_shard_holds_only_the_metadata_ckptconv_writes(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file as save
+    torch.save({"w": torch.ones(2), "v": torch.zeros(3)}, tmp_path / "m.pt")
+    assert run("convert", tmp_path / "m.pt", tmp_path / "out").exit_code == 0
+    shard = tmp_path / "out" / "model.safetensors"
+    with safe_open(shard, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save(tensors, shard, metadata={"format": "np", "note": "x"})
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    manifest["files"]["model.safetensors"] = {"sha256": hashlib.sha256(shard.read_bytes()).hexdigest(),
+                                              "size": shard.stat().st_size}
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _resign(tmp_path / "out")
+    r = run("verify", tmp_path / "out")
+    assert r.exit_code == 1 and "__metadata__ is {'format': 'np', 'note': 'x'}" in r.stdout, r.stdout
+
+
+def test_rank_files_named_past_what_is_accepted_are_refused_not_ignored(tmp_path):
+    src = tmp_path / "ds"
+    shutil.copytree(Path(__file__).parents[1] / "fixtures" / "data" / "deepspeed" / "z1-fp32-mlp", src)
+    tag = src / "global_step2"
+    shutil.copy(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                tag / f"zero_pp_rank_{'9' * 23}_mp_rank_00_optim_states.pt")
+    _refused(run("convert", src, tmp_path / "o"), "does not spell its ranks as DeepSpeed does")
+    meg = tmp_path / "meg"
+    shutil.copytree(Path(__file__).parents[1] / "fixtures" / "data" / "megatron" / "legacy-untied-tp2-pp2", meg)
+    it = next(p for p in meg.iterdir() if p.name.startswith("iter_"))
+    shutil.copytree(it / "mp_rank_00_000", it / "mp_rank_99999999_000")
+    _refused(run("convert", meg, tmp_path / "o"), "mp_rank_99999999_000", "numbers of 2 to 6 digits")
+
+
+def test_a_reshard_output_s_recorded_head_counts_are_the_source_s(hf_llama, tmp_path):
+    out = tmp_path / "mesh"
+    assert run("reshard", hf_llama["dir"], out, "--tp", 2, "--quiet").exit_code == 0
+    mesh = json.loads((out / "mesh.json").read_text())
+    mesh["rules"]["params"] = {**mesh["rules"]["params"], "kv_heads": 1}
+    (out / "mesh.json").write_text(json.dumps(mesh, indent=2, sort_keys=True) + "\n")
+    _resign(out)
+    r = run("verify", out, "--against", hf_llama["dir"])
+    assert r.exit_code == 1, r.stdout
+    assert "rules.params.kv_heads is 1, the source's config.json gives 2" in r.stdout
+    assert "rules of preset 'llama' are not those its recorded params" in r.stdout

@@ -15,10 +15,12 @@ from ...io.mapped import MappedFile
 from ...readers import ReadOptions, open_checkpoint, readers
 from ...formats.safetensors import parse_header
 from ...recipe import Recipe
+from ...tp.presets import recorded_differences
 from ...tp.rules import read_config
 from ...tensor import as_bytes, iter_blocks
 from ...formats import manifest as manifest_format
 from ...formats.manifest import MANIFEST
+from ...formats.mesh import MESH
 from ...layouts.base import for_target
 from ...layouts.report import Report
 from ...layouts.scan import _checked_manifest, _sha256_regular
@@ -62,8 +64,9 @@ def compare_against(out_path: Path, layout, src, read: ReadOptions, fmt, report:
                 + (["--one-shard"] if applied.one_shard != read.one_shard else []) \
                 + [f"--{k.replace('_', '-')} {brief(v)}" for k, v in applied.declared.items()
                    if read.declared.get(k) != v]
-            report.notes.append(f"{out_path}: compared with the part of the source the output records it was made "
-                                f"from: {', '.join(replayed)}")
+            if replayed:
+                report.notes.append(f"{out_path}: compared with the part of the source the output records it was "
+                                    f"made from: {', '.join(replayed)}")
     if mine("structure", None) and document.get("format") == manifest_format.FORMAT:   # (not a foreign output)
         _compare_facts(recorded, document, manifest, source, report, beside=Path(src).is_file())
     try:
@@ -74,6 +77,10 @@ def compare_against(out_path: Path, layout, src, read: ReadOptions, fmt, report:
     if recipe.target is not None and mine("structure", None):   # (what the target says of the source, again)
         for line in for_target(recipe.target).target_differences(source, recipe.target):
             report.add(recorded, line, "source")
+    if out.recorded_rules is not None and mine("structure", None):   # (a reshard output's rules, again)
+        config = read_config(source.model_files, source.made) or source.config or {}
+        for line in recorded_differences(out.recorded_rules, config):
+            report.add(out_path / MESH, line, "source")
     try:   # convert's own steps, with their own checks (a name clash, a layout that does not fit)
         src_list, _ = recipe.apply(source.tensors, src)
     except CkptError as e:
@@ -201,6 +208,8 @@ def _as_recorded(read: ReadOptions, manifest: dict, fmt=None) -> ReadOptions:
         read = dataclasses.replace(read, only=list(only))
     if manifest.get("one_shard") is True and not read.one_shard:   # (SRC was one shard of an indexed set)
         read = dataclasses.replace(read, one_shard=True)
+    if not read.skip_unsupported:   # (what the source holds that safetensors cannot store is compared as a
+        read = dataclasses.replace(read, skip_unsupported=True)   # fact, source.skipped: never a refusal here)
     name = manifest.get("format") if fmt is None else fmt
     reader = readers().get(name) if isinstance(name, str) else None   # (a manifest is read, not trusted)
     declared = dict(read.declared)

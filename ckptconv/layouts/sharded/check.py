@@ -12,6 +12,8 @@ from ...limits import MAX_NDIM
 from ...formats.sums import NAME as SUMS
 from ...formats.manifest import MANIFEST
 from ..report import Report
+
+SHARD_METADATA = {"format": "pt"}   # a shard's whole __metadata__ (docs/output.md)
 from ..scan import _kind, _read_meta, _regular, _scan, _sha256_regular
 from ..shardcheck import _hash_shard, _library_view, _our_view, _parsed
 
@@ -95,6 +97,9 @@ def _check_shards(meta: _DirMeta, found: Report, report: Report, progress, hash_
         m, header = parsed
         if structural and not header.problems:
             consumer.append((path, _our_view(header)))   # checked at the end (_library_view)
+        if header.metadata != SHARD_METADATA:   # (what ckptconv writes in every shard of a directory)
+            found.add(path, f"__metadata__ is {brief(header.metadata, 120)}, not {SHARD_METADATA} as ckptconv "
+                            "writes it", "metadata")
         for e in header.entries:
             if e.name in located:
                 found.add(path, f"tensor {e.name!r} also appears in {located[e.name]}", "misplaced", tensor=e.name)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ...errors import BadInput, UsageError, brief
 from ...formats import mesh as fmt
-from ...tp.presets import MeshSpec, model_params, preset
+from ...tp.presets import STATED, MeshSpec, model_params, preset, stated
 from ...tp.rules import RuleSet, read_config
 from ..base import ResultError, RunFacts, is_digest, register
 from ..files import Written, copy_files
@@ -114,13 +114,10 @@ class VllmDirectory(MeshDirectory):
             fresh, _ = cls.engine(ckpt, MeshSpec(tp=1, heads=flags))
         except (UsageError, BadInput) as e:
             return [f"the recorded target {brief(record, 120)} cannot be made from the source: {e}"]
-        stated = {"heads": ("num_attention_heads", "n_head"), "kv_heads": ("num_key_value_heads",),
-                  "head_dim": ("head_dim",), "layers": ("num_hidden_layers",)}
         out = [f"target {key} is {brief(record.get(key), 60)}, the source gives {brief(fresh[key], 60)}"
                for key in ("model_type", "tied") if record.get(key) != fresh[key]]
-        for key, names in stated.items():
-            theirs = next((config[n] for n in names if type(config.get(n)) is int), None)
-            ours = record["params"].get(key)
+        for key in STATED:
+            theirs, ours = stated(config, key), record["params"].get(key)
             if theirs is not None and ours != theirs:
                 out.append(f"target params.{key} is {brief(ours, 60)}, the source's config.json gives {theirs}")
         return out

@@ -91,9 +91,12 @@ class _Extras:
         if value is None or isinstance(value, bool):
             return value
         if isinstance(value, int):
-            return value if value.bit_length() <= 1024 else {"__int__": hex(value)}
+            if value.bit_length() <= 1024:
+                return value
+            self.spend(value.bit_length() >> 2)   # (its hex digits, written again at every reference)
+            return {"__int__": hex(value)}
         if isinstance(value, float):
-            return value if math.isfinite(value) else str(value)
+            return value if math.isfinite(value) else {"__float__": str(value)}   # (never the text "nan")
         if isinstance(value, str):
             self.spend(len(value))
             return value  # (text UTF-8 cannot spell is written as its JSON escape: writer.write_json)

@@ -311,6 +311,7 @@ class _Flattener:
         found = False
         for k, v in items:
             k = unpickler.key_text(k)
+            self.budget.spend(len(name) + len(k), "naming its tensors")   # (a long key shared many times is paid each time)
             found = self.walk(v, f"{name}.{k}" if name else k, depth + 1) or found
         return found
 
