@@ -6,4 +6,9 @@ nothing here imports it until a URL is opened.
   that reaches it, and the one-line, credential-free messages of its failures.
 - `objects`: a source object (`SourceObject`: identity, small reads, ranged GETs streamed in a
   bounded window, retried) and the listing of a prefix.
+- `upload`: an output object written as a stream (`ObjectWriter`: multipart, hashed in the same
+  pass) and one OUT's life (`Publisher`: the lock, what was created, the pointer written last,
+  the rollback).
+- `s3api`: the two S3 calls obstore does not make (list and abort pending multipart uploads), signed
+  with AWS Signature Version 4.
 """

@@ -120,6 +120,7 @@ def test_a_directory_is_listed(s3):
 def test_credentials_come_from_a_profile_when_the_environment_gives_none(s3, tmp_path, monkeypatch):
     """Without AWS_ACCESS_KEY_ID, boto3's chain (when installed) finds a profile in the config files."""
     pytest.importorskip("boto3")
+    from ckptconv.storage import s3api
     (tmp_path / "credentials").write_text("[default]\naws_access_key_id = AKIAPROFILEKEY000000\n"
                                           "aws_secret_access_key = profile-secret-value-0123\n")
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
@@ -129,6 +130,7 @@ def test_credentials_come_from_a_profile_when_the_environment_gives_none(s3, tmp
     obj = SourceObject.open(parse(s3.url("p.bin")), s3.options())
     assert obj.read(0, 5) == b"hello"
     assert s3.proxy.signers == {"AKIAPROFILEKEY000000"}
+    assert s3api.credentials().key_id == "AKIAPROFILEKEY000000"
 
 
 def test_reads_can_run_from_threads(s3):
@@ -151,6 +153,7 @@ MEMORY = r"""
 import hashlib, json, os, sys
 from ckptconv.storage.urls import StorageOptions, parse
 from ckptconv.storage.objects import SourceObject
+from ckptconv.storage.upload import ObjectWriter
 from ckptconv.storage.urls import open_store
 url, endpoint, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 options = StorageOptions(endpoint_url=endpoint, concurrency=2, part_size=8 << 20, upload_concurrency=2)
@@ -163,25 +166,20 @@ def rss(field):   # kB in /proc/self/status; VmHWM is this process's peak (getru
 
 
 base = rss("VmRSS")
-import obstore
+w = ObjectWriter(open_store(parse(url), options), parse(url), expected_size=size)
 expected = hashlib.sha256()
-
-
-def chunks():
-    for i in range(size >> 20):
-        chunk = i.to_bytes(8, "little") + block[8:]
-        expected.update(chunk)
-        yield chunk
-
-
-obstore.put(open_store(parse(url), options).handle, parse(url).key, chunks(), chunk_size=8 << 20, max_concurrency=2)
+for i in range(size >> 20):
+    chunk = i.to_bytes(8, "little") + block[8:]
+    expected.update(chunk)
+    w.write(chunk)
+written = w.commit()
 after_upload = rss("VmHWM")
 h = hashlib.sha256()
 obj = SourceObject.open(parse(url), options)
 for piece in obj.stream([(0, obj.size)]):
     h.update(piece.data)
 peak = rss("VmHWM")
-print(json.dumps({"base": base, "after_upload": after_upload, "peak": peak, "written": expected.hexdigest(),
+print(json.dumps({"base": base, "after_upload": after_upload, "peak": peak, "written": written.sha256,
                   "read": h.hexdigest(), "expected": expected.hexdigest(), "size": obj.size}))
 """
 

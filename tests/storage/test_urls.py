@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from ckptconv.errors import UsageError
+from ckptconv.storage import s3api
 from ckptconv.storage.urls import Location, StorageOptions, failure, is_url, open_store, parse, redact
 
 
@@ -104,6 +105,32 @@ def test_messages_never_hold_a_credential(monkeypatch):
     assert "\n" not in line and "abc123" not in line and "tok " not in line
     assert "test-secret-never-printed-0123" not in line and "FwoGZXIvYXdzEXAMPLEsessiontoken" not in line
     assert redact("a AKIATESTKEYID0000000 b") == "a *** b"
+    assert "test-secret" not in repr(s3api.Credentials("id", "test-secret-never-printed-0123", "tok"))
     answer = ("x - Server returned non-2xx status code: 503 Service Unavailable: <?xml version='1.0'?>"
               "<Error><Code>SlowDown</Code></Error>")
     assert failure(RuntimeError(answer)) == "HTTP 503 Service Unavailable (SlowDown)"
+
+
+def test_sigv4_signatures_are_botocore_s(monkeypatch):
+    """The two requests obstore does not make are signed exactly as botocore signs them."""
+    auth = pytest.importorskip("botocore.auth")
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+    import datetime
+    now = datetime.datetime(2026, 11, 30, 12, 34, 56)
+    monkeypatch.setattr(auth, "get_current_datetime", lambda *a, **k: now, raising=False)
+    creds = s3api.Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", "session/token+=")
+    for method, url in [
+        ("GET", s3api._url("https://s3.eu-west-1.amazonaws.com", "bkt", "", {"uploads": "", "prefix": "out dir/ä~+"})),
+        ("GET", s3api._url("http://127.0.0.1:9000", "bkt", "", {"uploads": "", "prefix": "p/", "key-marker": "a=b&c",
+                                                                "upload-id-marker": "x/y"})),
+        ("DELETE", s3api._url("https://s3.eu-west-1.amazonaws.com", "bkt", "out/model 1+é.safetensors",
+                              {"uploadId": "2~abc/def+=="})),
+    ]:
+        ours = s3api.sign(method, url, creds, "eu-west-1", now=now.replace(tzinfo=datetime.timezone.utc).timestamp())
+        request = AWSRequest(method=method, url=url, headers={"x-amz-content-sha256": ours["x-amz-content-sha256"]})
+        signer = auth.S3SigV4Auth(Credentials(creds.key_id, creds.secret, creds.token), "s3", "eu-west-1")
+        signer._timestamp = lambda: now.strftime("%Y%m%dT%H%M%SZ")
+        request.context["timestamp"] = now.strftime("%Y%m%dT%H%M%SZ")
+        signer.add_auth(request)
+        assert ours["authorization"] == request.headers["Authorization"], url
