@@ -20,6 +20,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent():
+    """In the server's process before it starts (Linux): end it when the test process ends, even if
+    that is killed and never runs the fixture's teardown."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 @pytest.fixture(scope="session")
 def moto_endpoint(tmp_path_factory):
     pytest.importorskip("moto.server")
@@ -27,7 +38,7 @@ def moto_endpoint(tmp_path_factory):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT)
+                              stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
