@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ckptconv"
 # lowest first; a module may import its own layer and those below
 LAYERS = [
     ["errors", "limits", "sizes", "dtypes", "safejson", "safetoml", "signals", "progress", "rowview", "_mapguard", "_sha256x"],
-    ["io"],
+    ["io", "storage"],                          # bytes in and out: files, and objects in a store
     ["tensor", "transforms"],
     ["formats"],
     ["tp", "readers.pickle", "readers.ziparchive"],

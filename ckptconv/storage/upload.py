@@ -1,0 +1,463 @@
+"""Outputs written to a store: each object uploaded as it is written, and one OUT's life.
+
+`ObjectWriter`: `write(bytes)` hashes (SHA-256, the same pass) and buffers at most one part; the
+first full part starts a multipart upload (obstore's `put` fed from a queue of one part, in a thread),
+`commit()` completes it (an object smaller than a part is one PUT), `abort()` leaves nothing: obstore
+aborts the multipart upload its iterator fails (obstore/src/put.rs, put_multipart_inner), and a
+committed object is deleted. Parts are at least `part_size` and large enough that the expected size
+fits in S3's 10,000 parts.
+
+`Publisher`: one OUT prefix. `claim()` creates the lock object `.NAME.ckptconv-lock` beside OUT with
+a create-only PUT (naming host, pid, time; a heartbeat rewrites it, conditional on its ETag, while
+the run lives); a second claimer refuses at once. A lock whose run is gone (same host and its pid
+dead, or no heartbeat for `stale_seconds`) is reported, and taken over with `take_over=True`
+(--resume/--overwrite), which also aborts the multipart uploads pending under OUT. Every object
+written through it is tracked; `publish(pointer, data)` writes the pointer last with a create-only
+PUT (a consumer that finds it finds everything); `rollback()` aborts what is open, deletes what was
+created and lets the lock go.
+"""
+import contextlib
+import json
+import os
+import queue
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Optional
+
+from .. import safejson
+from ..errors import BadInput, OutputError
+from ..io import sha256
+from ..signals import check, deferred, on_escape
+from .urls import MIB, Location, StorageOptions, Store, failure, open_store
+
+MAX_PARTS = 10_000      # S3's (and GCS's XML API's) limit of parts per upload
+MIN_PART = 5 * MIB      # S3's smallest part but the last
+MAX_PART = 5 << 30      # S3's largest part
+LOCK_LIMIT = 4096       # bytes of a lock object read
+
+
+def part_size_for(expected: Optional[int], preferred: int) -> int:
+    """The part size for an object of about `expected` bytes: `preferred` (at least 5 MiB), grown to a
+    whole MiB such that the object needs at most 10,000 parts."""
+    size = max(preferred, MIN_PART)
+    if expected and expected > MAX_PARTS * size:
+        size = -(-expected // MAX_PARTS)
+        size = -(-size // MIB) * MIB
+    if size > MAX_PART:
+        raise OutputError(f"an object of {expected:,} bytes needs parts over 5 GiB; the store takes at most "
+                          f"{MAX_PARTS:,} parts of 5 GiB")
+    return size
+
+
+@dataclass(frozen=True)
+class Written:
+    """An object committed: its location, bytes, SHA-256 (hex) and ETag."""
+
+    location: Location
+    size: int
+    sha256: str
+    etag: Optional[str]
+
+
+_END, _ABORT = object(), object()
+
+
+class _Aborted(Exception):
+    pass
+
+
+class ObjectWriter:
+    """An object written as a stream. Memory: the part being filled, one queued, and obstore's
+    buffer and `upload_concurrency` parts in flight."""
+
+    def __init__(self, store: Store, location: Location, expected_size: Optional[int] = None,
+                 mode: str = "overwrite"):
+        self.store, self.location, self.mode = store, location, mode
+        self.part = part_size_for(expected_size, store.options.part_size)
+        self.size, self.state = 0, "open"
+        self._hash, self._buf = sha256.new(), bytearray()
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._thread: Optional[threading.Thread] = None
+        self._result, self._error = None, None
+
+    def __repr__(self) -> str:
+        return f"ObjectWriter({str(self.location)!r}, {self.state}, {self.size} bytes)"
+
+    def write(self, data) -> int:
+        if self.state != "open":
+            raise OutputError(f"{self.location}: written after it was {self.state}")
+        view = memoryview(data).cast("B")
+        count = len(view)
+        if self.mode == "create":   # one PUT at commit (create-only is not a multipart upload)
+            if self.size + count > MAX_PART:
+                raise OutputError(f"{self.location}: a create-only object holds at most 5 GiB")
+            self._hash.update(view)
+            self._buf += view
+            self.size += count
+            return count
+        if self.size + count > self.part * MAX_PARTS:
+            raise OutputError(f"{self.location}: more than {self.part * MAX_PARTS:,} bytes, what {MAX_PARTS:,} parts "
+                              f"of {self.part:,} bytes hold; give the expected size when it is opened")
+        self._hash.update(view)
+        self.size += count
+        while len(view):
+            take = min(len(view), self.part - len(self._buf))
+            self._buf += view[:take]
+            view = view[take:]
+            if len(self._buf) == self.part:
+                self._send(self._buf)
+                self._buf = bytearray()
+                check()   # once per part: a signal pending since it arrived outside our code (signals.py)
+        return count
+
+    def _parts(self):
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if item is _ABORT:
+                raise _Aborted("aborted")
+            yield item
+
+    def _upload(self):
+        import obstore
+        try:
+            self._result = obstore.put(self.store.handle, self.location.key, self._parts(), chunk_size=self.part,
+                                       max_concurrency=self.store.options.upload_concurrency, use_multipart=True)
+        except BaseException as e:  # noqa: BLE001 (handed to the writing thread)
+            self._error = e
+
+    def _send(self, item):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._upload, name="ckptconv-put", daemon=True)
+            self._thread.start()
+        while True:
+            if self._error is not None or not self._thread.is_alive():
+                self._failed()
+            try:
+                self._queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                check()   # a signal that arrived while we waited in the queue's code (signals.py)
+
+    def _failed(self):
+        self.state = "failed"
+        error = self._error
+        if isinstance(error, _Aborted) or error is None:
+            raise OutputError(f"{self.location}: the upload stopped")
+        raise OutputError(f"{self.location}: upload failed: {failure(error)}") from None
+
+    def commit(self) -> Written:
+        """Complete the object; OutputError if it could not be (then nothing of it is left)."""
+        import obstore
+        if self.state != "open":
+            raise OutputError(f"{self.location}: committed after it was {self.state}")
+        if self._thread is None:
+            try:
+                self._result = obstore.put(self.store.handle, self.location.key, self._buf, mode=self.mode,
+                                           use_multipart=False)
+            except Exception as e:  # noqa: BLE001
+                self.state = "failed"
+                if self.mode == "create" and type(e).__name__ in ("AlreadyExistsError", "PreconditionError"):
+                    raise OutputError(f"{self.location}: already exists (another run published it)") from None
+                raise OutputError(f"{self.location}: upload failed: {failure(e)}") from None
+        else:
+            if self._buf:
+                self._send(self._buf)
+            self._send(_END)
+            self._thread.join()
+            if self._error is not None:
+                self._failed()
+        self._buf = bytearray()
+        self.state = "committed"
+        return Written(self.location, self.size, self._hash.hexdigest(), (self._result or {}).get("e_tag"))
+
+    def abort(self):
+        """Leave nothing: the multipart upload aborted (by obstore, when its parts fail), the object
+        deleted if it was committed."""
+        import obstore
+        state, self.state = self.state, "aborted"
+        self._buf = bytearray()
+        if self._thread is not None:
+            while self._thread.is_alive():
+                try:
+                    self._queue.get_nowait()   # a part not yet taken: never uploaded
+                except queue.Empty:
+                    pass
+                try:
+                    self._queue.put(_ABORT, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            self._thread.join()
+        if state == "committed":
+            obstore.delete(self.store.handle, self.location.key)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lock, from the lock object: a run on `host` with `pid`, its `run` id; `beat`: when
+    the store last saw it renewed (the object's last-modified time)."""
+
+    host: str
+    pid: int
+    run: str
+    started: str
+    beat: datetime
+    version: dict      # the lock object's ETag and version: what a take-over is conditional on
+
+    def gone(self, stale_seconds: float) -> bool:
+        """Whether its run is known to be gone: a dead pid on this host, or no heartbeat for long."""
+        if self.host == socket.gethostname() and _dead(self.pid):
+            return True
+        return (datetime.now(timezone.utc) - self.beat).total_seconds() > stale_seconds
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} on {self.host}, started {self.started}"
+
+
+def _version(meta) -> dict:
+    """An object's ETag and version (what obstore's conditional update takes; S3 uses the ETag, GCS
+    the generation), from a put's result or an object's metadata."""
+    return {k: meta[k] for k in ("e_tag", "version") if meta.get(k) is not None}
+
+
+def _dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False
+    return False
+
+
+class Publisher:
+    """One OUT prefix: claim it, write into it, publish it pointer last, or roll it back."""
+
+    def __init__(self, out: Location, options: StorageOptions = StorageOptions(), store: Optional[Store] = None,
+                 heartbeat_seconds: float = 60.0, stale_seconds: float = 600.0):
+        if not out.key:
+            raise OutputError(f"{out}: OUT must be a prefix inside the bucket (s3://BUCKET/NAME), not the bucket")
+        self.out, self.options = out, options
+        self.store = store or open_store(out, options)
+        self.lock = out.sibling(f".{out.key.rpartition('/')[2]}.ckptconv-lock")
+        self.heartbeat_seconds, self.stale_seconds = heartbeat_seconds, stale_seconds
+        self.created: list = []     # keys of the objects committed, in order
+        self.open: list = []        # ObjectWriters not yet committed
+        self._lock: Optional[dict] = None   # this run's lock object's ETag and version, while it holds it
+        self._lost = False
+        self._stop = threading.Event()
+        self._beater: Optional[threading.Thread] = None
+        self._escape = contextlib.ExitStack()   # while claimed: the rollback a signal's last resort runs
+        self._guard = threading.Lock()
+        self.me = {"ckptconv": "lock", "host": socket.gethostname(), "pid": os.getpid(), "run": uuid.uuid4().hex,
+                   "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+    def __repr__(self) -> str:
+        held = "claimed" if self._lock else "unclaimed"
+        return f"Publisher({str(self.out)!r}, {len(self.created)} created, {held})"
+
+    # -- the lock ---------------------------------------------------------------------------------
+    def holder(self) -> Optional[Holder]:
+        """Who holds OUT's lock now, or None when there is none."""
+        import obstore
+        try:
+            meta = obstore.head(self.store.handle, self.lock.key)
+            data = b"" if meta["size"] > LOCK_LIMIT else bytes(obstore.get(
+                self.store.handle, self.lock.key, options={"if_match": meta["e_tag"]} if meta.get("e_tag") else None
+            ).bytes())
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001
+            raise OutputError(f"{self.lock}: cannot read the lock: {failure(e)}") from None
+        try:
+            fields = safejson.loads(data, str(self.lock), "lock") if data else None
+        except BadInput:
+            fields = None
+        if not (isinstance(fields, dict) and fields.get("ckptconv") == "lock" and isinstance(fields.get("pid"), int)
+                and all(isinstance(fields.get(k), str) for k in ("host", "run", "started"))):
+            raise OutputError(f"{self.lock}: is not a lock of ckptconv's; remove it if no run is writing {self.out}")
+        return Holder(fields["host"], fields["pid"], fields["run"], fields["started"], meta["last_modified"],
+                      _version(meta))
+
+    def claim(self, take_over: bool = False) -> Optional[Holder]:
+        """Create OUT's lock, or refuse: another live run holds it; or one that is gone does and
+        `take_over` is not given (--resume, --overwrite). Taking over replaces that lock, conditional on
+        its ETag (of two runs taking over, one wins), and aborts the uploads pending under OUT. Returns
+        the holder taken over from, if any."""
+        import obstore
+        body = json.dumps(self.me).encode()
+        with deferred():
+            try:
+                self._lock = _version(obstore.put(self.store.handle, self.lock.key, body, mode="create"))
+                self._beat_start()
+                return None
+            except Exception as e:  # noqa: BLE001
+                if type(e).__name__ not in ("AlreadyExistsError", "PreconditionError"):
+                    raise OutputError(f"{self.lock}: cannot create the lock: {failure(e)}") from None
+            holder = self.holder()
+            if holder is None:
+                raise OutputError(f"{self.out}: another run is claiming it; try again")
+            if not holder.gone(self.stale_seconds):
+                raise OutputError(f"{self.out}: another ckptconv run ({holder}) is writing it")
+            if not take_over:
+                raise OutputError(f"{self.out}: a run that is gone ({holder}) left its lock {self.lock}; "
+                                  "--resume or --overwrite takes it over")
+            try:
+                self._lock = _version(obstore.put(self.store.handle, self.lock.key, body, mode=holder.version))
+            except Exception as e:  # noqa: BLE001
+                raise OutputError(f"{self.out}: another run took over its lock first ({failure(e)})") from None
+            self._beat_start()
+        self.abort_pending()
+        return holder
+
+    def _beat_start(self):
+        self._escape.close()
+        self._escape.enter_context(on_escape(self.rollback))
+        self._beater = threading.Thread(target=self._beat, name="ckptconv-lock", daemon=True)
+        self._beater.start()
+
+    def _beat(self):
+        import obstore
+        while not self._stop.wait(self.heartbeat_seconds):
+            try:
+                with self._guard:
+                    if self._stop.is_set():
+                        return
+                    self._lock = _version(obstore.put(self.store.handle, self.lock.key,
+                                                      json.dumps(self.me).encode(), mode=self._lock))
+            except Exception as e:  # noqa: BLE001
+                if type(e).__name__ == "PreconditionError" or isinstance(e, FileNotFoundError):
+                    self._lost = True   # taken over: this run must not publish
+                    return
+                # a transient failure: the next beat tries again (stale_seconds is many beats)
+
+    def _check_held(self):
+        if self._lock is None:
+            raise OutputError(f"{self.out}: written before it was claimed")
+        if self._lost:
+            raise OutputError(f"{self.out}: another run took over its lock; this run stops without publishing")
+
+    def release(self):
+        """Let the lock go, if it is still this run's (checked by ETag just before it is deleted)."""
+        import obstore
+        self._stop.set()
+        self._escape.close()
+        with self._guard:
+            if self._lock is None:
+                return
+            mine, self._lock = self._lock, None
+            if self._lost:
+                return
+            try:
+                if obstore.head(self.store.handle, self.lock.key).get("e_tag") == mine.get("e_tag"):
+                    obstore.delete(self.store.handle, self.lock.key)
+            except FileNotFoundError:
+                pass
+
+    # -- writing ----------------------------------------------------------------------------------
+    def writer(self, name: str, expected_size: Optional[int] = None) -> ObjectWriter:
+        """An ObjectWriter for OUT/`name`, tracked: committed through it, rolled back with the rest."""
+        self._check_held()
+        w = _Tracked(self, self.store, self.out.child(name), expected_size)
+        self.open.append(w)
+        return w
+
+    def put(self, name: str, data: bytes) -> Written:
+        """A small object (manifest.json, SHA256SUMS, an extra) written whole."""
+        w = self.writer(name, len(data))
+        w.write(data)
+        return w.commit()
+
+    def publish(self, pointer: str, data: bytes) -> Written:
+        """Write the pointer (the file a consumer opens first), create-only, after everything else:
+        OutputError if any writer is still open, the lock was lost, or a pointer is already there."""
+        self._check_held()
+        if self.open:
+            raise OutputError(f"{self.out}: {len(self.open)} object(s) still being written, "
+                              f"{self.open[0].location} first; the pointer is written last")
+        with deferred():
+            self._check_held()
+            w = _Tracked(self, self.store, self.out.child(pointer), len(data), mode="create")
+            self.open.append(w)
+            w.write(data)
+            done = w.commit()
+            self.release()
+        return done
+
+    def rollback(self) -> list:
+        """Abort what is open, delete what was created, abort uploads of this run's keys left pending,
+        let the lock go; each step is tried whatever the others did, and what failed is returned (one
+        line each). Nothing is deleted once the lock was taken over (it is the other run's OUT now)."""
+        import obstore
+        problems = []
+
+        def attempt(step, *args):
+            try:
+                step(*args)
+            except Exception as e:  # noqa: BLE001
+                problems.append(str(e) if isinstance(e, OutputError) else f"{self.out}: {failure(e)}")
+        with deferred():
+            multipart = {w.location.key for w in self.open if w._thread is not None}
+            for w in list(self.open):
+                attempt(w.abort)
+            self.open.clear()
+            if not self._lost and self._lock is not None:
+                for at in range(0, len(self.created), 1000):
+                    attempt(obstore.delete, self.store.handle, self.created[at:at + 1000])
+                self.created.clear()
+                if multipart and self.out.kind == "s3":   # (obstore aborts what fails; a sweep for what it could not)
+                    attempt(self.abort_pending, multipart)
+            attempt(self.release)
+        return problems
+
+    def pending(self) -> Optional[list]:
+        """The multipart uploads pending under OUT (s3api.Pending), or None where the store offers no
+        listing of them (GCS and Azure: see docs/security.md)."""
+        if self.out.kind != "s3":
+            return None
+        from . import s3api
+        return s3api.pending(self.out, self.options)
+
+    def abort_pending(self, only: Optional[set] = None):
+        """Abort the multipart uploads pending under OUT (those of `only`'s keys, when given)."""
+        from . import s3api
+        for upload in self.pending() or ():
+            if only is None or upload.key in only:
+                s3api.abort(self.out, upload, self.options)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if kind is not None:
+            self.rollback()
+        else:
+            self.release()
+        return False
+
+
+class _Tracked(ObjectWriter):
+    """An ObjectWriter whose commit and abort the Publisher records."""
+
+    def __init__(self, publisher: Publisher, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.publisher = publisher
+
+    def commit(self) -> Written:
+        self.publisher._check_held()
+        done = super().commit()   # (one that fails stays open: the rollback sweeps what it may have left)
+        self.publisher.open.remove(self)
+        self.publisher.created.append(self.location.key)
+        return done
+
+    def abort(self):
+        if self in self.publisher.open:
+            self.publisher.open.remove(self)
+        super().abort()
+        if self.location.key in self.publisher.created:
+            self.publisher.created.remove(self.location.key)

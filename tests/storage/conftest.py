@@ -1,0 +1,114 @@
+"""A real S3 API for the storage tests: moto's server on a free 127.0.0.1 port (one per test session
+and worker), a fresh bucket per test, and the fault proxy (proxy.py) in front of it."""
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+from ckptconv.storage.urls import StorageOptions
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent():
+    """In the server's process before it starts (Linux): end it when the test process ends, even if
+    that is killed and never runs the fixture's teardown."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint(tmp_path_factory):
+    pytest.importorskip("moto.server")
+    pytest.importorskip("obstore")
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                assert server.poll() is None, "moto's server did not start"
+                time.sleep(0.1)
+        else:
+            raise AssertionError("moto's server did not answer within 30 s")
+        yield url
+    finally:
+        server.terminate()
+        server.wait(10)
+        log.close()
+
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "AKIATESTKEYID0000000", "AWS_SECRET_ACCESS_KEY": "test-secret-never-printed-0123",
+               "AWS_REGION": "us-east-1"}
+
+
+@pytest.fixture(autouse=True)
+def aws_environment(monkeypatch):
+    """Credentials of the tests' own, and nothing of the machine's (profiles, endpoints)."""
+    for name in list(os.environ):
+        if name.startswith(("AWS_", "AZURE_", "GOOGLE_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+
+
+@dataclass
+class S3:
+    endpoint: str     # moto's
+    bucket: str
+    client: object    # boto3's, straight to moto: the tests' own view of what is there
+    proxy: object     # FaultProxy in front of moto
+
+    def options(self, **kw) -> StorageOptions:
+        """Options through the proxy, with a budget that keeps failing tests short."""
+        base = dict(endpoint_url=self.proxy.endpoint, retries=4, retry_seconds=30, backoff_seconds=0.01,
+                    stall_seconds=1.0, concurrency=4, part_size=5 << 20, upload_concurrency=2)
+        return StorageOptions(**{**base, **kw})
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    def keys(self, prefix: str = "") -> list:
+        return [o["Key"] for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix).get("Contents", [])]
+
+    def uploads(self) -> list:
+        return [u["Key"] for u in self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])]
+
+
+@pytest.fixture
+def s3(moto_endpoint):
+    import boto3
+    from tests.storage.proxy import FaultProxy
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    bucket = f"t-{uuid.uuid4().hex[:20]}"
+    client.create_bucket(Bucket=bucket)
+    proxy = FaultProxy(moto_endpoint)
+    try:
+        yield S3(moto_endpoint, bucket, client, proxy)
+    finally:
+        proxy.close()
+        for key in [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]:
+            client.delete_object(Bucket=bucket, Key=key)
+        for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
+            client.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
