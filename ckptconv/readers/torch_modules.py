@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import BadInput, printable
 from ..limits import MAX_DEPTH, Budget
+from . import wrappers
 from .pickle import unpickler
 from .pickle.numpy_globals import NumpyArray
 from .pickle.torch_globals import TorchTensor, TorchTensorUnsupported
@@ -169,27 +170,11 @@ class _StateDict:
         self.open.discard(id(module))
 
     def _tensors_in(self, value) -> list:
-        """The ids of the tensors `value` reaches through containers and records (not through another
-        module: each is looked at where its own state dict is made), and of the records of a format's own
-        module that ckptconv does not read (a quantized tensor's packed form); each object looked at once."""
-        todo, seen, found = [value], set(), []
-        while todo:
-            v = todo.pop()
-            if isinstance(v, (TorchTensor, TorchTensorUnsupported, NumpyArray)) or \
-                    (isinstance(v, unpickler.InertObject) and v.unread):   # (a kind of tensor ckptconv does not read)
-                found.append(id(v))
-                continue
-            if id(v) in seen or not isinstance(v, _WALKED) or is_module(v):
-                continue
-            seen.add(id(v))
-            self.budget.spend(1, "its modules")
-            if isinstance(v, dict):
-                todo.extend(v.values())
-            elif isinstance(v, unpickler.InertObject):
-                todo.extend(part for _, part in unpickler.record_parts(v))
-            else:
-                todo.extend(v)
-        return found
+        """The ids of the tensors `value` reaches (not through another module: each is looked at where
+        its own state dict is made), and of the kinds of tensor ckptconv does not read (a quantized
+        tensor's packed form)."""
+        reached = wrappers.tensors_reached(value, self.budget, "its modules", unread=True, stop=is_module)
+        return [id(t) for t in reached]
 
     def left_out(self) -> tuple:
         """The attributes holding a tensor the state dict does not (a class that writes its own state

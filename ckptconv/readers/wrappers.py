@@ -54,26 +54,34 @@ def mapping(value):
     return None
 
 
-def holds_tensor(value, budget: Budget) -> bool:
-    """Whether `value` reaches a tensor through containers and records; each object is looked at
-    once, and each charged to the pickle's budget."""
+def tensors_reached(value, budget: Budget, what="its non-tensor state", unread=False, stop=None):
+    """The tensors `value` reaches through containers and records (with `unread`, also the records a
+    global of the format's own modules built, kinds of tensor ckptconv does not read), as it meets
+    them; a container for which `stop` is true is not entered. Each object is looked at once, and
+    each charged to the pickle's budget as `what`."""
     todo, seen = [value], set()
     while todo:
         v = todo.pop()
-        if isinstance(v, (TorchTensor, TorchTensorUnsupported, NumpyArray)):
-            return True
+        if isinstance(v, (TorchTensor, TorchTensorUnsupported, NumpyArray)) or \
+                (unread and isinstance(v, unpickler.InertObject) and v.unread):
+            yield v
+            continue
         if id(v) in seen or not isinstance(v, (dict, list, tuple, unpickler.InertObject)) or \
-                (isinstance(v, unpickler.InertObject) and v.unread):
+                (isinstance(v, unpickler.InertObject) and v.unread) or (stop is not None and stop(v)):
             continue
         seen.add(id(v))
-        budget.spend(1, "its non-tensor state")
+        budget.spend(1, what)
         if isinstance(v, dict):
             todo.extend(v.values())
         elif isinstance(v, unpickler.InertObject):
             todo.extend(part for _, part in unpickler.record_parts(v))
         else:
             todo.extend(v)
-    return False
+
+
+def holds_tensor(value, budget: Budget) -> bool:
+    """Whether `value` reaches a tensor through containers and records (tensors_reached)."""
+    return next(tensors_reached(value, budget), None) is not None
 
 
 @dataclass(frozen=True)
