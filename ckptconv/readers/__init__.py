@@ -23,6 +23,7 @@ from ..formats.manifest import MANIFEST, index_kind
 from ..formats.mesh import MESH
 from ..formats.sums import NAME as SUMS, unsafe_name
 from . import unknown
+from ..storage.urls import local_only
 from .base import READERS, ReadOptions, Reader, Source
 
 __all__ = ["ReadOptions", "Reader", "Source", "readers", "reader_for", "open_checkpoint", "open_source"]
@@ -63,6 +64,7 @@ def detect(path) -> list:
 def reader_for(path, fmt=None) -> tuple:
     """(the Reader for `path`: forced by `fmt` or detected, names of other readers that recognise
     the same directory)."""
+    local_only(path, "SRC")
     if fmt:
         known = readers()
         if fmt not in known:

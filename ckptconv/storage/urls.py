@@ -103,6 +103,15 @@ def is_url(text) -> bool:
     return isinstance(text, str) and bool(_URL.match(text))
 
 
+def local_only(text, what: str):
+    """Refuse an object-store URL where this version takes a local path only (the commands do not
+    reach buckets through this layer yet): one line, never a local directory named `s3:`."""
+    if is_url(text):
+        shown = re.sub(r"^([^:]+://)[^/@]*@", r"\1", redact(str(text)))   # (no user or password either)
+        raise UsageError(f"{printable(shown, 300)}: {what} is an object-store URL; the commands of this "
+                         "version read and write local paths only (copy it to a local disk or mount the bucket)")
+
+
 def _check_key(key: str, shown: str):
     parts = key.split("/")
     if any(p in ("", ".", "..") for p in parts) or not key.isprintable():

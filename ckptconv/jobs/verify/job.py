@@ -14,6 +14,7 @@ from ...errors import BadInput, UsageError
 from ...formats.identity import identity
 from ...formats.sums import NAME as SUMS
 from ...layouts import detected
+from ...storage.urls import local_only
 from ...layouts.report import Problem, Report, _detail
 from ...readers import ReadOptions
 from ...run.runner import run_stages
@@ -26,6 +27,7 @@ def verify(request: "VerifyRequest", progress=None, cluster=None) -> Report:
     (an output's identity, formats/identity.py), the output must also be exactly that one. On several
     processes each checks its share (shards, rank dirs, tensors) and process 0 gathers the report;
     they first agree that they verify the same output the same way."""
+    local_only(request.path, "PATH")
     report = _verify(request, progress, cluster)
     if request.expect is not None and (cluster is None or cluster.is_main):
         _check_expected(request, report)
