@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .. import safejson
 from ..errors import BadInput, brief, encodable
 from .manifest import MANIFEST, is_digest
+from .mesh import MESH
 from .sums import NAME as SUMS, unsafe_name, unsafe_path
 
 MODEL_INDEX = "model_index.json"
@@ -37,7 +38,7 @@ def components(doc, where) -> list:
         if not all(isinstance(v, str) for v in value):
             continue   # (the pipeline's own configuration)
         why = unsafe_name(name) or (None if encodable(name) else "not valid Unicode text")
-        if why is None and (name.startswith(".") or name in (MANIFEST, SUMS, MODEL_INDEX)):
+        if why is None and (name.startswith(".") or name in (MANIFEST, SUMS, MODEL_INDEX, MESH)):
             why = "a hidden name or one of an output's own files"
         if why is not None:
             raise BadInput(f"{where}: component {brief(name, 80)} is not a folder name beside it ({why})")
@@ -76,6 +77,9 @@ def read_document(data: bytes, where) -> tuple:
     if not isinstance(source, dict):
         problems.append(f"source is {brief(source, 80)}, not an object")
         source = {}
+    problems += [f"{where_}{brief(value, 80)}: a pipeline output records no engine's target and no resharding"
+                 for where_, value in (("target is ", doc.get("target")), ("source.target is ", source.get("target")),
+                                       ("source.resharded is ", source.get("resharded"))) if value is not None]
     listed = doc.get("components")
     if not isinstance(listed, dict):
         problems.append(f"components is {brief(listed, 80)}, not an object")

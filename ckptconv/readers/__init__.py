@@ -259,9 +259,15 @@ def source_root(path: Path) -> str:
 
 
 def inside(path, root: str) -> bool:
-    """Whether `path` resolves (symbolic links followed) to `root` or below it."""
+    """Whether `path` resolves (symbolic links followed) to `root` or below it; for a Hugging Face
+    cache repository (source_root of a snapshot), to its `snapshots/` or `blobs/` only: never its
+    `refs/`, nor anything else a link inside the cache could name."""
     real = os.path.realpath(path)
-    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+    if real == root:
+        return True
+    if os.path.isdir(os.path.join(root, "blobs")) and os.path.isdir(os.path.join(root, "snapshots")):
+        return any(real.startswith(os.path.join(root, part) + os.sep) for part in ("blobs", "snapshots"))
+    return real.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def confined(path: Path, root: str) -> Path:

@@ -104,6 +104,9 @@ def _part(folder: Path, name: str, library: str, cls: str, root: str, options: R
         ckpt.model_files, ckpt.skipped_files = _folder_files(folder, weights, root, options)
         skipped += [{"name": p.name, "reason": f"the {v} variant; the weights without one were converted"}
                     for v, found in sorted(groups.items(), key=lambda kv: kv[0] or "") if v for p in found]
+    if not ckpt.tensors:   # (its weight files hold nothing: a component of weights needs some)
+        raise BadInput(f"{folder}: its weight files ({', '.join(p.name for p in chosen[:4])}) hold no tensors; "
+                       "remove them if the component has no weights")
     facts.update({"format": ckpt.format, **({"variant": variant} if variant else {}),
                   **({"also": ckpt.also} if ckpt.also else {})})
     stem = source_stem([m.path for m in ckpt.mapped] or [chosen[0]])

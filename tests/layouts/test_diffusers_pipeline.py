@@ -381,3 +381,72 @@ def test_a_manifest_naming_paths_outside_is_a_problem_never_opened(ddpm, tmp_pat
     assert "files lists '../outside', which is not a plain path" in r.stdout
     assert "component '../up': not a folder name" in r.stdout
     assert opened_outside(r, out) == []
+
+
+# -- what the outside attack on pipelines found -------------------------------------------------------------
+
+def _resign(out: Path):
+    """SHA256SUMS (and the top manifest's files) made again after an edit, as a consistent forger would."""
+    import hashlib
+    manifest = json.loads((out / "manifest.json").read_text())
+    for name in manifest["files"]:
+        data = (out / name).read_bytes()
+        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    names = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != "SHA256SUMS")
+    (out / "SHA256SUMS").write_text("".join(f"{hashlib.sha256((out / n).read_bytes()).hexdigest()}  {n}\n"
+                                            for n in names))
+
+
+def test_what_the_top_manifest_records_of_the_source_is_compared(sd, tmp_path):
+    out = tmp_path / "out"
+    convert(sd, out)
+    for edit, said in [(lambda s: s.update(pipeline="EvilPipeline"), "source.pipeline is 'EvilPipeline'"),
+                       (lambda s: s.update(cast="F16"), "source.cast is 'F16', component")]:
+        forged = tmp_path / "forged"
+        subprocess.run(["rm", "-rf", str(forged)], check=True)
+        subprocess.run(["cp", "-r", str(out), str(forged)], check=True)
+        manifest = json.loads((forged / "manifest.json").read_text())
+        edit(manifest["source"])
+        (forged / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        _resign(forged)
+        assert run("verify", forged).exit_code == 0   # (consistent: only the source can tell)
+        r = run("verify", forged, "--against", sd)
+        assert r.exit_code == 1 and said in r.stdout, r.stdout
+    manifest = json.loads((forged / "manifest.json").read_text())
+    manifest["target"] = "tp"
+    (forged / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _resign(forged)
+    r = run("verify", forged)
+    assert r.exit_code == 1 and "a pipeline output records no engine's target" in r.stdout
+
+
+def test_a_component_whose_weights_hold_nothing_or_named_mesh_json_is_refused(ddpm, tmp_path):
+    from safetensors.torch import save_file
+    src = tmp_path / "src"
+    subprocess.run(["cp", "-r", str(ddpm), str(src)], check=True)
+    save_file({}, src / "scheduler" / "diffusion_pytorch_model.safetensors")
+    assert_refused(cli("convert", src, tmp_path / "out"), tmp_path / "out", "scheduler: its weight files",
+                   "hold no tensors")
+    (src / "scheduler" / "diffusion_pytorch_model.safetensors").unlink()
+    index = json.loads((src / "model_index.json").read_text())
+    index["mesh.json"] = ["diffusers", "DDPMScheduler"]
+    (src / "model_index.json").write_text(json.dumps(index))
+    (src / "mesh.json").mkdir()
+    assert_refused(cli("convert", src, tmp_path / "out"), tmp_path / "out", "mesh.json")
+
+
+def test_a_link_in_a_cache_snapshot_reaches_its_blobs_only(ddpm, tmp_path):
+    """SRC at X/snapshots/REV (a Hugging Face cache) may link into X/blobs, never elsewhere in X."""
+    x = tmp_path / "models--org--name"
+    (x / "blobs").mkdir(parents=True)
+    (x / ".ssh").mkdir()
+    (x / ".ssh" / "id_rsa").write_text("secret\n")
+    snap = x / "snapshots" / "rev"
+    subprocess.run(["mkdir", "-p", str(snap.parent)], check=True)
+    subprocess.run(["cp", "-r", str(ddpm), str(snap)], check=True)
+    (snap / "scheduler" / "notes.txt").symlink_to("../../../.ssh/id_rsa")
+    r = run("convert", snap, tmp_path / "out")
+    assert r.exit_code == 0, r.stderr
+    assert not (tmp_path / "out" / "scheduler" / "notes.txt").exists()
+    assert "scheduler/notes.txt (a symbolic link leading outside the source)" in r.stdout

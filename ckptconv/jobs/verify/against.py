@@ -20,7 +20,8 @@ from ...tp.rules import read_config
 from ...tensor import as_bytes, iter_blocks
 from ...formats import manifest as manifest_format
 from ...formats.manifest import MANIFEST
-from ...formats.mesh import MESH
+from ...formats.mesh import MESH, read_regular
+from ...formats.pipeline import read_document
 from ...layouts.base import for_target
 from ...layouts.report import Report
 from ...layouts.scan import _checked_manifest, _sha256_regular
@@ -140,6 +141,8 @@ def compare_parts(out_path: Path, layout, src, read: ReadOptions, fmt, report: R
         return
     ours = {p.name: p for p in parts}
     structure = mine("structure", None)
+    if structure:
+        _compare_pipeline_source(out_path, source, parts, report)
     for name in sorted(set(theirs) - set(ours)) if structure else ():
         report.add(out_path / name, f"component {name!r} of the source is not in the output", "source")
     for part in parts:
@@ -158,6 +161,26 @@ def compare_parts(out_path: Path, layout, src, read: ReadOptions, fmt, report: R
         elif structure:
             files = source.out_files()[0] if not part.name else their.files
             _compare_carried(out_path / part.name, part.files, files, report)
+
+
+def _compare_pipeline_source(out_path: Path, source, parts, report: Report):
+    """What the pipeline's top-level manifest records of its source (the pipeline's class, each
+    component's library, class, format and variant, the files read) is what the reader says today,
+    and a recorded cast is the one each component of weights records."""
+    try:
+        doc, _ = read_document(read_regular(out_path / MANIFEST), out_path / MANIFEST)
+    except BadInput:
+        return   # (reported by the structural check)
+    if doc is None:
+        return
+    _compare_description(out_path / MANIFEST, {}, {k: v for k, v in doc.source.items() if k != "cast"},
+                         source, report)
+    cast = doc.source.get("cast")
+    for part in parts:
+        recorded = part.layout and _recorded_source(out_path / part.name, part.layout)[1].get("cast")
+        if part.layout is not None and recorded != cast:
+            report.add(out_path / MANIFEST, f"source.cast is {brief(cast, 20)}, component {part.name!r} records "
+                                            f"{brief(recorded, 20)}", "source")
 
 
 def _compare_carried(where: Path, ours: dict, theirs: list, report: Report):
