@@ -98,7 +98,8 @@ def _check_shards(meta: _DirMeta, found: Report, report: Report, progress, hash_
         if structural and not header.problems:
             consumer.append((path, _our_view(header)))   # checked at the end (_library_view)
         if header.metadata != SHARD_METADATA:   # (what ckptconv writes in every shard of a directory)
-            found.add(path, f"__metadata__ is {brief(header.metadata, 120)}, not {SHARD_METADATA} as ckptconv "
+            shown = dict(sorted(header.metadata.items())) if isinstance(header.metadata, dict) else header.metadata
+            found.add(path, f"__metadata__ is {brief(shown, 120)}, not {SHARD_METADATA} as ckptconv "
                             "writes it", "metadata")
         for e in header.entries:
             if e.name in located:
