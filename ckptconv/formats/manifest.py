@@ -386,6 +386,13 @@ class ManifestTensors(Mapping):
 _ABSENT = object()
 
 
+def file_entry_problem(name, info) -> str | None:
+    """Why a manifest's `files` entry is not {"sha256": digest, "size": bytes}, or None."""
+    if isinstance(info, dict) and is_digest(info.get("sha256")) and type(info.get("size")) is int and info["size"] >= 0:
+        return None
+    return f"files entry {brief(name, 80)} is {brief(info)}, not {{\"sha256\": digest, \"size\": bytes}}"
+
+
 def read_manifest(data, where, plain: bool = False) -> tuple:
     """(files {name: {"sha256", "size"} or None if malformed}, tensors {name: ManifestTensor or None
     if malformed}, problems) of manifest.json's bytes, read member by member (safejson.members): its
@@ -415,12 +422,10 @@ def read_manifest(data, where, plain: bool = False) -> tuple:
                         file_problems.append(f"files lists {name!r}, which is not a plain file name in this "
                                              f"directory ({why}); not opened")
                         continue
-                    ok = (isinstance(info, dict) and is_digest(info.get("sha256")) and type(info.get("size")) is int
-                          and info["size"] >= 0)
-                    if not ok:
-                        file_problems.append(f"files entry {name!r} is {brief(info)}, not "
-                                             "{\"sha256\": digest, \"size\": bytes}")
-                    files[name] = info if ok else None
+                    why = file_entry_problem(name, info)
+                    if why is not None:
+                        file_problems.append(why)
+                    files[name] = info if why is None else None
             elif key == "tensors" and not isinstance(value, safejson.Members):
                 odd.append("'tensors' is not an object")
             elif key == "tensors":

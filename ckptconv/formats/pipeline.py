@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .. import safejson
 from ..errors import BadInput, brief, encodable
-from .manifest import MANIFEST, is_digest
+from .manifest import MANIFEST, file_entry_problem
 from .mesh import MESH
 from .sums import NAME as SUMS, unsafe_name, unsafe_path
 
@@ -66,6 +66,15 @@ class PipelineDoc:
     files: dict
 
 
+def _object(doc: dict, key: str, problems: list) -> dict:
+    """doc[key] when it is an object, else {} and a problem saying what it is."""
+    value = doc.get(key)
+    if isinstance(value, dict):
+        return value
+    problems.append(f"{key} is {brief(value, 80)}, not an object")
+    return {}
+
+
 def read_document(data: bytes, where) -> tuple:
     """(PipelineDoc, problems) of a pipeline's manifest.json; (None, problems) when it is not one
     (BadInput when it is not JSON). A path or folder that is not plain is a problem, never returned."""
@@ -73,17 +82,10 @@ def read_document(data: bytes, where) -> tuple:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         return None, [f"format is {brief(doc.get('format') if isinstance(doc, dict) else doc)}, not {FORMAT}"]
     problems, files, kinds = [], {}, {}
-    source = doc.get("source")
-    if not isinstance(source, dict):
-        problems.append(f"source is {brief(source, 80)}, not an object")
-        source = {}
+    source, listed, entries = (_object(doc, key, problems) for key in ("source", "components", "files"))
     problems += [f"{where_}{brief(value, 80)}: a pipeline output records no engine's target and no resharding"
                  for where_, value in (("target is ", doc.get("target")), ("source.target is ", source.get("target")),
                                        ("source.resharded is ", source.get("resharded"))) if value is not None]
-    listed = doc.get("components")
-    if not isinstance(listed, dict):
-        problems.append(f"components is {brief(listed, 80)}, not an object")
-        listed = {}
     for name, kind in listed.items():
         why = unsafe_name(name)
         if why is not None or kind not in (WEIGHTS, FILES):
@@ -91,19 +93,13 @@ def read_document(data: bytes, where) -> tuple:
                                                                  f"{brief(kind, 40)} is not {WEIGHTS} or {FILES}"))
             continue
         kinds[name] = kind
-    entries = doc.get("files")
-    if not isinstance(entries, dict):
-        problems.append(f"files is {brief(entries, 80)}, not an object")
-        entries = {}
     for name, info in entries.items():
         why = unsafe_path(name)
-        ok = isinstance(info, dict) and is_digest(info.get("sha256")) and type(info.get("size")) is int \
-            and info["size"] >= 0
         if why is not None:
             problems.append(f"files lists {brief(name, 80)}, which is not a plain path in this directory ({why}); "
                             "not opened")
-        elif not ok:
-            problems.append(f"files entry {brief(name, 80)} is {brief(info)}, not {{\"sha256\": digest, \"size\": bytes}}")
+        elif file_entry_problem(name, info) is not None:
+            problems.append(file_entry_problem(name, info))
         else:
             files[name] = info
     return PipelineDoc(source, kinds, files), problems

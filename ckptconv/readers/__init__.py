@@ -118,8 +118,8 @@ MAX_INDEXES = 16   # index files beside a file SRC that are read to see whether 
 
 def listing_index(path: Path):
     """The shard index beside a weights file that lists it among other shards
-    (`model.safetensors.index.json` naming `model-00001-of-00006.safetensors`), or None; at most MAX_INDEXES of them are read, and one that
-    cannot be read or parsed lists nothing."""
+    (`model.safetensors.index.json` naming `model-00001-of-00006.safetensors`), or None; at most
+    MAX_INDEXES of them are read, and one that cannot be read or parsed lists nothing."""
     try:
         names = sorted(n for n in os.listdir(path.parent) if n.endswith(".index.json"))
     except OSError:

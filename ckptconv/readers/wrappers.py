@@ -162,6 +162,11 @@ class Unwrapped:
     survey: Survey | None
 
 
+class NoSuchEntry(UsageError):
+    """--state-dict names an entry the file does not have (verify --against reads another source as
+    asked then: jobs/verify/against.py)."""
+
+
 def unwrap(obj, how: str, path, budget: Budget) -> Unwrapped:
     """`how` is --state-dict: "auto" unwraps what `survey` picks, "none" nothing, any other value that
     key of the top level or, if it has none, that dotted path (`model.state_dict`): refused if it
@@ -176,7 +181,7 @@ def unwrap(obj, how: str, path, budget: Budget) -> Unwrapped:
     if steps is None:
         top = mapping(obj)
         keys = ", ".join(repr(k) for k in list(top)[:12]) if top is not None else f"a {type(obj).__name__}"
-        raise UsageError(f"--state-dict {how!r}: {path} has no dict under that key or dotted path at its top level "
+        raise NoSuchEntry(f"--state-dict {how!r}: {path} has no dict under that key or dotted path at its top level "
                          f"(it holds {printable(keys, 300)})")
     rest, prefix, level = {}, "", mapping(obj)
     for step in steps:   # the siblings along the path, under their dotted names, in file order

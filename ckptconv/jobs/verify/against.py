@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 
 from ... import signals, transforms
-from ...errors import BadInput, CkptError, UsageError, brief
+from ...errors import BadInput, CkptError, brief
 from ...io.hashing import CHUNK
 from ...io.mapped import MappedFile
 from ...readers import ReadOptions, open_checkpoint, readers
+from ...readers.wrappers import NoSuchEntry
 from ...formats.safetensors import parse_header
 from ...recipe import Recipe
 from ...tp.presets import recorded_differences
@@ -51,7 +52,7 @@ def compare_against(out_path: Path, layout, src, read: ReadOptions, fmt, report:
     """Every tensor (global tensor, for a reshard output) of the output, as its `layout` reads it
     back, equal to the source, bit for bit, streaming. `source`: the source's checkpoint as read
     already (a part of a source made of parts, compare_parts), else SRC is read the way the output
-    records it was."""
+    records it was. Returns what the output records of its source (its manifest's "source")."""
     # what OUT holds is read by the reader its layout names, never by detection: a .pt or .metadata
     # slipped into OUT (and listed in its sums) must not become "the output" that matches the source
     out = layout.open(out_path)
@@ -74,7 +75,7 @@ def compare_against(out_path: Path, layout, src, read: ReadOptions, fmt, report:
         recipe = Recipe.recorded(manifest)
     except BadInput as e:
         report.add(recorded, str(e), "metadata")
-        return
+        return manifest
     if recipe.target is not None and mine("structure", None):   # (what the target says of the source, again)
         for line in for_target(recipe.target).target_differences(source, recipe.target):
             report.add(recorded, line, "source")
@@ -86,7 +87,7 @@ def compare_against(out_path: Path, layout, src, read: ReadOptions, fmt, report:
         src_list, _ = recipe.apply(source.tensors, src)
     except CkptError as e:
         report.add(recorded, f"the source cannot be made what the output records: {e}", "source")
-        return
+        return manifest
     src_tensors = {t.name: t for t in src_list}
     written = {t.name: t for t in out.tensors}
     if mine("structure", None):
@@ -109,16 +110,18 @@ def compare_against(out_path: Path, layout, src, read: ReadOptions, fmt, report:
         _compare(t, s, out_path, report)
     for name in src_tensors if mine("structure", None) else ():
         report.add(out_path, f"tensor {name!r} of the source is missing from the output", "source", tensor=name)
+    return manifest
 
 
 def _open_as_recorded(src, fmt, read: ReadOptions, applied: ReadOptions, out_path, report: Report):
-    """(the source, the options it was read with): as convert read it (`applied`); where the recorded --state-dict does not apply
-    to it (another checkpoint, without that entry), read as the user asked instead: the difference is
-    a problem line, and the tensors still compare (exit 1, never a flag the user did not type)."""
+    """(the source, the options it was read with): as convert read it (`applied`); where the recorded
+    --state-dict does not apply to it (another checkpoint, without that entry), read as the user
+    asked instead: the difference is a problem line, and the tensors still compare (exit 1, never a
+    flag the user did not type)."""
     try:
         return open_checkpoint(src, fmt, applied), applied
-    except UsageError as e:
-        if applied.state_dict == read.state_dict or "--state-dict" not in str(e):
+    except NoSuchEntry:
+        if applied.state_dict == read.state_dict:
             raise
     report.add(out_path, f"the output was made from the entry {brief(applied.state_dict)} of its source "
                          f"(--state-dict {brief(applied.state_dict)}), which {src} does not hold; compared with what "
@@ -141,8 +144,7 @@ def compare_parts(out_path: Path, layout, src, read: ReadOptions, fmt, report: R
         return
     ours = {p.name: p for p in parts}
     structure = mine("structure", None)
-    if structure:
-        _compare_pipeline_source(out_path, source, parts, report)
+    casts = {}   # component of weights -> the cast its manifest records
     for name in sorted(set(theirs) - set(ours)) if structure else ():
         report.add(out_path / name, f"component {name!r} of the source is not in the output", "source")
     for part in parts:
@@ -155,18 +157,22 @@ def compare_parts(out_path: Path, layout, src, read: ReadOptions, fmt, report: R
                 report.add(out_path / part.name, "holds weights, the source's component none" if part.layout
                            else "holds no weights, the source's component does", "source")
         elif part.layout is not None:
-            compare_against(out_path / part.name, part.layout, Path(src) / part.name, read, fmt, report,
-                            lambda kind, key, at=part.name: mine(kind, f"{at}/{key}" if kind == "tensor" else key),
-                            source=their.ckpt)
+            casts[part.name] = compare_against(
+                out_path / part.name, part.layout, Path(src) / part.name, read, fmt, report,
+                lambda kind, key, at=part.name: mine(kind, f"{at}/{key}" if kind == "tensor" else key),
+                source=their.ckpt).get("cast")
         elif structure:
             files = source.out_files()[0] if not part.name else their.files
             _compare_carried(out_path / part.name, part.files, files, report)
+    if structure:
+        _compare_pipeline_source(out_path, source, casts, report)
 
 
-def _compare_pipeline_source(out_path: Path, source, parts, report: Report):
+def _compare_pipeline_source(out_path: Path, source, casts: dict, report: Report):
     """What the pipeline's top-level manifest records of its source (the pipeline's class, each
     component's library, class, format and variant, the files read) is what the reader says today,
-    and a recorded cast is the one each component of weights records."""
+    and a recorded cast is the one each component of weights records (`casts`, as compare_against
+    read them)."""
     try:
         doc, _ = read_document(read_regular(out_path / MANIFEST), out_path / MANIFEST)
     except BadInput:
@@ -176,10 +182,9 @@ def _compare_pipeline_source(out_path: Path, source, parts, report: Report):
     _compare_description(out_path / MANIFEST, {}, {k: v for k, v in doc.source.items() if k != "cast"},
                          source, report)
     cast = doc.source.get("cast")
-    for part in parts:
-        recorded = part.layout and _recorded_source(out_path / part.name, part.layout)[1].get("cast")
-        if part.layout is not None and recorded != cast:
-            report.add(out_path / MANIFEST, f"source.cast is {brief(cast, 20)}, component {part.name!r} records "
+    for name, recorded in sorted(casts.items()):
+        if recorded != cast:
+            report.add(out_path / MANIFEST, f"source.cast is {brief(cast, 20)}, component {name!r} records "
                                             f"{brief(recorded, 20)}", "source")
 
 
@@ -220,9 +225,10 @@ def _prefix_between(only_out: list, only_src: list) -> str | None:
 
 
 def _as_recorded(read: ReadOptions, manifest: dict, fmt=None) -> ReadOptions:
-    """The source read the way convert read it: its recorded --state-dict, --only and --one-shard (when they are
-    what convert writes: a key or "none", a list of prefixes) and the options its reader declares and
-    records (Grok's --dequantize and --layout: one of their choices), unless given again here."""
+    """The source read the way convert read it: its recorded --state-dict, --only and --one-shard (when
+    they are what convert writes: a key or "none", a list of prefixes) and the options its reader
+    declares and records (Grok's --dequantize and --layout: one of their choices), unless given again
+    here; and what safetensors cannot store read as facts (source.skipped), never a refusal."""
     wrapper, only = manifest.get("state_dict"), manifest.get("only")
     if isinstance(wrapper, str) and wrapper and read.state_dict == "auto":
         read = dataclasses.replace(read, state_dict=wrapper)
