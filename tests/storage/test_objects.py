@@ -52,22 +52,18 @@ def test_ranged_streaming_gives_the_object_s_bytes(s3):
         list(obj.stream([(len(data) - 1, 2)]))
 
 
-def test_a_cut_connection_is_retried_and_the_bytes_are_the_same(s3):
-    data = os.urandom(6 * MIB)
-    put(s3, "cut.bin", data)
-    obj = SourceObject.open(parse(s3.url("cut.bin")), s3.options(part_size=1 * MIB))
-    s3.proxy.add(Fault("cut", method="GET", after=300_000, times=2))
-    assert b"".join(bytes(p.data) for p in obj.stream([(0, len(data))])) == data
-    assert s3.proxy.done("cut") == 2
-
-
-def test_a_burst_of_503_slowdown_is_waited_out(s3):
+@pytest.mark.parametrize("fault, options, done", [
+    (dict(kind="cut", after=300_000, times=2), dict(part_size=1 * MIB), 2),          # a connection cut mid-GET
+    (dict(kind="status", times=4), dict(part_size=1 * MIB, retries=5), 4),             # 503 SlowDown, four times
+    (dict(kind="stall", after=1000, seconds=30), dict(part_size=1 * MIB, stall_seconds=0.5), 1)])   # a stall
+def test_a_transient_fault_is_retried_and_the_bytes_are_the_same(s3, fault, options, done):
     data = os.urandom(3 * MIB)
-    put(s3, "slow.bin", data)
-    obj = SourceObject.open(parse(s3.url("slow.bin")), s3.options(part_size=1 * MIB, retries=5))
-    s3.proxy.add(Fault("status", method="GET", times=4))   # 503 SlowDown, four times
+    name = f"{fault['kind']}.bin"
+    put(s3, name, data)
+    obj = SourceObject.open(parse(s3.url(name)), s3.options(**options))
+    s3.proxy.add(Fault(fault.pop("kind"), method="GET", **fault))
     assert b"".join(bytes(p.data) for p in obj.stream([(0, len(data))])) == data
-    assert s3.proxy.done("status") == 4
+    assert s3.proxy.done(name.removesuffix(".bin")) == done
 
 
 def test_a_failure_past_the_budget_is_one_line(s3):
@@ -79,15 +75,6 @@ def test_a_failure_past_the_budget_is_one_line(s3):
     assert str(e.value) == (f"{s3.url('down.bin')} (bytes 0-10): HTTP 503 Service Unavailable (SlowDown) "
                             f"(gave up after 3 attempts in {str(e.value).rsplit(' in ', 1)[1]}")
     assert s3.proxy.done("status") == 3   # the first try and two retries
-
-
-def test_a_stalled_read_times_out_and_is_retried(s3):
-    data = os.urandom(2 * MIB)
-    put(s3, "stall.bin", data)
-    obj = SourceObject.open(parse(s3.url("stall.bin")), s3.options(part_size=1 * MIB, stall_seconds=0.5))
-    s3.proxy.add(Fault("stall", method="GET", after=1000, seconds=30))
-    assert b"".join(bytes(p.data) for p in obj.stream([(0, len(data))])) == data
-    assert s3.proxy.done("stall") == 1
 
 
 def test_an_object_replaced_mid_stream_is_refused(s3):
