@@ -15,7 +15,10 @@ from .tp.layout import MAX_RANKS
 from .jobs.convert import single_file
 from . import requests, signals
 from .io import mapped
-from .errors import CkptError, printable
+from .sizes import parse_size
+from .storage import files as storage_files
+from .storage.urls import StorageOptions
+from .errors import CkptError, UsageError, printable
 from .formats.manifest import HUB_STEMS, STEM, stem_problem
 from .tp.presets import PRESETS
 from .readers import readers
@@ -56,14 +59,22 @@ def command(fn):
     @click.option("--verbose", "-v", is_flag=True, help="Say more in the summary: the files written (convert), each "
                   "tensor's rule (reshard), each problem's kind and what was checked (verify).")
     @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout (docs/json.md).")
+    @click.option("--endpoint-url", metavar="URL", help="The S3 API endpoint for s3:// URLs (MinIO, Ceph, R2, a local "
+                  "server: http:// accepted when given here); default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, then "
+                  "AWS's own (docs/storage.md).")
+    @click.option("--concurrency", type=click.IntRange(1, 256), default=16, show_default=True,
+                  help="Ranged GETs of an object-store source in flight at once (memory: this x --part-size).")
+    @click.option("--part-size", default="16MiB", show_default=True, metavar="SIZE",
+                  help="Bytes of one ranged GET, and the smallest part of an upload (64KiB to 5GiB).")
     @functools.wraps(fn)
-    def wrapper(*args, debug, verbose, **kwargs):
+    def wrapper(*args, debug, verbose, endpoint_url, concurrency, part_size, **kwargs):
         click.get_current_context().meta[_VERBOSE] = verbose
         mapped.forget_changes()
         as_json = kwargs.get("as_json")
         with signals.handled():
             try:
                 try:
+                    storage_files.configure(_storage(endpoint_url, concurrency, part_size))
                     return fn(*args, **kwargs)
                 finally:   # one that came while the summary or problems were printed (outside our code)
                     signals.check()
@@ -81,6 +92,14 @@ def command(fn):
                     _fail(*_reason(e), as_json=as_json)
 
     return wrapper
+
+
+def _storage(endpoint_url, concurrency, part_size) -> StorageOptions:
+    try:
+        size = parse_size(part_size)
+    except (ValueError, UsageError) as e:
+        raise UsageError(f"--part-size {printable(part_size)}: {e}") from None
+    return StorageOptions(endpoint_url=endpoint_url, concurrency=concurrency, part_size=size)
 
 
 def _interrupted(e: signals.Interrupted, as_json=False):

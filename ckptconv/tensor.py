@@ -18,6 +18,7 @@ from .dtypes import DType
 from .errors import BadInput, UsageError, encodable
 from .io.output import Inputs
 from .limits import shape_problem
+from .storage import files as storage
 
 
 def _full(shape):
@@ -135,6 +136,8 @@ class MappedView(TensorSource):
         item, n = self.dtype.itemsize, math.prod(self.shape)
         if not n:
             return np.empty(self.shape, self.dtype.numpy)
+        if self.mapped.remote:
+            self.mapped.need(*self._reach())
         if self.strided is None:
             return np.frombuffer(self.mapped.view, dtype=self.dtype.numpy, count=n, offset=self.start).reshape(self.shape)
         stride, big_endian, _ = self.strided
@@ -144,8 +147,31 @@ class MappedView(TensorSource):
         return np.lib.stride_tricks.as_strided(flat.view(np_dtype), self.shape, tuple(s * item for s in stride),
                                                writeable=False)
 
+    def _reach(self, index=None) -> tuple:
+        """(offset, length) of the bytes the tensor (or the region `index` of it, row-major) reaches."""
+        item = self.dtype.itemsize
+        if self.strided is not None:
+            held = self.strided.held
+            if held:
+                return held
+            reach = (sum((k - 1) * s for k, s in zip(self.shape, self.strided.stride)) + 1) * item
+            return self.start, reach
+        if index is None or any(s.stop <= s.start for s in index):
+            return self.start, math.prod(self.shape) * item
+        first = last = 0
+        for s, n in zip(index, self.shape):   # row-major: the region lies between its first and last element
+            first, last = first * n + s.start, last * n + s.stop - 1
+        return self.start + first * item, (last - first + 1) * item
+
     def _region(self, index):
+        if self.mapped.remote and self.strided is None:
+            self.mapped.need(*self._reach(index))
+            return self._unfetched_array()[index]
         return self.array()[index]
+
+    def _unfetched_array(self) -> np.ndarray:
+        return np.frombuffer(self.mapped.view, dtype=self.dtype.numpy, count=math.prod(self.shape),
+                             offset=self.start).reshape(self.shape)
 
     def file_span(self):
         return (self.mapped, self.start) if self.strided is None else None
@@ -322,6 +348,15 @@ def cast(src: TensorSource, dtype: DType) -> TensorSource:
     return Computed(src.name, dtype, src.shape, compute, (src,))
 
 
+def fetch_ahead(tensors):
+    """Name to the read-ahead window the object-store ranges these tensors will be copied from, in
+    the order they will be (storage/files.py); local files are left to the kernel's read-ahead."""
+    for t in tensors:
+        span = t.file_span()
+        if span is not None and span[0].remote:
+            span[0].will_need(span[1], t.nbytes)
+
+
 def iter_blocks(src: TensorSource, limit: int):
     """Yield C-contiguous arrays of at most ~`limit` bytes whose bytes, in order, are the tensor's."""
     shape, item = src.shape, src.dtype.itemsize
@@ -456,13 +491,12 @@ class Checkpoint:
         weight files, an index or a DCP `.metadata`; none for a file read alone, whatever model file
         beside it is carried: a later read of the file does not look at what else is there)."""
         files = self.inputs(src)
-        if os.path.isdir(src):
+        if storage.is_dir(src):
             roots = (src,)
         else:
-            alone = os.path.realpath(src)
+            alone = storage.realpath(src)
             weights = [src] + [m.path for m in self.mapped]
-            roots = (os.path.dirname(os.path.abspath(src)),) if any(os.path.realpath(p) != alone for p in weights) \
-                else ()
+            roots = (storage.parent(alone),) if any(storage.realpath(p) != alone for p in weights) else ()
         return Inputs(tuple(files), roots)
 
     def out_files(self) -> tuple:

@@ -36,6 +36,16 @@ class Header:
     problems: list      # everything wrong, as sentences (empty for a valid file)
 
 
+def file_header(m, path=None) -> Header:
+    """`parse_header` of a file (io/mapped.MappedFile or storage/files.RemoteFile: the header's bytes
+    fetched first, at most MAX_HEADER of them)."""
+    if m.remote:
+        m.need(0, min(m.size, 8))
+        n = int.from_bytes(m.view[:8], "little") if m.size >= 8 else 0
+        m.need(0, min(m.size, 8 + min(n, MAX_HEADER)))
+    return parse_header(m.view, m.size, m.path if path is None else path)
+
+
 def parse_header(view, size: int, path) -> Header:
     """Parse and check a header. Unreadable headers raise BadInput; other faults land in `problems`."""
     if size < 8:

@@ -122,6 +122,17 @@ class MappedFile:
         finally:
             os.close(fd)
 
+    remote = False   # (storage/files.py: a RemoteFile has the same interface)
+
+    def need(self, offset: int, length: int):
+        """`view` holds [offset, offset+length) already: the mapping is the file (a RemoteFile
+        fetches it here)."""
+
+    def read(self, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset`, copied out of the mapping."""
+        self.check(offset, length, "a read")
+        return bytes(self.view[offset:offset + length])
+
     def check(self, offset: int, length: int, what: str):
         """Refuse a region that does not lie inside the file (a truncated or lying file)."""
         if offset < 0 or length < 0 or offset + length > self.size:

@@ -29,6 +29,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from ..storage import files as storage
 from ..errors import brief
 from ..formats.manifest import STEM, source_stem
 
@@ -136,9 +137,8 @@ def source_id(paths, description) -> str:
     them; the change time cannot be set back), and the digest of what the reader made of them
     (`description`: the source, extras and other facts that go into the manifest)."""
     h = hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode())
-    for p in sorted({os.path.realpath(p) for p in paths}):
-        st = os.stat(p)
-        h.update(os.fsencode(p) + f"\0{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}\n".encode())
+    for p in sorted({storage.realpath(p) for p in paths}):
+        h.update(os.fsencode(p) + f"\0{storage.fingerprint(p)}\n".encode())
     return h.hexdigest()
 
 

@@ -25,7 +25,8 @@ from ..formats.sums import NAME as SUMS, unsafe_name, write_sums
 from ..io.hashing import CHUNK, GATHERED, SMALL, Digests, Pipeline, write_all
 from ..io.outfile import OutFile
 from ..readers import weights_name
-from ..tensor import as_bytes, iter_blocks
+from ..storage import files as storage
+from ..tensor import fetch_ahead, as_bytes, iter_blocks
 from .base import AddedFile, FilesResult
 
 
@@ -328,6 +329,15 @@ def copy_files(out_dir, files, written: Written, edited=None, added=()):
             written.files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
             continue
         h = hashlib.sha256()
+        if storage.is_url(os.fspath(src)):   # an object: read by ranges as it was when opened (its ETag)
+            remote = storage.open_file(src)
+            with open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), "wb") as fo:
+                for at in range(0, remote.size, CHUNK):
+                    chunk = remote.read(at, min(CHUNK, remote.size - at))
+                    h.update(chunk)
+                    write_all(fo, chunk)
+            written.files[rel] = {"sha256": h.hexdigest(), "size": remote.size}
+            continue
         try:
             fi = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
@@ -385,7 +395,7 @@ def finish_dir(out_dir, shards, written: Written, source: dict, extras: dict, ex
 
 def check_space(out_dir, shard_bytes: int, model_files=(), copies: int = 1):
     """Refuse to start when the shards and `copies` of the carried model files cannot fit."""
-    needed = shard_bytes + copies * sum(os.path.getsize(p) for _, p in model_files if p is not None)  # (None: made)
+    needed = shard_bytes + copies * sum(storage.size(p) for _, p in model_files if p is not None)  # (None: made)
     if shutil.disk_usage(out_dir).free < needed:
         raise OutputError(f"{out_dir}: not enough free disk space for {needed} bytes")
 
@@ -403,6 +413,7 @@ def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False
                 stream.written.files[shard.name] = reuse.files[shard.name]
                 stream.written.digests[shard.name] = reuse.digests[shard.name]
                 continue
+            fetch_ahead(shard.tensors)
             for t in shard.tensors:
                 stream.add(t, progress)
         written = stream.finish()

@@ -10,7 +10,7 @@ from ..io import sha256
 from ..errors import BadInput, UsageError, brief
 from ..io.hashing import CHUNK, SMALL, Digests, HashLanes
 from ..io.mapped import MappedFile
-from ..formats.safetensors import parse_header
+from ..formats.safetensors import file_header
 from .report import Report, _detail
 
 
@@ -19,7 +19,7 @@ def _parsed(path: Path, report: Report):
     when the header cannot be read at all."""
     try:
         m = MappedFile(path)
-        header = parse_header(m.view, m.size, path)
+        header = file_header(m, path)
     except BadInput as e:
         report.add(path, _detail(e, path), "metadata")
         return None

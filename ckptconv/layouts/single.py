@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import BadInput, brief
 from ..formats import manifest as fmt
-from ..formats.safetensors import header_size, parse_header
+from ..formats.safetensors import header_size, file_header
 from ..io.hashing import Pipeline
 from ..io.mapped import MappedFile
 from ..io.outfile import pwrite_all
@@ -89,7 +89,7 @@ def check_file(path: Path, report, progress=None):
     digest; `sha256sum` it apart)."""
     try:
         m = MappedFile(path)
-        header = parse_header(m.view, m.size, path)
+        header = file_header(m, path)
         raw = fmt.single_document(header.metadata, path)
     except BadInput as e:
         report.add(path, _detail(e, path), "metadata")

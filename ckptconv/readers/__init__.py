@@ -23,7 +23,8 @@ from ..formats.manifest import MANIFEST, index_kind
 from ..formats.mesh import MESH
 from ..formats.sums import NAME as SUMS, unsafe_name
 from . import unknown
-from ..storage.urls import local_only
+from ..storage import files as storage
+from ..storage.files import place
 from .base import READERS, ReadOptions, Reader, Source
 
 __all__ = ["ReadOptions", "Reader", "Source", "readers", "reader_for", "open_checkpoint", "open_source"]
@@ -45,7 +46,7 @@ def readers() -> dict:
 
 def detect(path) -> list:
     """Every reader that recognises `path`, in priority order (the first is the one used)."""
-    path = Path(path)
+    path = place(path)
     if not path.exists():
         raise BadInput(f"{path}: no such file or directory")
     if not path.is_dir() and not path.is_file():
@@ -64,16 +65,15 @@ def detect(path) -> list:
 def reader_for(path, fmt=None) -> tuple:
     """(the Reader for `path`: forced by `fmt` or detected, names of other readers that recognise
     the same directory)."""
-    local_only(path, "SRC")
     if fmt:
         known = readers()
         if fmt not in known:
             raise UsageError(f"--from {fmt!r}: unknown format (known: {', '.join(known)})")
-        if not Path(path).exists():
+        if not place(path).exists():
             raise BadInput(f"{path}: no such file or directory")
         return known[fmt], []
     reader, *others = detect(path)
-    return reader, [r.name for r in others if r.holds_data] if Path(path).is_dir() else []
+    return reader, [r.name for r in others if r.holds_data] if place(path).is_dir() else []
 
 
 def open_source(source: Source):
@@ -83,12 +83,12 @@ def open_source(source: Source):
 def open_checkpoint(path, fmt=None, options=None):
     options = options or ReadOptions()
     reader, also = reader_for(path, fmt)
-    index = listing_index(Path(path)) if Path(path).is_file() else None
+    index = listing_index(place(path)) if place(path).is_file() else None
     if index is not None and not options.one_shard:
         raise BadInput(f"{path}: is one shard of the model {index.name} indexes; give the directory "
                        f"{printable(str(index.parent), 300)} to convert the whole model (--one-shard converts "
                        "this shard alone)")
-    ckpt = reader.load(Path(path), options)
+    ckpt = reader.load(place(path), options)
     if ckpt.unsupported is not None and not options.skip_unsupported:
         what, hint = ckpt.unsupported
         more = len(ckpt.source.skipped) - 1
@@ -97,14 +97,14 @@ def open_checkpoint(path, fmt=None, options=None):
     if index is not None:
         ckpt.source.more["one_shard"] = True   # (verify --against reads the source the same way)
     ckpt.format, ckpt.also = reader.name, also
-    beside = paired_files(Path(path)) if Path(path).is_file() else []
-    files, skipped = carried(ckpt.model_files + beside, source_root(Path(path)), options.max_extra_size)
+    beside = paired_files(place(path)) if place(path).is_file() else []
+    files, skipped = carried(ckpt.model_files + beside, source_root(place(path)), options.max_extra_size)
     ckpt.model_files, ckpt.skipped_files = files, ckpt.skipped_files + skipped   # (after what the reader skipped)
-    if Path(path).is_dir():
+    if place(path).is_dir():
         ckpt.skipped_files += [{"name": p.name, "reason": f"training state: {what}"}
-                               for p, what in training_files(Path(path))]
+                               for p, what in training_files(place(path))]
         ckpt.skipped_files += [{"name": name, "reason": "an earlier output's own metadata (OUT gets its own)"}
-                               for name in (MANIFEST, SUMS) if os.path.lexists(Path(path) / name)]
+                               for name in (MANIFEST, SUMS) if storage.exists(place(path) / name)]
     for m in ckpt.mapped:
         # Reading headers touched a page of the mapping per tensor, and the kernel may map a whole 2 MiB
         # folio of the page cache for each (measured: 290 MB of RSS after opening a 2 GB .pt of 165
@@ -121,12 +121,12 @@ def listing_index(path: Path):
     (`model.safetensors.index.json` naming `model-00001-of-00006.safetensors`), or None; at most
     MAX_INDEXES of them are read, and one that cannot be read or parsed lists nothing."""
     try:
-        names = sorted(n for n in os.listdir(path.parent) if n.endswith(".index.json"))
+        names = sorted(n for n in storage.listdir(path.parent) if n.endswith(".index.json"))
     except OSError:
         return None
     for name in names[:MAX_INDEXES]:
         try:
-            data = safejson.load_file(path.parent / name, "shard index", limit=64 << 20)
+            data = storage.load_json(path.parent / name, "shard index", limit=64 << 20)
         except BadInput:
             continue
         entries = data.get("weight_map") if isinstance(data, dict) else None
@@ -169,7 +169,7 @@ def paired_files(path: Path) -> list:
     """(name, path) of the config file beside a single weights file SRC that its name pairs it with
     (_PAIRED), when there is one; `carried` decides whether it is carried."""
     for pattern, config in _PAIRED:
-        if pattern.fullmatch(path.name) and os.path.lexists(path.parent / config):
+        if pattern.fullmatch(path.name) and storage.exists(path.parent / config):
             return [(config, path.parent / config)]
     return []
 
@@ -197,7 +197,7 @@ def deepspeed_tag_directory(d: Path) -> bool:
     """A DeepSpeed tag directory inside its checkpoint directory (the parent holds `latest`), whose
     model files (config.json, tokenizer) the Hugging Face Trainer leaves in that parent."""
     try:
-        return (d.parent / "latest").is_file() and any(DEEPSPEED_RANK_FILE.fullmatch(n) for n in os.listdir(d))
+        return (d.parent / "latest").is_file() and any(DEEPSPEED_RANK_FILE.fullmatch(n) for n in storage.listdir(d))
     except OSError:
         return False
 
@@ -215,10 +215,10 @@ def training_files(directory: Path) -> list:
 def model_files(directory: Path, consumed=()) -> list:
     """Files beside the weights (config.json, tokenizer, README...) that may be carried into OUT:
     (name, path) candidates; `carried` decides which are."""
-    consumed = {os.path.abspath(p) for p in consumed}
+    consumed = {storage.realpath(p) for p in consumed}
     out = []
     for p in sorted(directory.iterdir()):
-        if (p.name.startswith(".") or os.path.abspath(p) in consumed or weights_name(p.name)
+        if (p.name.startswith(".") or storage.realpath(p) in consumed or weights_name(p.name)
                 or p.name in OUTPUT_METADATA or p.is_dir() or training_state(p.name)):
             continue
         out.append((p.name, p))
@@ -255,26 +255,26 @@ def source_root(path: Path) -> str:
         d = d.parent.parent
     elif path.is_dir() and deepspeed_tag_directory(d):
         d = d.parent
-    return os.path.realpath(d)
+    return storage.realpath(d)
 
 
 def inside(path, root: str) -> bool:
     """Whether `path` resolves (symbolic links followed) to `root` or below it; for a Hugging Face
     cache repository (source_root of a snapshot), to its `snapshots/` or `blobs/` only: never its
     `refs/`, nor anything else a link inside the cache could name."""
-    real = os.path.realpath(path)
+    real = storage.realpath(path)
     if real == root:
         return True
-    if os.path.isdir(os.path.join(root, "blobs")) and os.path.isdir(os.path.join(root, "snapshots")):
-        return any(real.startswith(os.path.join(root, part) + os.sep) for part in ("blobs", "snapshots"))
-    return real.startswith(root.rstrip(os.sep) + os.sep)
+    if storage.is_dir(storage.join(root, "blobs")) and storage.is_dir(storage.join(root, "snapshots")):
+        return any(real.startswith(storage.join(root, part) + "/") for part in ("blobs", "snapshots"))
+    return real.startswith(root.rstrip("/") + "/")
 
 
 def confined(path: Path, root: str) -> Path:
     """`path`, refused (never opened) when it resolves outside the source: an index or a symbolic link
     must not make ckptconv read other files."""
     if not inside(path, root):
-        raise BadInput(f"{path}: leads outside the checkpoint (to {os.path.realpath(path)}); refused")
+        raise BadInput(f"{path}: leads outside the checkpoint (to {storage.realpath(path)}); refused")
     return path
 
 
@@ -282,7 +282,7 @@ def weights_file(path: Path, root: str) -> Path:
     """`path` confined to the source, and not a Trainer's training state (an index or a link that
     leads to optimizer.pt is not the model's weights)."""
     confined(path, root)
-    for name in (path.name, os.path.basename(os.path.realpath(path))):
+    for name in (path.name, storage.name(storage.realpath(path))):
         if training_state(name):
             raise BadInput(f"{path}: is (or leads to) {name}, a Trainer's {training_state(name)}, not model weights; "
                            "refused (give that file as SRC to convert it)")
@@ -295,9 +295,9 @@ def carried(candidates, root: str, max_size: int):
     manifest). Carried paths are resolved, so the copy opens exactly what was checked."""
     files, skipped = [], []
     for rel, p in candidates:
-        real = os.path.realpath(p)
+        real = storage.realpath(p)
         try:
-            st = os.stat(real)
+            st = storage.stat(real)
         except OSError as e:
             skipped.append({"name": rel, "reason": f"unreadable: {e.strerror}"})
             continue
@@ -310,14 +310,14 @@ def carried(candidates, root: str, max_size: int):
         elif st.st_size > max_size:
             skipped.append({"name": rel, "reason": f"{st.st_size} bytes, more than --max-extra-size {max_size}"})
         else:
-            files.append((rel, Path(real)))
+            files.append((rel, place(real)))
     return files, skipped
 
 
 def weight_map(index: Path, only=()) -> dict:
     """The index's {tensor: shard file} entries that `only` keeps, validated: shard names are plain
     file names in the index's directory (shared by the .bin index of readers/torch_pickle.py)."""
-    data = safejson.load_file(index, "shard index")
+    data = storage.load_json(index, "shard index")
     entries = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(entries, dict):
         raise BadInput(f"{index}: not a valid shard index (needs a 'weight_map' object)")

@@ -14,7 +14,7 @@ its parts (tensor.Part), which the pipeline layout writes folder by folder (layo
 import re
 from pathlib import Path
 
-from .. import safejson
+from ..storage import files as storage
 from ..errors import BadInput, UsageError
 from ..formats.manifest import MANIFEST, VARIANT, index_kind, source_stem
 from ..formats.pipeline import MODEL_INDEX, components
@@ -41,7 +41,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
                          "convert the component's folder (SRC/unet) with it")
     root = source_root(path)
     index = confined(path / MODEL_INDEX, root)
-    doc = safejson.load_file(index, MODEL_INDEX, MAX_INDEX)
+    doc = storage.load_json(index, MODEL_INDEX, MAX_INDEX)
     named = components(doc, index)
     parts, tensors, mapped, read = [], [], [], []
     with within(root):

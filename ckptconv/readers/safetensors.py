@@ -9,8 +9,9 @@ from pathlib import Path
 from .base import Reader, register
 from ..errors import BadInput
 from ..io.mapped import MappedFile
+from ..storage import files as storage
 from ..formats.manifest import index_kind, is_index
-from ..formats.safetensors import parse_header
+from ..formats.safetensors import file_header
 from ..tensor import Checkpoint, SourceFacts, MappedView
 from . import ReadOptions, by_shard, check_listed, model_files, source_root, wanted, weight_map, weights_file
 
@@ -31,11 +32,7 @@ def detect(path: Path) -> bool:
         return bool(_dir_targets(path))
     if is_index(path.name):
         return True
-    try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-    except OSError:
-        return False
+    head = storage.head(path, 9)
     return len(head) == 9 and head[8:9] == b"{"
 
 
@@ -57,7 +54,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         files = [weights_file(target.parent / f, source_root(target)) for f in sorted(listed)]
     tensors, mapped, where = [], [], {}
     for f in files:
-        m = MappedFile(f)
+        m = storage.open_file(f)
         mapped.append(m)
         held = file_tensors(m)
         if listed is not None:
@@ -86,7 +83,7 @@ def _distinct(directory: Path, f: Path, held: list, where: dict):
 
 
 def file_tensors(m: MappedFile) -> list:
-    header = parse_header(m.view, m.size, m.path)
+    header = file_header(m)
     m.release(0, header.data_start)
     if header.problems:
         raise BadInput(f"{m.path}: {header.problems[0]}")

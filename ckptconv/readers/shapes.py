@@ -12,8 +12,8 @@ import ml_dtypes
 import numpy as np
 
 from .base import Reader, register
+from ..storage import files as storage
 from .. import dtypes
-from .. import safejson
 from ..errors import BadInput, brief
 from ..limits import shape_problem
 from ..tensor import Checkpoint, SourceFacts, TensorSource
@@ -55,7 +55,7 @@ def detect(path: Path) -> bool:
     if not (path.is_file() and path.suffix == ".json" and path.stat().st_size < 64 << 20):
         return False
     try:
-        data = safejson.load_file(path, "shapes description")
+        data = storage.load_json(path, "shapes description")
     except BadInput:
         return False
     return isinstance(data, dict) and isinstance(data.get("tensors"), list) and \
@@ -63,7 +63,7 @@ def detect(path: Path) -> bool:
 
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
-    data = safejson.load_file(path, "shapes description", limit=64 << 20)
+    data = storage.load_json(path, "shapes description", limit=64 << 20)
     config = data.get("config", {}) if isinstance(data, dict) else None
     if not isinstance(data, dict) or not isinstance(data.get("tensors"), list) or not isinstance(config, dict):
         raise BadInput(f"{path}: not a shapes description (an object with a 'tensors' list and an optional "

@@ -10,6 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..storage import files as storage
 from .. import safejson, safetoml
 from ..errors import BadInput, UsageError, brief
 from ..formats.mesh import RULE_FIELDS
@@ -134,6 +135,6 @@ def read_config(model_files, made=None) -> dict | None:
         return config if isinstance(config, dict) else None
     for rel, path in model_files:
         if rel == "config.json":
-            config = safejson.load_file(path, "config.json", limit=64 << 20)
+            config = storage.load_json(path, "config.json", limit=64 << 20)
             return config if isinstance(config, dict) else None
     return None

@@ -137,19 +137,23 @@ def test_sigv4_signatures_are_botocore_s(monkeypatch):
 
 
 def test_commands_refuse_urls_in_one_line_and_write_nothing(tmp_path, monkeypatch):
-    """Until the commands reach buckets through this layer, a URL for SRC, OUT or PATH is one line
-    (exit 2) without its user, password or query, and never a local directory named `s3:`."""
+    """A URL a command cannot use (credentials or a query in it, a bad bucket name; OUT and PATH until
+    outputs reach buckets) is one line (exit 2) without its user, password or query, and never a
+    local directory named `s3:`."""
     import torch
     from tests.helpers import run
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter2secret")
     torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
-    cases = [("inspect", "s3://u:pw@bkt/model.safetensors?X-Amz-Signature=abc"), ("convert", "m.pt", "s3://bkt/out"),
-             ("reshard", "m.pt", "gs://bkt/out", "--tp", "2"), ("verify", "az://c/hunter2secret/out"),
-             ("plan", "abfs://c@acct.dfs.core.windows.net/x")]
-    for args in cases:
+    cases = [("inspect", "s3://u:pw@bkt/model.safetensors?X-Amz-Signature=abc", "may not carry a query"),
+             ("inspect", "s3://u:pw@bkt/model.safetensors", "may not carry credentials"),
+             ("convert", "m.pt", "s3://bkt/out", "is an object-store URL"),
+             ("reshard", "m.pt", "gs://bkt/out", "--tp", "2", "is an object-store URL"),
+             ("verify", "az://c/hunter2secret/out", "is an object-store URL"),
+             ("plan", "abfs://c@acct.dfs.core.windows.net/x", "is not a bucket or container name")]
+    for *args, said in cases:
         r = run(*args)
         assert r.exit_code == 2 and r.stderr.count("\n") == 1, (args, r.stderr)
-        assert "is an object-store URL" in r.stderr and "pw@" not in r.stderr and "abc" not in r.stderr
+        assert said in r.stderr and "pw@" not in r.stderr and "abc" not in r.stderr, r.stderr
         assert "hunter2secret" not in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]

@@ -14,7 +14,7 @@ from ...io.hashing import CHUNK
 from ...io.mapped import MappedFile
 from ...readers import ReadOptions, open_checkpoint, readers
 from ...readers.wrappers import NoSuchEntry
-from ...formats.safetensors import parse_header
+from ...formats.safetensors import file_header
 from ...recipe import Recipe
 from ...tp.presets import recorded_differences
 from ...tp.rules import read_config
@@ -34,7 +34,7 @@ def _recorded_source(out_path: Path, layout) -> tuple:
     before comparing."""
     if out_path.is_file():
         m = MappedFile(out_path)
-        raw = manifest_format.single_document(parse_header(m.view, m.size, out_path).metadata, out_path)
+        raw = manifest_format.single_document(file_header(m, out_path).metadata, out_path)
         where = out_path
     else:
         first = layout.recorded_in(out_path)

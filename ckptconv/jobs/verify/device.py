@@ -16,7 +16,7 @@ import numpy as np
 
 from ...errors import UsageError
 from ...formats import manifest as manifest_format
-from ...formats.safetensors import parse_header
+from ...formats.safetensors import file_header
 from ...formats.mesh import MESH, parse_mesh, rank_dir, read_regular
 from ...layouts.scan import _checked_manifest
 from ...readers import ReadOptions, safetensors as st_reader
@@ -52,7 +52,7 @@ def _rank_tensors(d: Path):
     """{name: (tensor, recorded sha256)} of a rank dir, an output dir or a single-file output."""
     ckpt = st_reader.load(d, ReadOptions())
     if d.is_file():
-        header = parse_header(ckpt.mapped[0].view, ckpt.mapped[0].size, d)
+        header = file_header(ckpt.mapped[0], d)
         digests = {n: None if v is None else v.hex()
                    for n, v in manifest_format.check_single(manifest_format.single_document(header.metadata, d))[0].items()}
     else:
