@@ -66,15 +66,21 @@ def command(fn):
                   help="Ranged GETs of an object-store source in flight at once (memory: this x --part-size).")
     @click.option("--part-size", default="16MiB", show_default=True, metavar="SIZE",
                   help="Bytes of one ranged GET, and the smallest part of an upload (64KiB to 5GiB).")
+    @click.option("--retries", type=click.IntRange(0, 100), default=10, show_default=True,
+                  help="Times one object-store request is retried on a transient failure (a cut connection, "
+                  "5xx, 429/SlowDown, a stall), with exponential backoff, within 180 s.")
+    @click.option("--stall-timeout", type=click.FloatRange(0.01, 3600), default=30.0, show_default=True,
+                  metavar="SECONDS", help="An object-store read that delivers nothing for this long has failed "
+                  "(and is retried).")
     @functools.wraps(fn)
-    def wrapper(*args, debug, verbose, endpoint_url, concurrency, part_size, **kwargs):
+    def wrapper(*args, debug, verbose, endpoint_url, concurrency, part_size, retries, stall_timeout, **kwargs):
         click.get_current_context().meta[_VERBOSE] = verbose
         mapped.forget_changes()
         as_json = kwargs.get("as_json")
         with signals.handled():
             try:
                 try:
-                    storage_files.configure(_storage(endpoint_url, concurrency, part_size))
+                    storage_files.configure(_storage(endpoint_url, concurrency, part_size, retries, stall_timeout))
                     return fn(*args, **kwargs)
                 finally:   # one that came while the summary or problems were printed (outside our code)
                     signals.check()
@@ -94,12 +100,13 @@ def command(fn):
     return wrapper
 
 
-def _storage(endpoint_url, concurrency, part_size) -> StorageOptions:
+def _storage(endpoint_url, concurrency, part_size, retries, stall_timeout) -> StorageOptions:
     try:
         size = parse_size(part_size)
     except (ValueError, UsageError) as e:
         raise UsageError(f"--part-size {printable(part_size)}: {e}") from None
-    return StorageOptions(endpoint_url=endpoint_url, concurrency=concurrency, part_size=size)
+    return StorageOptions(endpoint_url=endpoint_url, concurrency=concurrency, part_size=size, retries=retries,
+                          stall_seconds=stall_timeout)
 
 
 def _interrupted(e: signals.Interrupted, as_json=False):

@@ -42,6 +42,7 @@ _lock = threading.Lock()
 _options = StorageOptions()
 _stores: dict = {}        # (scheme, bucket, account, options) -> Store for reads
 _listings: dict = {}      # URL of a prefix -> _Listing
+_opened: dict = {}        # URL of an object -> RemoteFile: one version of each object per run
 
 
 def configure(options: StorageOptions):
@@ -52,6 +53,7 @@ def configure(options: StorageOptions):
         _options = options
         _stores.clear()
         _listings.clear()
+        _opened.clear()
     _Window.reset()
 
 
@@ -237,10 +239,18 @@ def read_bytes(path, what: str, limit: int) -> bytes:
 
 
 def open_file(path):
-    """A weight file: a MappedFile (a local path) or a RemoteFile (a URL)."""
+    """A weight file: a MappedFile (a local path) or a RemoteFile (a URL; the same one for every open of
+    the URL until the next `configure`, so a run reads one version of each object)."""
     path = os.fspath(path)
     if is_url(path):
-        return RemoteFile(path)
+        key = realpath(path)
+        with _lock:
+            found = _opened.get(key)
+        if found is None:
+            found = RemoteFile(path)
+            with _lock:
+                found = _opened.setdefault(key, found)
+        return found
     from ..io.mapped import MappedFile
     return MappedFile(path)
 
@@ -484,7 +494,7 @@ class _Window:
             w[1] = end
             if w[1] >= w[2]:
                 self._wanted.popleft()
-            self._parts.append(_Part(file, start, end, self._pool.submit(file._object.read, start, end - start)))
+            self._parts.append(_Part(file, start, end, self._pool.submit(file._object._fetch, start, end)))
 
     def drop(self, file: RemoteFile, lo: int, hi: int):
         """Forget what is held or wanted of [lo, hi) of `file` (its tensor was written)."""
@@ -520,7 +530,7 @@ class _Window:
                         self._parts.remove(p)
             if part is None:
                 take = min(n - got, self.part_size)
-                view[got:got + take] = file._object.read(at, take)
+                view[got:got + take] = memoryview(file._object._fetch(at, at + take))
                 got += take
                 continue
             data = part.future.result()
@@ -645,15 +655,16 @@ def place(path):
 
 
 def head(path, n: int) -> bytes:
-    """The first `n` bytes of a file or object (fewer if it is shorter); b"" when it cannot be read."""
+    """The first `n` bytes of a file or object (fewer if it is shorter); b"" when a local file cannot
+    be read. An object that cannot be read is BadInput (the store's failure, in one line)."""
     path = os.fspath(path)
+    if is_url(path):
+        f = open_file(path)
+        return f.read(0, min(n, f.size))
     try:
-        if is_url(path):
-            f = open_file(path)
-            return f.read(0, min(n, f.size))
         with open(path, "rb") as f:
             return f.read(n)
-    except (OSError, BadInput):
+    except OSError:
         return b""
 
 
