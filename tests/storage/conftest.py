@@ -1,60 +1,24 @@
 """A real S3 API for the storage tests: moto's server on a free 127.0.0.1 port (one per test session
 and worker), a fresh bucket per test, and the fault proxy (proxy.py) in front of it."""
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from dataclasses import dataclass
 
 import pytest
 
 from ckptconv.storage.urls import StorageOptions
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent():
-    """In the server's process before it starts (Linux): end it when the test process ends, even if
-    that is killed and never runs the fixture's teardown."""
-    try:
-        import ctypes
-        import signal
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+from tests.storage.server import start_moto, stop_moto
 
 
 @pytest.fixture(scope="session")
 def moto_endpoint(tmp_path_factory):
     pytest.importorskip("moto.server")
     pytest.importorskip("obstore")
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-    url = f"http://127.0.0.1:{port}"
+    server, url = start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
     try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                assert server.poll() is None, "moto's server did not start"
-                time.sleep(0.1)
-        else:
-            raise AssertionError("moto's server did not answer within 30 s")
         yield url
     finally:
-        server.terminate()
-        server.wait(10)
-        log.close()
+        stop_moto(server)
 
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "AKIATESTKEYID0000000", "AWS_SECRET_ACCESS_KEY": "test-secret-never-printed-0123",
