@@ -148,6 +148,7 @@ def llama_scaled(path, gigabytes: float):
     and is a storage of its own, so torch.save writes all 160."""
     import torch
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     rows = int(gigabytes * 1e9 / 160 / 8192 / 2) // 64 * 64   # (split evenly by reshard --tp 8 ... 64)
     block_file = path.with_suffix(".block")
     block = (torch.randn(rows, 8192, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
@@ -956,11 +957,128 @@ def _bench_megatron(layers):
     sys.stdout.flush()
 
 
+# -- object storage (issue 39): a bucket on moto's S3 API server on 127.0.0.1 -------------------------------
+
+# The floor: the same bytes through this host with the same client, nothing parsed, nothing hashed:
+# concurrent ranged GETs (16 x 16 MiB in flight, as ckptconv's default window) into a local file, or
+# into a multipart upload (obstore's put, parts of 16 MiB, 8 in flight) of one object.
+S3_FLOOR = r"""
+import os, sys, obstore
+from concurrent.futures import ThreadPoolExecutor
+from obstore.store import S3Store
+endpoint, bucket, key, dst = sys.argv[1:5]
+store = S3Store(bucket, config={"endpoint": endpoint}, client_options={"allow_http": True})
+size = obstore.head(store, key)["size"]
+part = 16 << 20
+offsets = range(0, size, part)
+def get(o):
+    return o, obstore.get_range(store, key, start=o, end=min(size, o + part))
+with ThreadPoolExecutor(16) as pool:
+    results = pool.map(get, offsets)
+    if dst.startswith("s3://"):
+        obstore.put(store, dst.split("/", 3)[3], (bytes(b) for _, b in results), chunk_size=part, max_concurrency=8)
+    else:
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for o, b in results:
+            os.pwrite(fd, b, o)
+        os.close(fd)
+"""
+
+# The route a user takes today: the client's own high-level transfer down, convert locally, and (to a
+# bucket) its high-level transfer up, file by file.
+S3_NAIVE = r"""
+import os, subprocess, sys, boto3
+endpoint, bucket, key, dst, scratch = sys.argv[1:6]
+s3 = boto3.client("s3", endpoint_url=endpoint)
+local = os.path.join(scratch, os.path.basename(key))
+s3.download_file(bucket, key, local)
+out = os.path.join(scratch, "out") if dst.startswith("s3://") else dst
+subprocess.run([sys.executable, "-m", "ckptconv.cli", "convert", local, out, "--quiet"], check=True)
+os.unlink(local)
+if dst.startswith("s3://"):
+    prefix = dst.split("/", 3)[3]
+    for name in sorted(os.listdir(out)):
+        s3.upload_file(os.path.join(out, name), bucket, f"{prefix}/{name}")
+"""
+
+
+def _bucket_rows(endpoint, bucket, key, scratch, to_bucket: bool):
+    out = f"s3://{bucket}/out" if to_bucket else str(scratch / "out")
+    where = "s3->s3" if to_bucket else "s3->local"
+    return [(f"ranged copy floor, {where}", [PY, "-c", S3_FLOOR, endpoint, bucket, key, out]),
+            (f"ckptconv convert {where}", [PY, "-m", "ckptconv.cli", "convert", f"s3://{bucket}/{key}", out, "--quiet",
+                                           "--endpoint-url", endpoint]),
+            (f"naive {where}: download, convert, " + ("upload" if to_bucket else "(no upload)"),
+             [PY, "-c", S3_NAIVE, endpoint, bucket, key, out, scratch])]
+
+
+def bench_s3(sizes=(2.0, 4.0)):
+    """convert from a bucket, to a local directory and to the bucket, against the ranged copy floor and
+    the naive route, on moto's server over loopback (which binds: a Python server, ~25 MB/s of ranged
+    GETs on these cores); then ckptconv's peak RSS at a larger size (flat, not proportional)."""
+    import boto3
+    sys.path.insert(0, str(ROOT))
+    from tests.storage.server import start_moto, stop_moto
+    scratch = scratch_dir()
+    server, endpoint = start_moto(scratch / "moto.log")
+    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}
+    os.environ.update(env)
+    try:
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        s3.create_bucket(Bucket="bench")
+        rss_by_size = {}
+        for i, gigabytes in enumerate(sizes):
+            src = generate("llama_scaled", DATA / f"llama-{gigabytes:g}GB.pt", str(DATA / f"llama-{gigabytes:g}GB.pt"),
+                           gigabytes)
+            key = src.name
+            s3.upload_file(str(src), "bench", key)
+            n = src.stat().st_size
+            if i == 0:
+                for to_bucket in (False, True):
+                    rows = _bucket_rows(endpoint, "bench", key, scratch, to_bucket)
+                    times, rss = {name: [] for name, _ in rows}, {name: 0.0 for name, _ in rows}
+                    for rep in range(REPEAT):
+                        for name, cmd in rows[rep % len(rows):] + rows[:rep % len(rows)]:
+                            t, r = _once(cmd, None)
+                            times[name].append(t)
+                            rss[name] = max(rss[name], r)
+                            _clean_outputs(s3, scratch)
+                    floor, ours = rows[0][0], rows[1][0]
+                    print(f"\n{rows[1][0]} ({n / 1e9:.3f} GB torch .pt, {REPEAT} rounds; ratios: median (range) "
+                          "of the rounds')")
+                    print("| command | median wall s | GB/s | peak RSS MiB | x floor |\n|---|---:|---:|---:|---:|")
+                    for name, _ in rows:
+                        secs = statistics.median(times[name])
+                        print(f"| {name} | {secs:.2f} | {n / secs / 1e9:.3f} | {rss[name]:.0f} | "
+                              f"{paired(times[name], times[floor])} |")
+                    print(f"{ours}: {paired(times[rows[2][0]], times[ours])}x faster than the naive route")
+                    sys.stdout.flush()
+            else:
+                _, r = _once(_bucket_rows(endpoint, "bench", key, scratch, True)[1][1], None)
+                _clean_outputs(s3, scratch)
+            rss_by_size[gigabytes] = max(rss_by_size.get(gigabytes, 0), r if i else rss[ours])
+            s3.delete_object(Bucket="bench", Key=key)
+        print("ckptconv convert s3->s3 peak RSS by size: "
+              + ", ".join(f"{g:g} GB: {m:.0f} MiB" for g, m in rss_by_size.items()))
+        print(f"local disk used by ckptconv s3->s3: none (its scratch holds only: {sorted(os.listdir(scratch))})")
+    finally:
+        stop_moto(server)
+
+
+def _clean_outputs(s3, scratch):
+    for o in s3.list_objects_v2(Bucket="bench", Prefix="out").get("Contents", []):
+        s3.delete_object(Bucket="bench", Key=o["Key"])
+    for u in s3.list_multipart_uploads(Bucket="bench").get("Uploads", []):
+        s3.abort_multipart_upload(Bucket="bench", Key=u["Key"], UploadId=u["UploadId"])
+    for name in ("out",):
+        remove(scratch / name)
+
+
 SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20),
              "dcp": lambda: bench_dcp(18), "reshard": lambda: (bench_reshard(18), bench_reshard(36)),
              "verify": lambda: bench_verify(18), "distributed": lambda: bench_distributed(18),
              "vllm": lambda: bench_vllm(18), "cold": lambda: bench_cold(18), "many": bench_many, "plan": bench_plan,
-             "scale": bench_scale, "deepspeed": bench_deepspeed, "megatron": bench_megatron}
+             "scale": bench_scale, "deepspeed": bench_deepspeed, "megatron": bench_megatron, "s3": bench_s3}
 
 
 def main():

@@ -17,7 +17,7 @@ from . import requests, signals
 from .io import mapped
 from .sizes import parse_size
 from .storage import files as storage_files
-from .storage.urls import StorageOptions
+from .storage.urls import StorageOptions, hide_secrets
 from .errors import CkptError, UsageError, printable
 from .formats.manifest import HUB_STEMS, STEM, stem_problem
 from .tp.presets import PRESETS
@@ -25,6 +25,7 @@ from .readers import readers
 
 
 def _fail(message: str, code: int = 2, as_json=False):
+    message = hide_secrets(message)
     if as_json:
         emit("error", {"ok": False, "exit_code": code, "error": printable(message)})
     click.echo(f"ckptconv: error: {printable(message)}", err=True)

@@ -256,7 +256,13 @@ def secrets() -> list:
 
 def redact(text: str) -> str:
     """`text` with query strings cut and every credential variable's value replaced by `***`."""
-    text = _QUERY.sub("?…", str(text))
+    return hide_secrets(_QUERY.sub("?…", str(text)))
+
+
+def hide_secrets(text: str) -> str:
+    """`text` with every credential variable's value replaced by `***` (every error the command line
+    prints passes through this)."""
+    text = str(text)
     for value in secrets():
         text = text.replace(value, "***")
     return text
