@@ -12,7 +12,6 @@ PENDING = {
     "readers/dcp_chunks.py",
     "readers/deepspeed.py",
     "readers/deepspeed_files.py",
-    "readers/grok.py",
     "readers/megatron.py",
     "readers/megatron_dist.py",
     "readers/megatron_legacy.py",

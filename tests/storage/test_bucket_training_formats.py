@@ -1,0 +1,163 @@
+"""Grok-1 checkpoints in a bucket (moto's S3 API on 127.0.0.1) read as the same files on a local disk
+do: convert and `reshard --tp 2` write byte-identical outputs (every file, manifest.json too: it
+records the source by name), a shard is parsed from its opcodes alone, and hostile inputs are
+refused with the line they get locally."""
+import pytest
+from ckptconv.readers import grok
+from tests.fixtures import grok as gf
+from tests.fixtures.attacks import attacks
+from tests.helpers import run
+from tests.storage.test_bucket_sources import same_tree, upload
+
+
+@pytest.fixture(scope="module")
+def grok_dir(tmp_path_factory):
+    """A Grok-1-style directory of two hosts (every leaf joined on the axis its rules shard)."""
+    d = tmp_path_factory.mktemp("grok") / "grok1"
+    gf.write_dir(d, gf.make_params(1, seed=5), hosts=2, axes=grok.model_axis)
+    return d
+
+
+def both(s3, local, tmp_path, command, *args):
+    """`command` of `local` and of its copy in the bucket (under the same name) into tmp_path/local and
+    tmp_path/remote; the two outputs, after both succeeded."""
+    url = upload(s3, local, f"runs/{local.name}")
+    r = run(command, url, tmp_path / "remote", "--quiet", "--endpoint-url", s3.endpoint, *args)
+    assert r.exit_code == 0, r.stderr
+    r = run(command, local, tmp_path / "local", "--quiet", *args)
+    assert r.exit_code == 0, r.stderr
+    return tmp_path / "remote", tmp_path / "local"
+
+
+@pytest.mark.parametrize("name, args", [
+    ("grok", ()),
+    ("grok", ("--layout", "mixtral")),   # dequantized, transposed, split into experts: regions, not spans
+])
+def test_converted_from_a_bucket_as_locally(s3, grok_dir, tmp_path, name, args):
+    same_tree(*both(s3, grok_dir, tmp_path, "convert", *args))
+
+
+@pytest.mark.parametrize("name, args", [
+    ("grok", ("--heads", 4, "--kv-heads", 2, "--head-dim", 32)),
+])
+def test_resharded_from_a_bucket_as_locally(s3, grok_dir, tmp_path, name, args):
+    same_tree(*both(s3, grok_dir, tmp_path, "reshard", "--tp", 2, *args))
+
+
+def test_a_grok_shard_is_parsed_from_its_opcodes(s3, tmp_path, monkeypatch):
+    """Reading a Grok-1 directory fetches each shard's opcodes, never its payloads: a few KiB per
+    file, whatever the size of its arrays (each tensor fetches its own bytes when it is written)."""
+    import numpy as np
+    from ckptconv.readers import open_checkpoint
+    from ckptconv.storage import files, objects
+    from ckptconv.storage.urls import StorageOptions
+    params = gf.make_params(1, seed=6)
+    params["language_model/in_out_embed/embeddings"] = np.ones((8192, 256), np.float32)   # 8 MiB
+    gf.write_dir(tmp_path / "g", params)
+    url = upload(s3, tmp_path / "g", "opcodes/g")
+    fetched = []
+    real = objects.SourceObject.stream
+    monkeypatch.setattr(objects.SourceObject, "stream",
+                        lambda self, ranges, *a, **k: (fetched.extend(ranges), real(self, ranges, *a, **k))[1])
+    files.configure(StorageOptions(endpoint_url=s3.endpoint))
+    try:
+        ckpt = open_checkpoint(url)
+    finally:
+        files.configure(StorageOptions())
+    shards = sorted((tmp_path / "g" / "ckpt-0").iterdir())
+    assert len(ckpt.tensors) > len(shards) - 1 and sum(p.stat().st_size for p in shards) > 8 << 20
+    assert sum(n for _, n in fetched) <= len(shards) * (32 << 10), sum(n for _, n in fetched)
+
+
+# --- hostile inputs: the same exit status and line as locally -------------------------------------------------
+
+def _grok_code(d):
+    (d / "ckpt-0").mkdir(parents=True)
+    (d / "ckpt-0" / "tensor00000_000").write_bytes(attacks(d / "canary")["os.system"])
+
+
+def _grok_truncated(d):
+    gf.write_dir(d, gf.make_params(1, seed=7))
+    f = d / "ckpt-0" / "tensor00000_000"
+    f.write_bytes(f.read_bytes()[:-300])
+
+
+def _grok_index_missing(d):
+    gf.write_dir(d, gf.make_params(1, seed=7))
+    (d / "ckpt-0" / "tensor00003_000").unlink()
+
+
+@pytest.mark.parametrize("make", [
+    _grok_code, _grok_truncated, _grok_index_missing,
+], ids=lambda f: f.__name__.strip("_"))
+def test_hostile_input_from_a_bucket_is_refused_as_locally(s3, tmp_path, make):
+    src = tmp_path / "src"
+    make(src)
+    url = upload(s3, src, "hostile/src")
+    here = run("convert", src, tmp_path / "out")
+    there = run("convert", url, tmp_path / "out", "--endpoint-url", s3.endpoint)
+    assert here.exit_code == there.exit_code == 2, (here.stderr, there.stderr)
+    assert len(there.stderr.splitlines()) == 1 and there.stderr.startswith("ckptconv: error: "), there.stderr
+    assert there.stderr == here.stderr.replace(str(src), url), (here.stderr, there.stderr)
+    assert not (tmp_path / "out").exists() and not (src / "canary").exists()
+
+
+# --- the opcode walk (readers/pickle/fetch.py), against the VM itself ----------------------------------------
+
+class _Sparse:
+    """A remote file's interface over `data`: its view holds zeros until `need` fetches a range."""
+
+    remote = True
+
+    def __init__(self, data: bytes):
+        self.data, self.size, self.path = data, len(data), "sparse"
+        self.buf = bytearray(len(data))
+        self.view = memoryview(self.buf)
+        self.fetched = 0
+
+    def need(self, offset, length):
+        assert 0 <= offset and offset + length <= self.size, (offset, length, self.size)
+        self.buf[offset:offset + length] = self.data[offset:offset + length]
+        self.fetched += length
+
+
+def _outcome(data, allow):
+    from ckptconv.errors import BadInput
+    from ckptconv.readers.pickle import unpickler
+    try:
+        obj = unpickler.load(data, allow, "sparse")
+    except BadInput as e:
+        return "refused", str(e)
+    arrays = [obj] if not isinstance(obj, grok.Quantized) else [obj.weight, obj.scales]
+    return "read", [(a.array.shape, str(a.array.dtype), a.payload.offset if a.payload else a.array.tobytes()) for a in arrays]
+
+
+def _pickles():
+    import numpy as np
+    params = gf.make_params(1, seed=8)
+    big = params["language_model/in_out_embed/embeddings"]
+    quant = params["transformer/decoder_layer_0/moe/linear/w"]
+    out = {f"p{p}{'-np2' if n2 else ''}-{kind}": gf.dumps(v, p, n2) for p, n2 in ((2, False), (4, False), (4, True),
+                                                                                  (5, False))
+           for kind, v in (("array", big), ("quantized", quant))}
+    out["fortran"] = gf.dumps(np.asfortranarray(big), 4)
+    out.update({f"attack-{k}": v for k, v in attacks(__import__("pathlib").Path("/nonexistent")).items()})
+    whole = out["p4-quantized"]
+    out.update({f"cut-{n}": whole[:n] for n in (1, 40, 200, 70_000, len(whole) - 40, len(whole) - 1)})
+    return out
+
+
+PICKLES = _pickles()
+
+
+@pytest.mark.parametrize("name", sorted(PICKLES))
+def test_the_opcode_walk_fetches_what_the_vm_reads(name):
+    """Every byte the unpickler reads is fetched before it runs (it reads the same as from the whole
+    file, or refuses it with the same line), and a payload of 64 KiB or more is not fetched."""
+    from ckptconv.readers.pickle.fetch import fetch_opcodes
+    allow, data = grok.allowlist(), PICKLES[name]
+    m = _Sparse(data)
+    fetch_opcodes(m, step=1024)
+    assert _outcome(m.view, allow) == _outcome(data, allow)
+    if name.startswith(("p4", "p5")):
+        assert m.fetched < 4096 + 2 * 1024, m.fetched   # (the payloads: 128 KiB and more)
