@@ -1,8 +1,9 @@
 """Grok-1, DeepSpeed ZeRO and Megatron checkpoints in a bucket (moto's S3 API on 127.0.0.1) read as
 the same files on a local disk do: convert and `reshard --tp 2` write byte-identical outputs (every
-file, manifest.json too: it records the source by name), the merges fetch ranges of the rank files
-(never the Adam moments beside the partitions), a Grok-1 shard is parsed from its opcodes alone, and
-hostile inputs are refused with the line they get locally.
+file, manifest.json too: it records the source by name), `plan` counts the bytes that cross the
+network, the merges fetch ranges of the rank files (never the Adam moments beside the partitions),
+a Grok-1 shard is parsed from its opcodes alone, and hostile inputs are refused with the line they
+get locally.
 
 DeepSpeed's and Megatron's rank files are torch zip archives, and Megatron's torch_dist layout a DCP
 checkpoint: their tests wait (skip, naming it) until those readers are on the storage interface
@@ -73,6 +74,32 @@ def test_converted_from_a_bucket_as_locally(s3, grok_dir, tmp_path, name, args):
 ])
 def test_resharded_from_a_bucket_as_locally(s3, grok_dir, tmp_path, name, args):
     same_tree(*both(s3, source(name, grok_dir), tmp_path, "reshard", "--tp", 2, *args))
+
+
+def test_plan_counts_what_crosses_the_network(s3, grok_dir, tmp_path):
+    """Of what each process reads and writes, plan counts what a SRC or an --out in a bucket makes
+    cross the network, and times it at --network-gbps."""
+    import json
+    from ckptconv.jobs.plan import PER_TENSOR_SECONDS
+    url = upload(s3, grok_dir, f"plans/{grok_dir.name}")
+
+    def plan(src, *args):
+        r = run("plan", src, "--hosts", 2, "--max-shard-size", "20KB", "--json", "--endpoint-url", s3.endpoint, *args)
+        assert r.exit_code == 0, r.stderr
+        return json.loads(r.stdout)
+    local, remote = plan(grok_dir), plan(url, "--network-gbps", 0.001)
+    both_out = plan(url, "--network-gbps", 0.001, "--out", s3.url("out"))
+    assert remote["units"] == local["units"] == both_out["units"] and remote["network_gbps"] == 0.001
+    for lp, rp, bp in zip(local["processes"], remote["processes"], both_out["processes"]):
+        assert lp["network_bytes_read"] == lp["network_bytes_written"] == 0
+        assert rp["network_bytes_read"] == rp["bytes_read"] > 0 and rp["network_bytes_written"] == 0
+        assert bp["network_bytes_read"] == bp["bytes_read"] and bp["network_bytes_written"] == bp["bytes_written"]
+        # at 1 MB/s the network sets the time: what it carries, read (and written), over its speed
+        tensors = rp["seconds"] - rp["bytes_read"] / 1e6
+        assert tensors == pytest.approx(lp["tensors_written"] * PER_TENSOR_SECONDS["convert"])
+        assert bp["seconds"] - (bp["bytes_read"] + bp["bytes_written"]) / 1e6 == pytest.approx(tensors)
+    r = run("plan", url, "--out", s3.url("out"), "--network-gbps", 0.001, "--endpoint-url", s3.endpoint)
+    assert "network 0.001 GB/s" in r.stdout and "over the network, writes" in r.stdout, r.stdout
 
 
 @TORCH
