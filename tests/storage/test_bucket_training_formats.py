@@ -3,7 +3,7 @@ the same files on a local disk do: convert and `reshard --tp 2` write byte-ident
 file, manifest.json too: it records the source by name), `plan` counts the bytes that cross the
 network, the merges fetch ranges of the rank files (never the Adam moments beside the partitions),
 a Grok-1 shard is parsed from its opcodes alone, and hostile inputs are refused with the line they
-get locally.
+get locally. A `--distributed` job refuses a URL in one line.
 
 DeepSpeed's and Megatron's rank files are torch zip archives, and Megatron's torch_dist layout a DCP
 checkpoint: their tests wait (skip, naming it) until those readers are on the storage interface
@@ -234,6 +234,19 @@ def test_hostile_input_from_a_bucket_is_refused_as_locally(s3, tmp_path, make):
     assert len(there.stderr.splitlines()) == 1 and there.stderr.startswith("ckptconv: error: "), there.stderr
     assert there.stderr == here.stderr.replace(str(src), url), (here.stderr, there.stderr)
     assert not (tmp_path / "out").exists() and not (src / "canary").exists()
+
+
+# --- --distributed ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, what", [
+    (("convert", "s3://bucket/ckpt", "OUT"), "s3://bucket/ckpt: SRC"),
+    (("reshard", "SRC", "gs://bucket/tp2", "--tp", 2), "gs://bucket/tp2: OUT"),
+    (("verify", "OUT", "--against", "s3://bucket/ckpt"), "s3://bucket/ckpt: --against"),
+])
+def test_a_distributed_job_refuses_a_url_in_one_line(tmp_path, args, what):
+    r = run(*args, "--coordinator", "127.0.0.1:9", "--num-processes", 2, "--process-id", 1, "--cluster-timeout", 1)
+    assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert what in r.stderr and "--distributed job reads and writes local paths only" in r.stderr, r.stderr
 
 
 # --- the opcode walk (readers/pickle/fetch.py), against the VM itself ----------------------------------------
