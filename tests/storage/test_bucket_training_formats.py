@@ -112,14 +112,16 @@ def test_the_merge_fetches_the_partitions_not_the_moments(s3, tmp_path, monkeypa
     zero_layout.write(src, [(f"layer{i}.weight", (256, 512)) for i in range(4)], stage=3, keep=False)
     url = upload(s3, src, "ranges/zero")
     fetched = {}
-    for method in ("read", "stream"):
-        real = getattr(objects.SourceObject, method)
 
-        def counted(self, *args, real=real, method=method, **kw):
-            ranges = [(args[0], args[1])] if method == "read" else list(args[0])
-            fetched[self.location.key] = fetched.get(self.location.key, 0) + sum(n for _, n in ranges)
-            return real(self, *args, **kw)
-        monkeypatch.setattr(objects.SourceObject, method, counted)
+    def tally(key, ranges):   # (ranges may be consumed lazily: counted as they are)
+        for offset, n in ranges:
+            fetched[key] = fetched.get(key, 0) + n
+            yield offset, n
+    real_read, real_stream = objects.SourceObject.read, objects.SourceObject.stream
+    monkeypatch.setattr(objects.SourceObject, "read", lambda self, offset, n, *a, **k: (
+        next(tally(self.location.key, [(offset, n)])), real_read(self, offset, n, *a, **k))[1])
+    monkeypatch.setattr(objects.SourceObject, "stream", lambda self, ranges, *a, **k:
+                        real_stream(self, tally(self.location.key, ranges), *a, **k))
     r = run("convert", url, tmp_path / "out", "--quiet", "--endpoint-url", s3.endpoint)
     assert r.exit_code == 0, r.stderr
     optim = sorted(p for p in (src / "global_step1").iterdir() if p.name.endswith("_optim_states.pt"))
@@ -141,9 +143,16 @@ def test_a_grok_shard_is_parsed_from_its_opcodes(s3, tmp_path, monkeypatch):
     gf.write_dir(tmp_path / "g", params)
     url = upload(s3, tmp_path / "g", "opcodes/g")
     fetched = []
-    real = objects.SourceObject.stream
-    monkeypatch.setattr(objects.SourceObject, "stream",
-                        lambda self, ranges, *a, **k: (fetched.extend(ranges), real(self, ranges, *a, **k))[1])
+
+    def tally(ranges):   # (ranges may be consumed lazily: counted as they are)
+        for offset, n in ranges:
+            fetched.append((offset, n))
+            yield offset, n
+    real_read, real_stream = objects.SourceObject.read, objects.SourceObject.stream
+    monkeypatch.setattr(objects.SourceObject, "read", lambda self, offset, n, *a, **k: (
+        fetched.append((offset, n)), real_read(self, offset, n, *a, **k))[1])
+    monkeypatch.setattr(objects.SourceObject, "stream", lambda self, ranges, *a, **k:
+                        real_stream(self, tally(ranges), *a, **k))
     files.configure(StorageOptions(endpoint_url=s3.endpoint))
     try:
         ckpt = open_checkpoint(url)
