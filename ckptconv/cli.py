@@ -30,7 +30,7 @@ from .jobs.convert import ConvertOptions, convert
 from . import requests
 from .io import mapped
 from .errors import BadInput, UsageError, printable
-from .jobs.plan import plan_run
+from .jobs.plan import NETWORK_GBPS, plan_run
 from .progress import byte_progress
 from .jobs.reshard import ReshardOptions, reshard
 from .layouts import targets
@@ -340,32 +340,41 @@ def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cl
 @click.option("--hosts", type=click.IntRange(1, MAX_PROCESSES), default=1, show_default=True,
               help="Processes sharing the work.")
 @click.option("--disk-gbps", type=float, default=2.0, show_default=True, help="Disk bandwidth of one host, GB/s.")
+@click.option("--network-gbps", type=click.FloatRange(0, min_open=True), default=NETWORK_GBPS, show_default=True,
+              help="Network bandwidth of one host to an object store, GB/s (a 10 Gbit/s link: 1.25): what SRC in a "
+                   "bucket is read at, and an --out in a bucket written at.")
+@click.option("--out", "out", metavar="OUT", help="Where the run would write OUT: an object-store URL is written over "
+              "the network (only that counts: nothing is looked at there).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file.")
 @read_options
 @command
-def plan_cmd(src, mesh, hosts, disk_gbps, max_shard_size, fmt, read, quiet, as_json):
+def plan_cmd(src, mesh, hosts, disk_gbps, network_gbps, out, max_shard_size, fmt, read, quiet, as_json):
     """Show what a convert (or, with --tp, a reshard) of SRC would do, without reading tensor data:
-    bytes per output file and per process, peak memory per process, and the time implied by
-    --disk-gbps. SRC may be a checkpoint or a shapes-only JSON (e.g. the Grok-1 tensors.json).
+    bytes per output file and per process (and of those, over the network: SRC or --out in an object
+    store), peak memory per process, and the time implied by --disk-gbps and --network-gbps. SRC may
+    be a checkpoint or a shapes-only JSON (e.g. the Grok-1 tensors.json).
 
     Example: ckptconv plan grok1_tensors.json --tp 8 --hosts 8
     """
     ckpt = open_source(Source(src, fmt, read))
-    result = plan_run(ckpt, hosts, disk_gbps, mesh, requests.write_options(max_shard_size=max_shard_size, spell=requests.flag_name))
+    result = plan_run(ckpt, hosts, disk_gbps, mesh, requests.write_options(max_shard_size=max_shard_size, spell=requests.flag_name),
+                      network_gbps, out)
     if as_json:
         emit("plan", result.to_json())
         return
     tp = mesh.tp if mesh else None
     ep = mesh.ep if mesh else 1
     job = f"reshard --tp {tp}" + (f" --ep {ep}" if ep > 1 else "") + f" ({result.rules} rules)" if tp else "convert"
+    net = f", network {network_gbps} GB/s" if result.networked else ""
     say(f"{src}: {result.format}, {result.tensors} tensors, {format_size(result.source_bytes)}; "
-        f"{job} on {hosts} host(s) at {disk_gbps} GB/s each")
+        f"{job} on {hosts} host(s) at {disk_gbps} GB/s each{net}")
     for u in result.units:
         say(f"  {u.name:<36} {format_size(u.bytes):>12}  process {u.process}")
     unit = "rank dirs" if tp else "files"
     for p in result.processes:
-        say(f"process {p.process}: {len(p.units)} {unit}, reads {format_size(p.bytes_read)}, writes "
-            f"{format_size(p.bytes_written)}, peak RSS ~{p.peak_rss_bytes / 2**20:.0f} MiB, "
+        say(f"process {p.process}: {len(p.units)} {unit}, reads {format_size(p.bytes_read)}"
+            f"{' over the network' if p.network_bytes_read else ''}, writes {format_size(p.bytes_written)}"
+            f"{' over the network' if p.network_bytes_written else ''}, peak RSS ~{p.peak_rss_bytes / 2**20:.0f} MiB, "
             f"~{p.seconds:.3g} s")
     say(f"estimated time: {result.seconds:.3g} s ({result.time_model})")
 

@@ -205,8 +205,10 @@ def cluster_options(fn):
                   help="Seconds without a word from a process after which it counts as stopped or gone.")
     @functools.wraps(fn)
     def wrapper(*args, distributed, coordinator, num_processes, process_id, cluster_timeout, heartbeat_timeout, **kw):
+        paths = [(what, kw[name]) for name, what in (("src", "SRC"), ("out", "OUT"), ("path", "PATH"),
+                                                     ("against", "--against")) if kw.get(name) is not None]
         kw["cluster"] = lambda: join(distributed, coordinator, num_processes, process_id, cluster_timeout,
-                                     heartbeat_timeout)
+                                     heartbeat_timeout, paths)
         return fn(*args, **kw)
 
     return wrapper

@@ -10,12 +10,6 @@ PACKAGES = ("readers",)
 PENDING = {
     "readers/dcp.py",
     "readers/dcp_chunks.py",
-    "readers/deepspeed.py",
-    "readers/deepspeed_files.py",
-    "readers/grok.py",
-    "readers/megatron.py",
-    "readers/megatron_dist.py",
-    "readers/megatron_legacy.py",
     "readers/npy.py",
     "readers/torch_pickle.py",
     "readers/torchscript.py",

@@ -30,6 +30,8 @@ GUARDED = _mapguard is not None
 _PAGE = mmap.PAGESIZE
 _NO_FD = {"trackfd": False} if sys.version_info >= (3, 13) else {}  # 3.13+: the map keeps no descriptor
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value; not named by Python 3.11
+# The advice a reader gives `advise` (readers reach no mmap themselves: tests/test_storage_room.py)
+RANDOM, SEQUENTIAL = mmap.MADV_RANDOM, mmap.MADV_SEQUENTIAL
 
 
 def _identity(st) -> tuple:

@@ -3,10 +3,14 @@
 A run's units (shard files of a conversion, rank directories of a reshard) come from the same
 writer's `plan` the run uses, and run/share.assign balances them over processes by bytes, exactly as
 the job runner splits them (run/runner.py): the plan printed is the plan run. Peak memory and time are
-estimates from ckptconv's measured behaviour (docs/benchmarks.md), stated as such.
+estimates from ckptconv's measured behaviour (docs/benchmarks.md), stated as such. A source in an
+object store is read over the network, and an OUT there written over it: those bytes go at the
+network's speed instead of the disk's (docs/plan.md, "The estimates").
 """
 import math
 from dataclasses import dataclass
+
+from ..storage.urls import is_url, parse
 
 from ..run.share import assign
 from ..tp.layout import plan as reshard_plan
@@ -28,6 +32,7 @@ CPU_GBPS = {"convert": 0.8,    # read, hash (file and tensor digests) and write,
 # reading a tensor's record, planning, hashing and listing it; a convert's small tensors are digested
 # in bulk (hashing.SMALL), a reshard's rank pieces one by one through the hash threads
 PER_TENSOR_SECONDS = {"convert": 115e-6, "reshard": 110e-6}
+NETWORK_GBPS = 1.25            # --network-gbps by default: a 10 Gbit/s link, in GB/s as --disk-gbps is
 
 
 def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
@@ -61,8 +66,9 @@ class UnitPlan:
 
 @dataclass
 class ProcessPlan:
-    """What one process of the run does: its units, the bytes it reads and writes, the tensors (or
-    rank pieces) it writes, and the estimates of its peak memory and time."""
+    """What one process of the run does: its units, the bytes it reads and writes (and of those, the
+    bytes that go over the network: a source or an OUT in an object store), the tensors (or rank
+    pieces) it writes, and the estimates of its peak memory and time."""
 
     process: int
     units: list                 # unit names
@@ -71,10 +77,13 @@ class ProcessPlan:
     tensors_written: int
     peak_rss_bytes: int
     seconds: float
+    network_bytes_read: int = 0
+    network_bytes_written: int = 0
 
     def to_json(self) -> dict:
         return {"process": self.process, "units": self.units, "bytes_read": self.bytes_read,
-                "bytes_written": self.bytes_written, "tensors_written": self.tensors_written,
+                "bytes_written": self.bytes_written, "network_bytes_read": self.network_bytes_read,
+                "network_bytes_written": self.network_bytes_written, "tensors_written": self.tensors_written,
                 "peak_rss_bytes": self.peak_rss_bytes, "seconds": self.seconds}
 
 
@@ -97,17 +106,31 @@ class PlanReport:
     processes: list             # ProcessPlan, in process order
     seconds: float
     time_model: str
+    network_gbps: float = NETWORK_GBPS
+    out: str | None = None      # where the run would write (a URL: over the network), when given
 
     def to_json(self) -> dict:
         """The `--json` document (docs/json.md), less its schema tag."""
         return {"source": self.source, "format": self.format, "tensor_count": self.tensors,
                 "source_bytes": self.source_bytes, "job": self.job, "tp": self.tp, "ep": self.ep, "rules": self.rules,
-                "hosts": self.hosts, "disk_gbps": self.disk_gbps, "units": [u.to_json() for u in self.units],
+                "hosts": self.hosts, "disk_gbps": self.disk_gbps, "network_gbps": self.network_gbps,
+                **({"out": self.out} if self.out is not None else {}), "units": [u.to_json() for u in self.units],
                 "processes": [p.to_json() for p in self.processes], "seconds": self.seconds,
                 "time_model": self.time_model}
 
+    @property
+    def networked(self) -> bool:
+        """Whether the run reads or writes anything over the network (a source or OUT in a bucket)."""
+        return any(p.network_bytes_read or p.network_bytes_written for p in self.processes)
 
-def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: WriteOptions = None) -> PlanReport:
+
+def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: WriteOptions = None,
+             network_gbps=NETWORK_GBPS, out=None) -> PlanReport:
+    """The plan of a run over `ckpt` on `hosts` processes; `out` (optional) is where it would write,
+    which only matters as a local path or an object-store URL (written over the network)."""
+    if out is not None and is_url(out):
+        parse(out)   # (a URL that names no bucket is refused here as the run would refuse it)
+    src_remote, out_remote = is_url(ckpt.source.path), out is not None and is_url(out)
     work, rules = units(ckpt, mesh, write)
     owner = assign([b for _, b in work], hosts)
     processes = []
@@ -116,19 +139,29 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
                                                    PER_TENSOR_SECONDS[job], PER_TENSOR_RSS[job])
     for p in range(hosts):
         mine = [(n, b) for (n, b), o in zip(work, owner) if o == p]
-        written = sum(b for _, b in mine)
+        written = read = sum(b for _, b in mine)
         # tensors this process writes: every tensor in each of its rank directories, or its share of a convert's
         pieces = len(ckpt.tensors) * len(mine) if mesh else round(len(ckpt.tensors) * written / total)
-        processes.append(ProcessPlan(p, [n for n, _ in mine], written, written, pieces,
+        net_read, net_written = read if src_remote else 0, written if out_remote else 0
+        disk = read + written - net_read - net_written
+        processes.append(ProcessPlan(p, [n for n, _ in mine], read, written, pieces,
                                      BASE_RSS + min(IN_FLIGHT, written)
                                      + (per_tensor_rss * len(ckpt.tensors) + PER_PIECE_RSS * pieces if mesh
                                         else per_tensor_rss * pieces),
-                                     max(2 * written / (disk_gbps * 1e9), written / (cpu_gbps * 1e9))
-                                     + per_tensor * pieces))
+                                     max(disk / (disk_gbps * 1e9), (net_read + net_written) / (network_gbps * 1e9),
+                                         written / (cpu_gbps * 1e9))
+                                     + per_tensor * pieces, net_read, net_written))
+    if src_remote or out_remote:
+        where = {(True, True): "reads from and writes to", (True, False): "reads from",
+                 (False, True): "writes to"}[src_remote, out_remote]
+        model = (f"per process, the slowest of its disk (the bytes it reads or writes there / --disk-gbps), its "
+                 f"network (the bytes it {where} an object store / --network-gbps) and its CPU (bytes / {cpu_gbps} "
+                 f"GB/s), plus {per_tensor * 1e6:.0f} us per tensor written")
+    else:
+        model = (f"per process, the slower of its disk (2 x bytes / --disk-gbps) and its CPU (bytes / {cpu_gbps} "
+                 f"GB/s), plus {per_tensor * 1e6:.0f} us per tensor written")
     return PlanReport(ckpt.source.path, ckpt.format, len(ckpt.tensors),
                       sum(math.prod(t.shape) * t.dtype.itemsize for t in ckpt.tensors), job,
                       mesh.tp if mesh else None, mesh.ep if mesh else 1, rules.name if rules else None, hosts,
                       disk_gbps, [UnitPlan(n, b, o) for (n, b), o in zip(work, owner)], processes,
-                      max(p.seconds for p in processes),
-                      f"per process, the slower of its disk (2 x bytes / --disk-gbps) and its CPU (bytes / "
-                      f"{cpu_gbps} GB/s), plus {per_tensor * 1e6:.0f} us per tensor written")
+                      max(p.seconds for p in processes), model, network_gbps, out)

@@ -28,16 +28,17 @@ save (readers.one_save: what each records of it, deepspeed_files.saved_facts), b
 handed out.
 
 What one file says and the tag directory's rank files are deepspeed_files.py's, the joins of the
-partitions deepspeed_tensors.py's; this module is the reader.
+partitions deepspeed_tensors.py's; this module is the reader. Files are reached through
+storage/files.py: in an object store each rank file's zip directory and pickle are read by ranged
+reads, and a parameter's bytes are fetched as ranges of the partitions, never a whole file.
 """
-import mmap
-import os
 from pathlib import Path
 
 from .base import Reader, register
 from .. import dtypes
 from ..errors import BadInput, printable
-from ..io.mapped import MappedFile
+from ..io.mapped import SEQUENTIAL
+from ..storage import files as storage
 from ..tensor import Checkpoint, SourceFacts, MappedView, TensorSource, cast
 from . import (DEEPSPEED_RANK_FILE, ReadOptions, confined, deepspeed_tag_directory, model_files, one_save,
                source_root, wanted)
@@ -63,11 +64,8 @@ def read_tag(directory: Path, root: str) -> str | None:
     if not latest.is_file():
         return None
     confined(latest, root)
-    try:
-        with open(latest, "rb") as f:
-            raw = f.read(MAX_LATEST + 1)
-    except OSError as e:
-        raise BadInput(f"{latest}: cannot read: {e.strerror}") from None
+    f = storage.open_file(latest)
+    raw = f.read(0, min(f.size, MAX_LATEST + 1))
     if len(raw) > MAX_LATEST:
         raise BadInput(f"{latest}: longer than {MAX_LATEST} bytes; it should hold a tag (a directory name)")
     try:
@@ -90,8 +88,8 @@ def detect(path: Path) -> bool:
         latest = path / LATEST
         if latest.is_file() and latest.stat().st_size <= MAX_LATEST:
             return True
-        return any(DEEPSPEED_RANK_FILE.fullmatch(n) for n in os.listdir(path))
-    except OSError:
+        return any(DEEPSPEED_RANK_FILE.fullmatch(n) for n in storage.listdir(path))
+    except (OSError, BadInput):
         return False
 
 
@@ -148,7 +146,7 @@ def _optim_ranks(layout: Layout, root: str, allow, mapped: list) -> list:
     world = len(layout.optim)
     ranks = []
     for r, p in enumerate(layout.optim):
-        m = MappedFile(confined(p, root))
+        m = storage.open_file(confined(p, root))
         mapped.append(m)
         ranks.append(read_optim(m, r, allow))
     first = ranks[0]
@@ -175,7 +173,7 @@ def _model_states(layout: Layout, stage: int, root: str, allow, mapped: list, fi
     world = len(layout.optim)
     states, tops = [], []
     for p in _model_files(layout, stage):
-        m = MappedFile(confined(p, root))
+        m = storage.open_file(confined(p, root))
         mapped.append(m)
         s, top = read_model(m, allow)
         states.append(s)
@@ -225,7 +223,7 @@ def _advise_sequential(src: TensorSource, done: set):
         offset, length = src.strided.held if src.strided is not None and src.strided.held else (src.start, src.nbytes)
         if (id(src.mapped), offset) not in done:
             done.add((id(src.mapped), offset))
-            src.mapped.advise(mmap.MADV_SEQUENTIAL, offset, length)
+            src.mapped.advise(SEQUENTIAL, offset, length)
         return
     for attr in ("base", "parts", "_inputs"):
         below = getattr(src, attr, None)

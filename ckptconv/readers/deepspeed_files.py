@@ -3,15 +3,14 @@ model-state file says, checked (OptimRank, ModelStates), and the tag directory's
 (Layout). Registers nothing: deepspeed.py is the reader.
 """
 import math
-import mmap
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput, brief, printable
-from ..io.mapped import MappedFile
+from ..io.mapped import RANDOM, MappedFile
 from ..limits import Budget, shape_problem
+from ..storage import files as storage
 from . import first_missing, ziparchive
 from .pickle import unpickler
 from .pickle.torch_globals import TorchTensor
@@ -122,7 +121,7 @@ def _name(value, what, path) -> str:
 def _load(m: MappedFile, allow):
     # Only the pages touched: the zip's headers and the pickle lie between the storages, and a fault
     # otherwise reads around it (the Adam moments next to them); what is read later is advised then.
-    m.advise(mmap.MADV_RANDOM)
+    m.advise(RANDOM)
     if not ziparchive.is_zip(m):
         raise BadInput(f"{m.path}: not a torch.save zip archive (DeepSpeed writes its checkpoint files with torch.save)")
     return load_zip(m, allow, budget=Budget(m.path))
@@ -178,7 +177,7 @@ def saved_facts(top: dict, osd: dict | None, path) -> dict:
 
 
 def read_optim(m: MappedFile, rank: int, allow) -> OptimRank:
-    path = Path(m.path)
+    path = storage.place(m.path)
     top = _load(m, allow)
     osd = _field(top, "optimizer_state_dict", path, dict)
     stage = osd.get("zero_stage")
@@ -210,7 +209,7 @@ def read_optim(m: MappedFile, rank: int, allow) -> OptimRank:
 
 def read_model(m: MappedFile, allow) -> tuple:
     """(ModelStates, the file's top-level dict)."""
-    path = Path(m.path)
+    path = storage.place(m.path)
     top = _load(m, allow)
     if not isinstance(top, dict):
         raise BadInput(f"{path}: not a DeepSpeed model-state file (its pickle is {_found(top)})")
@@ -256,7 +255,7 @@ def read_model(m: MappedFile, allow) -> tuple:
 def _layout(directory: Path) -> Layout:
     """The rank files by name: every rank once, one model-parallel rank, no pipeline or expert files."""
     try:
-        names = sorted(os.listdir(directory))
+        names = storage.listdir(directory)
     except OSError as e:
         raise BadInput(f"{directory}: cannot list: {e.strerror}") from None
     optim, model, mp = {}, {}, {}

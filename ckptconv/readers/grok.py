@@ -6,6 +6,9 @@ the globals the real files use. Payloads of 64 KiB and more are BINBYTES outside
 the unpickler hands them back as views of the mapped file, so nothing is copied. Names come from the
 flatten order of the tree (no names are stored); several hosts' files are joined along the axis the
 Grok-1 partition rules shard over "model". The format: docs/grok-1-format.md.
+
+Files are reached through storage/files.py: in an object store a shard's opcodes are fetched to
+parse it (pickle/fetch.py), never its payloads, which its tensors fetch as they are read.
 """
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -15,12 +18,13 @@ import ml_dtypes
 import numpy as np
 
 from .base import Reader, ReaderOption, register
-from .. import dtypes, safejson, signals
+from .. import dtypes, signals
 from .pickle import unpickler
 from ..errors import BadInput, UsageError
-from ..io.mapped import MappedFile
+from ..storage import files as storage
 from .pickle.numpy_globals import NUMPY_OWNED, NumpyArray, numpy_globals, numpy_source
 from ..tensor import Checkpoint, SourceFacts, Computed, Concat, cast
+from .pickle.fetch import fetch_opcodes
 from .pickle.unpickler import StandIn
 from . import ReadOptions, confined, first_missing, model_files, source_root, wanted
 
@@ -126,7 +130,7 @@ def _inventory(d: Path, root: str) -> dict:
 def _names(count, names_file):
     if names_file:
         try:
-            raw = safejson.load_file(names_file, "--names file", limit=64 << 20)
+            raw = storage.load_json(names_file, "--names file", limit=64 << 20)
         except BadInput as e:
             raise UsageError(str(e)) from None
         names = raw if isinstance(raw, list) else [raw.get(str(i)) for i in range(count)] if isinstance(raw, dict) else None
@@ -140,8 +144,9 @@ def _names(count, names_file):
 
 
 def _parse(path: Path, allow):
-    m = MappedFile(path)
+    m = storage.open_file(path)
     try:
+        fetch_opcodes(m)   # (in an object store: the bytes the VM reads, not the payloads)
         obj = unpickler.load(m.view, allow, m.path)
     finally:
         m.release(0, m.size)  # the opcodes around the payloads were read; the payloads are views

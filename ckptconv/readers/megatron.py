@@ -20,13 +20,14 @@ config.json from `args` (tp/megatron.py). Optimizer, RNG and scheduler state are
 references (never read); `distrib_optim.pt` is never opened.
 
 The legacy layout is megatron_legacy.py's, the torch_dist layout megatron_dist.py's; this module
-finds the iteration and is the reader.
+finds the iteration and is the reader. Files are reached through storage/files.py: in an object store
+each rank file's zip directory and pickle are read by ranged reads, and each tensor's bytes as the
+ranges its slices reach.
 """
-import os
 from pathlib import Path
 
 from .base import Reader, ReaderOption, register
-from .. import safejson
+from ..storage import files as storage
 from ..errors import BadInput, UsageError, printable
 from ..tensor import Checkpoint, SourceFacts
 from ..tp import megatron as mt
@@ -52,7 +53,7 @@ def _metadata(d: Path):
     except OSError:
         return None
     try:
-        data = safejson.load_file(p, "metadata.json", limit=MAX_METADATA)
+        data = storage.load_json(p, "metadata.json", limit=MAX_METADATA)
     except BadInput:
         return None
     return data if isinstance(data, dict) and "sharded_backend" in data else None
@@ -61,8 +62,8 @@ def _metadata(d: Path):
 def _is_iteration_dir(d: Path) -> bool:
     try:
         return _metadata(d) is not None or any(RANK_DIR.fullmatch(n) and (d / n / RANK_FILE).is_file()
-                                               for n in os.listdir(d))
-    except OSError:
+                                               for n in storage.listdir(d))
+    except (OSError, BadInput):
         return False
 
 
@@ -86,11 +87,8 @@ def _iteration(path: Path, root: str) -> tuple:
     if not tracker.is_file():
         return path, path.name, path
     confined(tracker, root)
-    try:
-        with open(tracker, "rb") as f:
-            raw = f.read(MAX_TRACKER + 1)
-    except OSError as e:
-        raise BadInput(f"{tracker}: cannot read: {e.strerror}") from None
+    f = storage.open_file(tracker)
+    raw = f.read(0, min(f.size, MAX_TRACKER + 1))
     text = raw.decode("ascii", "replace").strip()
     if len(raw) > MAX_TRACKER or not (text == "release" or text.isdigit() and len(text) <= 12):
         raise BadInput(f"{tracker}: says {printable(repr(text[:80]), 100)}, not an iteration number or 'release'")

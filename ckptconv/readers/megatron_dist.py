@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from ..errors import BadInput
-from ..io.mapped import MappedFile
+from ..storage import files as storage
 from ..limits import Budget
 from ..tensor import TensorSource
 from ..tp import megatron as mt
@@ -28,7 +28,7 @@ def _torch_dist(d: Path, root: str, options: ReadOptions, meta: dict):
     if not common.is_file():
         raise BadInput(f"{d}: a torch_dist checkpoint without common.pt (which holds args)")
     allow = _allow(options)
-    m = MappedFile(confined(common, root))
+    m = storage.open_file(confined(common, root))
     u = unpickler.Unlisted(m.path)
     top = _load(m, allow, u)
     if not isinstance(top, dict) or "args" not in top:

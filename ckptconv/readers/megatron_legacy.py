@@ -11,6 +11,7 @@ from pathlib import Path
 from ..errors import BadInput, brief, printable
 from ..io.mapped import MappedFile
 from ..limits import Budget
+from ..storage import files as storage
 from ..tensor import TensorSource
 from ..tp import megatron as mt
 from ..tp.layout import joined
@@ -106,7 +107,7 @@ def _state(sd, key, where) -> dict:
 
 
 def read_rank(m: MappedFile, coords: tuple, allow, unlisted) -> RankFile:
-    path = Path(m.path)
+    path = storage.place(m.path)
     top = _load(m, allow, unlisted)
     if not isinstance(top, dict) or "args" not in top:
         raise BadInput(f"{path}: not a Megatron checkpoint file (no 'args' beside the model)")
@@ -142,7 +143,7 @@ def _saved(rf: RankFile) -> dict:
 def _rank_dirs(d: Path) -> dict:
     """{directory name: the numbers in it} of every mp_rank_* directory holding model_optim_rng.pt."""
     try:
-        names = sorted(os.listdir(d))
+        names = storage.listdir(d)
     except OSError as e:
         raise BadInput(f"{d}: cannot list: {e.strerror}") from None
     out = {}
@@ -182,7 +183,7 @@ def _legacy(d: Path, root: str, options: ReadOptions):
     mapped, unlisted = [], []
 
     def read(name, coords):
-        m = MappedFile(confined(d / name / RANK_FILE, root))
+        m = storage.open_file(confined(d / name / RANK_FILE, root))
         mapped.append(m)
         u = unpickler.Unlisted(m.path)
         unlisted.append(u)
@@ -203,13 +204,13 @@ def _legacy(d: Path, root: str, options: ReadOptions):
         _agree(rf, head)
     for u in unlisted:   # what the run keeps (weights and args) may hold no class on no allowlist
         for rf in files.values():
-            if rf.path == Path(u.path) and unpickler.unread_in(rf.args) is not None:
+            if os.fspath(rf.path) == os.fspath(u.path) and unpickler.unread_in(rf.args) is not None:
                 raise u.refusal()
     one_save([(rf.path, _rank(rf), _saved(rf)) for rf in files.values()])
     tensors, dropped = _merge_legacy(files, a, d)
     extras = unpickler.extras_json({"args": _record(head), "checkpoint_version": head.version,
                                     "iteration": head.iteration}, Budget(head.path))
-    described = {"layout": "legacy", "files": [str(Path(ranks[c]) / RANK_FILE) for c in sorted(ranks)],
+    described = {"layout": "legacy", "files": [f"{ranks[c]}/{RANK_FILE}" for c in sorted(ranks)],
                  "tp": a.tp, "pp": a.pp, "ep": a.ep, **({"vp": a.vp} if a.vp else {})}
     placeholders = unpickler.listing(unlisted)
     if placeholders:

@@ -16,12 +16,14 @@ needs devices across processes (`verify --device`), once every process is known 
 import atexit
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
 from .. import safejson, signals
 from .wire import Connection, Service, WireError
-from ..errors import CkptError, OutputError, UsageError, brief
+from ..errors import CkptError, OutputError, UsageError, brief, printable
+from ..storage.urls import is_url, redact
 from ..formats import not_ours
 from ..io.output import atomic_output
 
@@ -213,12 +215,14 @@ def _int(text: str, what: str) -> int:
 
 
 def join(distributed=False, coordinator=None, num_processes=None, process_id=None, timeout_s=60,
-         heartbeat_s=10):
+         heartbeat_s=10, paths=()):
     """Join the job when asked (flags, JAX_* or SLURM environment); None for a single process.
     Process 0 serves at the coordinator's port and waits for every other process to say hello;
-    the others connect (waiting up to `timeout_s` for process 0 to be there)."""
+    the others connect (waiting up to `timeout_s` for process 0 to be there). `paths`: (what, path)
+    of the command's SRC and OUT (local_paths)."""
     if not requested(distributed, coordinator):
         return None
+    local_paths(paths)
     coordinator, n, me = _detected(coordinator, num_processes, process_id, timeout_s)
     host, _, port = coordinator.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
@@ -237,6 +241,18 @@ def join(distributed=False, coordinator=None, num_processes=None, process_id=Non
     except WireError as e:
         raise OutputError(str(e)) from None
     return cluster
+
+
+def local_paths(paths):
+    """A job of several processes reads and writes local paths only (docs/distributed.md): its
+    processes share a filesystem, not yet an object store. A URL among `paths` ((what, path): SRC,
+    OUT ...) is refused in one line, before anything joins or is read."""
+    for what, path in paths:
+        if is_url(path):
+            shown = printable(re.sub(r"^([^:]+://)[^/@]*@", r"\1", redact(path)), 300)   # (as urls.local_only)
+            raise UsageError(f"{shown}: {what} is an object-store URL; a --distributed job reads and writes local paths "
+                             "only (until its executor reaches object stores): run it as one process, or give a path "
+                             "every process sees")
 
 
 def _is_loopback(host: str) -> bool:

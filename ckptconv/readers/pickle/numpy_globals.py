@@ -11,7 +11,7 @@ import numpy as np
 from ... import dtypes
 from ...errors import BadInput, brief
 from ...limits import shape_problem
-from ...tensor import ArraySource
+from ...tensor import ArraySource, MappedView, Strided, TensorSource
 from .unpickler import Function, Marker, Payload, StandIn, as_buffer
 
 _DTYPE_SPEC = re.compile(r"[<>|=]?(?:[fiu][1248]|b1|f2|\?)")
@@ -134,14 +134,19 @@ def numpy_globals(numpy1=True, numpy2=True) -> dict:
     return out
 
 
-def numpy_source(name, arr: NumpyArray, mapped=None) -> ArraySource:
-    """An ArraySource for a pickled ndarray; zero-copy with a file span when its payload is mapped."""
+def numpy_source(name, arr: NumpyArray, mapped=None) -> TensorSource:
+    """A source for a pickled ndarray: when its payload lies in the file `mapped` (a MappedFile or a
+    storage RemoteFile), a MappedView of it (zero-copy, with a file span when it is row-major and
+    little-endian; from an object store, a region fetches only the bytes it reaches); else the array."""
     a = arr.array
     if a is None:
         raise BadInput(f"tensor {name!r}: a numpy array whose pickle never set its state (no data)")
     dt = dtypes.from_numpy(a.dtype)
     if arr.payload is not None and mapped is not None:
-        span = (mapped, arr.payload.offset, len(arr.payload))
-        contiguous = a.flags.c_contiguous and a.dtype.byteorder != ">"
-        return ArraySource(name, dt, a.shape, lambda: a, span, contiguous)
+        offset = arr.payload.offset
+        if a.flags.c_contiguous and a.dtype.byteorder != ">":
+            return MappedView(name, dt, a.shape, mapped, offset)
+        stride = tuple(s // a.itemsize for s in a.strides)
+        return MappedView(name, dt, a.shape, mapped, offset,
+                          Strided(stride, a.dtype.byteorder == ">", (offset, len(arr.payload))))
     return ArraySource(name, dt, a.shape, lambda: a)
