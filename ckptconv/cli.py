@@ -4,7 +4,6 @@ import contextlib
 import gc
 import json
 import os
-from pathlib import Path
 import shlex
 import signal
 import sys
@@ -29,6 +28,7 @@ from .cli_options import (_OneLineErrors, cluster_options, command, emit, mesh_o
 from .jobs.convert import ConvertOptions, convert
 from . import requests
 from .io import mapped
+from .storage import files as storage_files
 from .errors import BadInput, UsageError, printable
 from .jobs.plan import NETWORK_GBPS, plan_run
 from .progress import byte_progress
@@ -156,9 +156,9 @@ def _say_converted(result):
         say(f"--resume: {result.resume_note}")
     if verbose():
         for name in result.files:
-            path = Path(result.out) if len(result.files) == 1 and result.out.endswith(".safetensors") \
-                else Path(result.out) / name
-            say(f"  {name}  {format_size(path.stat().st_size)}")
+            path = result.out if len(result.files) == 1 and result.out.endswith(".safetensors") \
+                else storage_files.join(result.out, name)
+            say(f"  {name}  {format_size(storage_files.size(path))}")
     if result.skipped_files:
         say("not carried into OUT: " + "; ".join(f"{s['name']} ({s['reason']})"
                                                  for s in result.skipped_files))
@@ -295,7 +295,8 @@ def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cl
     """
     expect = expected_identity(expect)
     cluster = cluster()
-    size = total_bytes(path) if Path(path).is_dir() else Path(path).stat().st_size if Path(path).is_file() else 0
+    size = total_bytes(path) if storage_files.is_dir(path) else storage_files.size(path) \
+        if storage_files.is_file(path) else 0
     with byte_progress(size, "verify", quiet) as progress:
         report = verify(VerifyRequest(path, against, read, fmt, device, allow_fewer_devices, expect), progress, cluster)
     changed = mapped.changed_files()

@@ -15,6 +15,7 @@ import struct
 
 from .. import safejson
 from ..errors import BadInput
+from ..storage import files as storage
 from .mesh import MESH, rank_dirs
 from .safetensors import MAX_HEADER
 from .sums import NAME as SUMS
@@ -23,25 +24,33 @@ PREFIX = "sha256:"
 
 
 def identity(path) -> str:
-    """`sha256:HEX` of the output at `path`; BadInput if it has no SHA256SUMS (or header) to name it."""
+    """`sha256:HEX` of the output at `path` (a local path, or a URL: storage/files.py); BadInput if it
+    has no SHA256SUMS (or header) to name it."""
     path = os.fspath(path)
     h = hashlib.sha256()
-    if os.path.isdir(path):
-        lists = [os.path.join(path, SUMS)]
-        if os.path.lexists(os.path.join(path, MESH)):
-            lists += [os.path.join(path, name, SUMS) for _, name in sorted(rank_dirs(path).items())]
+    if storage.is_dir(path):
+        lists = [storage.join(path, SUMS)]
+        if storage.exists(storage.join(path, MESH)):
+            lists += [storage.join(path, name, SUMS) for _, name in sorted(rank_dirs(path).items())]
         for p in lists:
-            h.update(safejson.read(p, SUMS, limit=1 << 30, follow=False))
+            h.update(storage.read_bytes(p, SUMS, limit=1 << 30, follow=False))
         return PREFIX + h.hexdigest()
-    with safejson.open_regular(path, "safetensors file", follow=False) as fd:
-        head = os.pread(fd, 8, 0)
-        if len(head) < 8:
-            raise BadInput(f"{path}: too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER:
-            raise BadInput(f"{path}: a header of {n} bytes, more than the {MAX_HEADER} read")
-        body = os.pread(fd, n, 8)
-        if len(body) < n:
-            raise BadInput(f"{path}: truncated inside its header")
+    if storage.is_url(path):
+        f = storage.open_file(path)
+        head = f.read(0, min(8, f.size))
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        body = f.read(8, min(n, f.size - 8)) if len(head) == 8 and n <= MAX_HEADER else b""
+    else:
+        with safejson.open_regular(path, "safetensors file", follow=False) as fd:
+            head = os.pread(fd, 8, 0)
+            body = os.pread(fd, int.from_bytes(head, "little"), 8) if len(head) == 8 and \
+                int.from_bytes(head, "little") <= MAX_HEADER else b""
+    if len(head) < 8:
+        raise BadInput(f"{path}: too short to be a safetensors file")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER:
+        raise BadInput(f"{path}: a header of {n} bytes, more than the {MAX_HEADER} read")
+    if len(body) < n:
+        raise BadInput(f"{path}: truncated inside its header")
     h.update(head + body)
     return PREFIX + h.hexdigest()

@@ -277,29 +277,32 @@ def manifest_document(source: dict, files: dict, shards, order, digests: dict, e
 
 
 def write_journal(out_dir, job: dict, files: dict, digests: dict):
-    """Record the shards finished so far (atomically), bound to the job (source identity, plan):
-    their files and their tensors' digests (layouts/files.py's Written: 32 bytes per tensor, packed),
-    as one hex string per shard, written in slices: a million tensors' 64 MB of hex is never made
-    whole (nor copied as JSON text, then as bytes)."""
-    tmp = os.path.join(out_dir, JOURNAL + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps({**job, "files": files})[:-1] + ', "digests": {')
+    """Record the shards finished so far (atomically: storage/targets.Target.replace), bound to the
+    job (source identity, plan): their files and their tensors' digests (layouts/files.py's Written:
+    32 bytes per tensor, packed), as one hex string per shard, written in slices: a million tensors'
+    64 MB of hex is never made whole (nor copied as JSON text, then as bytes). `out_dir`: a local
+    directory or an output's Target."""
+    from ..storage.targets import as_target
+
+    def chunks():
+        yield (json.dumps({**job, "files": files})[:-1] + ', "digests": {').encode()
         for i, (name, row) in enumerate(digests.items()):
-            f.write(("," if i else "") + json.dumps(name) + ': "')   # hex: nothing to escape
+            yield (("," if i else "") + json.dumps(name) + ': "').encode()   # hex: nothing to escape
             for at in range(0, len(row), 1 << 19):
-                f.write(row[at:at + (1 << 19)].hex())
-            f.write('"')
-        f.write("}}")
-    os.replace(tmp, os.path.join(out_dir, JOURNAL))
+                yield row[at:at + (1 << 19)].hex().encode()
+            yield b'"'
+        yield b"}}"
+    as_target(out_dir).replace(JOURNAL, chunks())
 
 
 def read_journal(out_dir) -> dict | None:
     """A killed run's journal, or None when there is none or it is not one (it is never trusted
     beyond the shards re-hashed against it)."""
+    from ..storage.targets import as_target
+    data = as_target(out_dir).read_bytes(JOURNAL)
     try:
-        with open(os.path.join(out_dir, JOURNAL)) as f:
-            journal = json.load(f)
-    except (OSError, ValueError):
+        journal = json.loads(data) if data is not None else None
+    except ValueError:
         return None
     ok = isinstance(journal, dict) and isinstance(journal.get("files"), dict) and isinstance(journal.get("digests"), dict)
     return journal if ok else None

@@ -2,10 +2,12 @@
 directories beside it. Layout and meaning: docs/output.md ("Reshard outputs")."""
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import dtypes, safejson
+from ..storage import files as storage
 from ..errors import BadInput
 from ..io.hashing import sha256_file
 from ..limits import MAX_NDIM
@@ -29,8 +31,9 @@ def rank_dir(rank: int) -> str:
 
 
 def read_regular(path, limit=MAX_METADATA) -> bytes:
-    """The bytes of `path` in an output: a regular file, not followed if it is a link (safejson.read)."""
-    return safejson.read(path, limit=limit, follow=False)
+    """The bytes of `path` in an output: a regular file, not followed if it is a link (safejson.read),
+    or an object (storage/files.py)."""
+    return storage.read_bytes(path, "file", limit, follow=False)
 
 
 @dataclass(slots=True)
@@ -232,13 +235,13 @@ def rank_number(name: str):
 
 
 def rank_dirs(path: Path) -> dict:
-    """{rank: name} of the rank directories in `path` (real directories, not symlinks)."""
+    """{rank: name} of the rank directories in `path` (real directories, not symlinks; prefixes in a
+    store)."""
     found = {}
-    with os.scandir(path) as it:
-        for entry in it:
-            r = rank_number(entry.name)
-            if r is not None and entry.is_dir(follow_symlinks=False):
-                found[r] = entry.name
+    for name, st in storage.scan(path).items():
+        r = rank_number(name)
+        if r is not None and stat.S_ISDIR(st.st_mode):
+            found[r] = name
     return found
 
 
@@ -296,10 +299,15 @@ def document(plans, rules, tp, ep, source, digests) -> dict:
 def write_top_sums(out_dir, known=None):
     """OUT/SHA256SUMS over mesh.json and every other top-level regular file (the rank directories
     carry their own), so nothing in a reshard output is unhashed; `known`: digests the writer already
-    has of files it made here (hard links to rank shards), not read again."""
-    digests, known = {}, known or {}
-    with os.scandir(out_dir) as it:
-        for entry in it:
-            if entry.name != SUMS and entry.is_file(follow_symlinks=False):
-                digests[entry.name] = known[entry.name] if entry.name in known else sha256_file(entry.path)
-    write_sums(out_dir, digests)
+    has of files it made here (mesh.json, hard links to rank shards, files carried), not read again.
+    In an object store (a Target that is remote) what the writer made is what `known` names."""
+    from ..storage.targets import as_target
+    target, digests, known = as_target(out_dir), {}, known or {}
+    if target.remote:
+        digests = dict(known)
+    else:
+        with os.scandir(target.path()) as it:
+            for entry in it:
+                if entry.name != SUMS and entry.is_file(follow_symlinks=False):
+                    digests[entry.name] = known[entry.name] if entry.name in known else sha256_file(entry.path)
+    write_sums(target, digests)

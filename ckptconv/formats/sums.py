@@ -74,10 +74,11 @@ def format_sums(digests, paths: bool = False) -> bytes:
 
 
 def write_sums(out_dir, digests, paths: bool = False) -> bytes:
-    """Write `out_dir/SHA256SUMS` for {name: hex digest}; returns the bytes written."""
+    """Write `out_dir/SHA256SUMS` (`out_dir` a local directory or an output's Target,
+    storage/targets.py) for {name: hex digest}; returns the bytes written."""
+    from ..storage.targets import as_target
     data = format_sums(digests, paths)
-    with open(os.path.join(out_dir, NAME), "wb") as f:
-        f.write(data)
+    as_target(out_dir).put(NAME, data)
     return data
 
 

@@ -12,7 +12,7 @@ from ..recipe import Recipe
 from ..formats.identity import identity
 from ..formats.manifest import source_name, summarised as summarised_extras
 from ..readers import Source, open_source, readers
-from ..storage.urls import local_only
+from ..storage.urls import is_url, parse
 from ..readers.wrappers import Layout
 from ..tp.rules import read_config
 from ..layouts import layout
@@ -148,7 +148,8 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
             progress=None) -> ConvertResult:
     """Convert `source` into `out`. `progress(total_bytes)` gives a context manager yielding an
     update(nbytes) callable (progress.byte_progress), or None."""
-    local_only(out, "OUT")
+    if is_url(out):
+        parse(out)   # (a URL OUT that can never be written is refused before anything is read)
     options, write = options or ConvertOptions(), write or WriteOptions()
     started = time.perf_counter()
     ckpt = open_source(source)

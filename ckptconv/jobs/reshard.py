@@ -16,7 +16,7 @@ from ..recipe import Recipe
 from ..formats.identity import identity
 from ..formats.manifest import source_name, summarised as summarised_extras
 from ..readers import Source, open_source, readers
-from ..storage.urls import local_only
+from ..storage.urls import is_url, parse
 from ..sizes import format_size
 from ..tp.layout import REPLICATED_SHARE, plan, plan_summary, silent_replication
 from ..tp.presets import MeshSpec, choose_rules
@@ -73,7 +73,8 @@ def reshard(source: Source, out, mesh: MeshSpec, options: ReshardOptions = None,
             dry_run=False, cluster=None, progress=None) -> ReshardResult:
     """Plan (and unless `dry_run`, write) `source` sliced for `mesh` into `out` as `options` say.
     `progress` as in convert.convert."""
-    local_only(out, "OUT")
+    if is_url(out):
+        parse(out)   # (a URL OUT that can never be written is refused before anything is read)
     options, write = options or ReshardOptions(), write or WriteOptions()
     strip_prefix, target, dtype, with_files = options.strip_prefix, options.target, options.dtype, options.with_files
     started = time.perf_counter()

@@ -8,9 +8,9 @@ report.py (what verify finds), scan.py (an output directory's entries and metada
 shardcheck.py (one shard: header, the safetensors library's view, digests)."""
 import importlib
 import pkgutil
-from pathlib import Path
 
 from ..errors import UsageError
+from ..storage import files as storage
 from ..formats.manifest import MANIFEST
 from ..formats.mesh import MESH
 from .base import LAYOUTS, Layout, engine_of, for_target
@@ -33,7 +33,7 @@ def targets() -> dict:
 
 def detected(path) -> type:
     """The layout `path` holds (tried in each layout's `order`); UsageError saying what it is not."""
-    path = Path(path)
+    path = storage.place(path)
     for cls in sorted(LAYOUTS.values(), key=lambda c: (c.order, c.name)):
         if cls.detect(path):
             return cls

@@ -30,8 +30,9 @@ import os
 from dataclasses import dataclass, field
 
 from ..storage import files as storage
+from ..storage.targets import as_target
 from ..errors import brief
-from ..formats.manifest import STEM, source_stem
+from ..formats.manifest import STEM, index_name, indexed, source_stem
 
 LAYOUTS = {}
 
@@ -323,13 +324,17 @@ class Layout:
                 return f"{name}: {brief(info, 80)} is not {{sha256, size {unit.size}}}"
             if len(row) != 32 * len(unit.tensors):
                 return f"{name}: not one digest per tensor"
-            try:
-                size = os.stat(os.path.join(tmp, name), follow_symlinks=False).st_size
-            except OSError:
-                size = None
+            st = as_target(tmp).stat(name)
+            size = st.st_size if st is not None else None
             if size != unit.size:
                 return f"{name}: not on disk with its {unit.size} bytes"
         return None
+
+    def pointer(self, units) -> str:
+        """The file of the output a consumer opens first (formats.pointer): in an object store it is
+        written last, create-only, so that finding it means finding the whole output
+        (docs/storage-publishing.md). Sharded files: the index, or the one shard."""
+        return index_name(self.options.stem) if indexed(len(units)) else units[0].name
 
     def job(self) -> dict:
         """The options of this writer that change the bytes it writes, as a user gave them (the

@@ -4,28 +4,27 @@ an output directory's metadata written once every shard is hashed.
 Every chunk is written once and hashed twice (file, tensor), see hashing.py. Sources that are one
 contiguous file range are read straight into the output's staging buffers and hashed there; others
 are gathered block by block from the mapping, whose pages are released as we go. Shards bypass the
-page cache (outfile.py). The directory contract: docs/output.md.
+page cache (outfile.py). Every file goes through the output's Target (storage/targets.py): a local
+temporary directory, or an object-store prefix where each file is an object uploaded as it is
+written. The directory contract: docs/output.md.
 """
-import contextlib
 import hashlib
 import os
-import shutil
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .. import safejson, signals
+from .. import signals
 from ..io import sha256
-from ..errors import BadInput, OutputError, UsageError, brief, encodable
+from ..errors import BadInput, UsageError, brief, encodable
 from ..formats import manifest as fmt
 from ..formats import safetensors as st_format
 from ..formats.mesh import MESH, rank_number
 from ..formats.safetensors import fits, header_entry, header_length, header_pieces, header_start, too_long
 from ..formats.sums import NAME as SUMS, unsafe_name, write_sums
-from ..io.hashing import CHUNK, GATHERED, SMALL, Digests, Pipeline, write_all
-from ..io.outfile import OutFile
+from ..io.hashing import CHUNK, GATHERED, SMALL, Digests, Pipeline
 from ..readers import weights_name
 from ..storage import files as storage
+from ..storage.targets import as_target, no_space
 from ..tensor import fetch_ahead, as_bytes, iter_blocks
 from .base import AddedFile, FilesResult
 
@@ -110,7 +109,9 @@ class OutputStream:
     they share one hashing pipeline."""
 
     def __init__(self, out_dir, shards, pipeline: Pipeline, fsync=False, on_close=None, direct=True):
-        self.out_dir, self.shards, self.pipeline, self.fsync, self.direct = out_dir, shards, pipeline, fsync, direct
+        """`out_dir`: the Target (or local directory) the shards go to."""
+        self.out_dir, self.shards, self.pipeline, self.fsync, self.direct = as_target(out_dir), shards, pipeline, \
+            fsync, direct
         self.on_close = on_close
         self.written = Written()
         self._current, self._file, self._file_h, self._digests = None, None, None, Digests()
@@ -151,8 +152,8 @@ class OutputStream:
                 raise AssertionError(f"tensor {t.name!r} was not written in plan order")
             self._close()
             shard = self.shards[index]
-            path = os.path.join(self.out_dir, shard.name)
-            self._file = OutFile(path, self.pipeline.staging, self.direct)
+            self._file = self.out_dir.create(shard.name, self.pipeline.staging, shard.size, self.direct,
+                                             head=shard.header_size)
             self._current, self._file_h, self._next = index, sha256.new(), 0
             for piece in shard.header():
                 self.pipeline.push(self._file, self._file_h, None, piece)
@@ -309,7 +310,7 @@ def read_added(paths, limit: int, taken=()) -> list:
             raise UsageError(f"--with {brief(os.fspath(path), 200)}: cannot be written into OUT as {brief(name, 80)}: "
                              f"{why}")
         seen.add(name)
-        added.append(AddedFile(name, safejson.read(path, "--with file", limit)))
+        added.append(AddedFile(name, storage.read_bytes(path, "--with file", limit)))
     return added
 
 
@@ -318,57 +319,33 @@ def copy_files(out_dir, files, written: Written, edited=None, added=()):
     for a name in `edited`, its new bytes (convert's --dtype edits config.json); then the files named
     with --with (`added`, AddedFile). The paths were resolved and checked by `readers.carried`; they
     are opened without following a link (one swapped in since is refused), a copy never gets wider
-    permissions than its source, and a file that changes while it is copied stops the run."""
+    permissions than its source, and a file that changes while it is copied stops the run
+    (storage.files.copy_file). `out_dir`: the Target (or local directory) they go to."""
+    target = as_target(out_dir)
     edited = {**(edited or {}), **{a.name: a.data for a in added}}
     for rel, src in [*files, *((a.name, None) for a in added)]:
-        dst = os.path.join(out_dir, rel)
         if rel in edited:
             data = edited[rel]
-            with open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), "wb") as fo:
-                write_all(fo, data)
+            target.put(rel, data, 0o644, exclusive=True)
             written.files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
             continue
-        h = hashlib.sha256()
-        if storage.is_url(os.fspath(src)):   # an object: read by ranges as it was when opened (its ETag)
-            remote = storage.open_file(src)
-            with open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), "wb") as fo:
-                for at in range(0, remote.size, CHUNK):
-                    chunk = remote.read(at, min(CHUNK, remote.size - at))
-                    h.update(chunk)
-                    write_all(fo, chunk)
-            written.files[rel] = {"sha256": h.hexdigest(), "size": remote.size}
-            continue
-        try:
-            fi = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            raise BadInput(f"{src}: cannot read: {e.strerror}") from None
-        try:
-            before = os.fstat(fi)
-            if not stat.S_ISREG(before.st_mode):
-                raise BadInput(f"{src}: is no longer a regular file")
-            with open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, before.st_mode & 0o666),
-                      "wb") as fo:
-                left = before.st_size
-                while left > 0 and (chunk := os.read(fi, min(CHUNK, left))):
-                    h.update(chunk)
-                    write_all(fo, chunk)
-                    left -= len(chunk)
-            after = os.fstat(fi)
-        finally:
-            os.close(fi)
-        if left or (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
-            raise BadInput(f"{src}: changed while it was being read; nothing was written")
-        written.files[rel] = {"sha256": h.hexdigest(), "size": before.st_size}
+        digest, size = storage.copy_file(src, lambda mode, rel=rel: target.open(rel, mode, exclusive=True))
+        written.files[rel] = {"sha256": digest, "size": size}
 
 
 def write_json(out_dir, name, obj, written: Written = None) -> str:
     """Write `obj` as our JSON (formats/manifest.py), streamed and hashed as it goes: its digest."""
     h, size = hashlib.sha256(), 0
-    with open(os.path.join(out_dir, name), "wb") as f:
+    sink = as_target(out_dir).open(name)
+    try:
         for data in fmt.dump_chunks(obj):
-            write_all(f, data)
+            sink.write(data)
             h.update(data)
             size += len(data)
+    except BaseException:
+        sink.abandon()
+        raise
+    sink.close()
     if written is not None:
         written.files[name] = {"sha256": h.hexdigest(), "size": size}
     return h.hexdigest()
@@ -395,18 +372,20 @@ def finish_dir(out_dir, shards, written: Written, source: dict, extras: dict, ex
 
 def check_space(out_dir, shard_bytes: int, model_files=(), copies: int = 1):
     """Refuse to start when the shards and `copies` of the carried model files cannot fit."""
+    target = as_target(out_dir)
+    if target.remote:
+        return   # (a store is not full)
     needed = shard_bytes + copies * sum(storage.size(p) for _, p in model_files if p is not None)  # (None: made)
-    if shutil.disk_usage(out_dir).free < needed:
-        raise OutputError(f"{out_dir}: not enough free disk space for {needed} bytes")
+    no_space(target, needed)
 
 
 def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False, reuse: Written = None,
                  journal: dict = None, direct=True) -> Written:
-    """Write `shards` into `out_dir`, skipping those in `reuse`; with `journal` (the job's identity
-    and plan), record each finished shard for --resume."""
-    reuse = reuse or Written()
-    on_close = (lambda w: fmt.write_journal(out_dir, journal, w.files, w.digests)) if journal else None
-    stream = OutputStream(out_dir, shards, pipeline, fsync, on_close, direct)
+    """Write `shards` into `out_dir` (a Target, or a local directory), skipping those in `reuse`; with
+    `journal` (the job's identity and plan), record each finished shard for --resume."""
+    reuse, target = reuse or Written(), as_target(out_dir)
+    on_close = (lambda w: fmt.write_journal(target, journal, w.files, w.digests)) if journal else None
+    stream = OutputStream(target, shards, pipeline, fsync, on_close, direct)
     try:
         for shard in shards:
             if shard.name in reuse.files:
@@ -420,6 +399,5 @@ def write_shards(out_dir, shards, pipeline: Pipeline, progress=None, fsync=False
     except BaseException:
         stream.abandon()
         raise
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(out_dir, fmt.JOURNAL))
+    target.remove(fmt.JOURNAL)
     return written

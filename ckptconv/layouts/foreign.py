@@ -2,10 +2,10 @@
 what the safetensors library sees, each tensor in one place, and the index against the headers; no
 digests were recorded, so none are checked. A layout ckptconv checks and reads, never writes (a
 single such file is the single layout's to check: it finds no records in its header)."""
-import os
 from pathlib import Path
 
 from ..formats import manifest as manifest_format
+from ..storage import files as storage
 from .base import Layout, register
 from .report import Report
 from .scan import _document, _kind, _regular, _scan
@@ -85,13 +85,13 @@ class ForeignDirectory(Layout):
 
     @classmethod
     def detect(cls, path) -> bool:
-        path = Path(path)
+        path = storage.place(path)
         return path.is_dir() and any(n.endswith((".safetensors", manifest_format.INDEX_SUFFIX))
-                                     for n in os.listdir(path))
+                                     for n in storage.listdir(path))
 
     @classmethod
     def check(cls, path, report, progress=None, share=None):
-        _verify_foreign_dir(Path(path), report, progress)
+        _verify_foreign_dir(storage.place(path), report, progress)
 
     def plan(self, tensors) -> list:
         raise NotImplementedError("ckptconv writes its own outputs, with their records, never this layout")

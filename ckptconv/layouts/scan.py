@@ -1,14 +1,12 @@
 """An output directory's entries and metadata files, read without following anything: what it holds
 (from lstat), its index, manifest.json and SHA256SUMS, each type-checked, and a regular file's digest."""
 import functools
-import hashlib
-import os
 import stat
 from pathlib import Path
 
 from .. import safejson
 from ..errors import BadInput
-from ..io.hashing import CHUNK
+from ..storage import files as storage
 from ..formats import manifest as manifest_format
 from ..formats.manifest import MANIFEST
 from ..formats.mesh import read_regular
@@ -20,18 +18,15 @@ from .report import Report, _detail
 # it is a regular file named by the output's own metadata, by a plain name (sums.unsafe_name).
 
 def _scan(d: Path, report: Report) -> dict:
-    """{name: lstat result} of every entry of `d` (symlinks not followed)."""
-    entries = {}
+    """{name: lstat result} of every entry of `d` (symlinks not followed; a prefix's objects are
+    regular files: storage/files.scan)."""
     try:
-        with os.scandir(d) as it:
-            for entry in it:
-                try:
-                    entries[entry.name] = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
+        return storage.scan(d)
     except OSError as e:
         report.add(d, f"cannot list the directory: {e.strerror}", "unreadable")
-    return entries
+    except BadInput as e:
+        report.add(d, f"cannot list the directory: {_detail(e, d)}", "unreadable")
+    return {}
 
 
 def _kind(st) -> str:
@@ -93,15 +88,8 @@ def _sums(d: Path, entries: dict, report: Report):
 
 def _sha256_regular(path: Path) -> str | None:
     """A regular file's SHA-256, opened without following a symlink and without blocking on a FIFO;
-    None if what is there now is not a regular file."""
-    try:
-        with safejson.open_regular(path, follow=False) as fd:
-            h = hashlib.sha256()
-            while chunk := os.read(fd, CHUNK):
-                h.update(chunk)
-            return h.hexdigest()
-    except BadInput:
-        return None
+    None if what is there now is not a regular file (an object: read by ranges, storage.files.sha256)."""
+    return storage.sha256(path)
 
 
 def _index_name(entries: dict) -> str:

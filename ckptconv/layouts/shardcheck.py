@@ -9,16 +9,18 @@ from .. import signals
 from ..io import sha256
 from ..errors import BadInput, UsageError, brief
 from ..io.hashing import CHUNK, SMALL, Digests, HashLanes
-from ..io.mapped import MappedFile
+from ..storage import files as storage
 from ..formats.safetensors import file_header
 from .report import Report, _detail
+
+AHEAD = 4 * CHUNK   # bytes of an object fetched at once by verify (its parts concurrently)
 
 
 def _parsed(path: Path, report: Report):
     """(mapping, header) of a safetensors file, its header's problems reported; None (reported too)
     when the header cannot be read at all."""
     try:
-        m = MappedFile(path)
+        m = storage.open_file(path)
         header = file_header(m, path)
     except BadInput as e:
         report.add(path, _detail(e, path), "metadata")
@@ -82,8 +84,8 @@ def _library(path: Path, view):
         from safetensors import safe_open
     except ImportError:
         raise UsageError("verify needs the safetensors library: pip install safetensors") from None
-    try:
-        with safe_open(str(path), framework="numpy") as f:
+    try:   # (an object: the library opens a sparse local copy of its header, storage.files.library_path)
+        with storage.library_path(path) as local, safe_open(str(local), framework="numpy") as f:
             return view(f)
     except Exception as e:  # its own error types, whatever they are: the file is what is wrong
         return str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -125,7 +127,7 @@ def _hash_shard(m, header, shard, m_files, recorded, sums, report, progress):
     """Digest the file and each tensor in one streaming pass (_digest_shard), and compare the digests
     with those recorded: the file's in manifest.json (`m_files`, None for a single-file output: no
     file digest to compare) and SHA256SUMS (`sums`), each tensor's as `recorded(name)` gives it."""
-    path = Path(m.path)
+    path = storage.place(m.path)
     ranges, digests, file_digest = _digest_shard(m, header, progress)
     report.bytes += m.size
     _check_file_digest(path, m.size, file_digest, shard, m_files, sums, report)
@@ -143,13 +145,17 @@ def _digest_shard(m, header, progress):
     its neighbours' in CHUNK pieces (hashing.SMALL). Returns (the ranges read: the header's, then each
     tensor's as (entry, begin, end), the tensors' Digests in that order, the file's digest)."""
     hashes, file_h, chunks, digests = HashLanes(), sha256.new(), deque(), Digests()
-    fed = released = 0   # the file's bytes before `fed` are on their way to its digest
+    fed = released = fetched = 0   # the file's bytes before `fed` are on their way to its digest
 
     def feed(upto, tensor_h=None):
-        """File bytes [fed, upto) to the file's digest (and `tensor_h`), CHUNK at a time."""
-        nonlocal fed, released
+        """File bytes [fed, upto) to the file's digest (and `tensor_h`), CHUNK at a time (an object's
+        fetched AHEAD at a time: concurrent ranged GETs, storage/files.RemoteFile.need)."""
+        nonlocal fed, released, fetched
         while fed < upto:
             n = min(CHUNK, upto - fed)
+            if m.remote and fed + n > fetched:
+                fetched = min(m.size, fed + AHEAD)
+                m.need(fed, fetched - fed)
             m.populate(fed, n)
             chunks.append((hashes.feed(m.view[fed:fed + n], file_h, tensor_h), fed + n))
             fed += n
@@ -169,6 +175,8 @@ def _digest_shard(m, header, progress):
         for entry, begin, end in ranges:
             begin = max(begin, pos)
             if entry is not None and end - begin <= SMALL:
+                if m.remote:   # (fetched a CHUNK at a time: one GET for many small tensors)
+                    m.need(begin, min(m.size, max(end, begin + CHUNK)) - begin)
                 digests.append_done(hashlib.sha256(m.view[begin:max(begin, end)]).digest())
                 if end - fed >= CHUNK:   # the file's digest follows (and drops the pages read here)
                     feed(end)

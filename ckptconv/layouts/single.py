@@ -9,15 +9,13 @@ the same length, the data streams after it, and the header is rewritten in place
 """
 import dataclasses
 import json
-import os
-from pathlib import Path
 
 from ..errors import BadInput, brief
 from ..formats import manifest as fmt
 from ..formats.safetensors import header_size, file_header
 from ..io.hashing import Pipeline
-from ..io.mapped import MappedFile
-from ..io.outfile import pwrite_all
+from ..storage import files as storage
+from ..storage.targets import as_target
 from .base import Content, Layout, RunFacts, WriteOptions, register
 from .files import ShardFile, Written, check_space, write_shards
 from .foreign import _verify_foreign_files
@@ -38,16 +36,17 @@ class SingleFile(Layout):
 
     def __init__(self, options: WriteOptions, content: Content, out, mesh=None):
         super().__init__(options, content, out)
-        self.file_name = os.path.basename(os.path.abspath(out))
+        self.file_name = storage.name(out)
         self.unit = None
 
     @classmethod
     def detect(cls, path) -> bool:
-        return Path(path).name.endswith(".safetensors") and Path(path).is_file()
+        path = storage.place(path)
+        return path.name.endswith(".safetensors") and path.is_file()
 
     @classmethod
     def check(cls, path, report, progress=None, share=None):
-        check_file(Path(path), report, progress)
+        check_file(storage.place(path), report, progress)
 
     def plan(self, tensors) -> list:
         placeholder = metadata(self.content, {t.name: "0" * 64 for t in tensors})  # real digests: the same length
@@ -66,29 +65,21 @@ class SingleFile(Layout):
         finally:
             pipeline.close()
         # the same header with the real digests (of the same length: header_pieces checks it), in place
+        # (in a store: in the first part, held until the object is published: storage/upload.PointerWriter)
         final = dataclasses.replace(unit, metadata=metadata(self.content, dict(written.by_tensor([unit]))))
-        fd = os.open(os.path.join(tmp, unit.name), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            at = 0
-            for piece in final.header():
-                pwrite_all(fd, memoryview(piece), at)
-                at += len(piece)
-            if self.options.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        as_target(tmp).patch(unit.name, 0, final.header(), self.options.fsync)
         return written.result()
 
     def finish(self, tmp, results) -> RunFacts:
         return RunFacts([self.file_name])
 
 
-def check_file(path: Path, report, progress=None):
+def check_file(path, report, progress=None):
     """A single-file output: its header, the safetensors library's view, `format: pt`, and every
     tensor's digest against the manifest facts in its `__metadata__` (a file cannot hold its own
     digest; `sha256sum` it apart)."""
     try:
-        m = MappedFile(path)
+        m = storage.open_file(path)
         header = file_header(m, path)
         raw = fmt.single_document(header.metadata, path)
     except BadInput as e:

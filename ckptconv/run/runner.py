@@ -1,7 +1,8 @@
 """One job runner: for every command that writes, plan, share the units out (share.py), write mine,
 gather the results, and process 0 finishes inside the atomic output; for verify, its stages in
 order (`run_stages`). A single process is a cluster of one (`cluster.Solo`), so there is one path,
-and the plan `ckptconv plan` prints is the plan run."""
+and the plan `ckptconv plan` prints is the plan run. An OUT in an object store is written by one
+process into a bucket output (storage/targets.bucket_output: claimed, published pointer last)."""
 import contextlib
 import dataclasses
 import hashlib
@@ -10,7 +11,10 @@ import os
 from pathlib import Path
 
 from .cluster import Solo, on_cluster, run_guarded
-from ..errors import OutputError
+from ..errors import OutputError, UsageError
+from ..formats import not_ours, published
+from ..storage.targets import bucket_output
+from ..storage.urls import is_url, redact
 from ..layouts.base import ResultError, RunFacts
 from .share import owners
 from ..io.output import Inputs, temp_path
@@ -69,8 +73,16 @@ def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, 
     def contribute():  # the other processes: their share, into process 0's temporary directory
         run_guarded(cluster, "units", lambda: work(temp_path(Path(os.path.abspath(out)))))
 
-    job = job_of(writer, tensors, units, inputs) if cluster.num_processes > 1 else None
-    on_cluster(cluster, out, options.overwrite, publish, contribute, inputs, options.resume, writer.single_file, job)
+    if is_url(os.fspath(out)):
+        if cluster.num_processes > 1:
+            raise UsageError(f"{redact(os.fspath(out))}: an object-store OUT is written by one process; "
+                             "--distributed writes a local or shared file system only")
+        with bucket_output(out, options.overwrite, options.resume, inputs, writer.single_file, not_ours,
+                           writer.pointer(units), published) as target:
+            publish(target)
+    else:
+        job = job_of(writer, tensors, units, inputs) if cluster.num_processes > 1 else None
+        on_cluster(cluster, out, options.overwrite, publish, contribute, inputs, options.resume, writer.single_file, job)
     return dataclasses.replace(facts, units=[u.name for u in mine], unit_bytes=sum(u.size for u in mine))
 
 

@@ -9,6 +9,8 @@ nothing here imports it until a URL is opened.
 - `upload`: an output object written as a stream (`ObjectWriter`: multipart, hashed in the same
   pass) and one OUT's life (`Publisher`: the lock, what was created, the pointer written last,
   the rollback).
-- `s3api`: the two S3 calls obstore does not make (list and abort pending multipart uploads), signed
-  with AWS Signature Version 4.
+- `s3api`: the S3 calls obstore does not make (list and abort pending multipart uploads; a multipart
+  upload of our own completed with `If-None-Match: *`), signed with AWS Signature Version 4.
+- `targets`: where an output's bytes go (a local directory or a prefix: `Target`), and a bucket OUT's
+  life (`bucket_output`: claimed, written, published pointer last, or rolled back).
 """

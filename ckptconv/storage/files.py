@@ -33,7 +33,8 @@ from .urls import Location, StorageOptions, is_url, parse, redact
 
 __all__ = ["configure", "options", "is_url", "join", "name", "parent", "realpath", "shown", "is_dir", "is_file",
            "exists", "size", "listdir", "entries", "read_bytes", "open_file", "RemoteFile", "Entry", "place",
-           "RemotePath", "head", "stat", "fingerprint", "load_json"]
+           "RemotePath", "head", "stat", "fingerprint", "load_json", "forget", "scan", "sha256", "same_file",
+           "copy_file", "library_path"]
 
 _PAGE = mmap.PAGESIZE
 MAX_ENTRIES = 1_000_000   # names one listing may hold (objects.MAX_LISTED)
@@ -59,6 +60,18 @@ def configure(options: StorageOptions):
 
 def options() -> StorageOptions:
     return _options
+
+
+def forget(url):
+    """Drop what was listed of `url` and under it (an output just written or rolled back there):
+    the next look lists it again."""
+    key = realpath(os.fspath(url)) if is_url(os.fspath(url)) else None
+    if key is None:
+        return
+    with _lock:
+        for k in [k for k in _listings if k == key or k.startswith(key + "/") or key.startswith(k + "/")
+                  or k == key.rpartition("/")[0]]:
+            del _listings[k]
 
 
 # ---- names ---------------------------------------------------------------------------------------
@@ -224,14 +237,14 @@ def listdir(path) -> list:
     return [e.name for e in entries(path)]
 
 
-def read_bytes(path, what: str, limit: int) -> bytes:
+def read_bytes(path, what: str, limit: int, follow: bool = True) -> bytes:
     """A small file's bytes (a config, an index): BadInput naming it when it is larger than `limit`
     or cannot be read. A local file is read through safejson.read (a regular file, opened without
-    blocking)."""
+    blocking; with `follow=False`, a symbolic link is refused, not followed: an output's own files)."""
     path = os.fspath(path)
     if not is_url(path):
         from .. import safejson
-        return safejson.read(path, what.removeprefix("the "), limit=limit)
+        return safejson.read(path, what.removeprefix("the "), limit=limit, follow=follow)
     f = open_file(path)
     if f.size > limit:
         raise BadInput(f"{shown(path)}: {what} has {f.size} bytes, more than the {limit} accepted")
@@ -408,8 +421,9 @@ class RemoteFile:
         self.need(offset, length)
 
     def release(self, offset: int, length: int):
-        """Give back the fetched pages of [offset, offset+length) (whole pages: a page partly outside
-        is fetched again when needed) and what the window holds of it."""
+        """Give back the fetched pages of [offset, offset+length) (whole pages: the page it starts in is
+        fetched again when needed; the page it ends in is kept, unless the range ends the object, since
+        the bytes after it may be read now: a digest's next chunk) and what the window holds of it."""
         if length <= 0:
             return
         _Window.get().drop(self, offset, offset + length)
@@ -417,7 +431,9 @@ class RemoteFile:
             return
         start = offset - offset % _PAGE
         end = min(self.size, offset + length)
-        end_page = min(self.size, -(-end // _PAGE) * _PAGE)
+        end_page = self.size if end >= self.size else end - end % _PAGE
+        if end_page <= start:
+            return
         with self._lock:
             if self._pages.starts:
                 self._pages.remove(start, end_page)
@@ -699,3 +715,143 @@ def load_json(path, what: str = "JSON", limit: int = 1 << 30):
     """A small JSON file or object (a config, an index), parsed by safejson (bounded depth and size)."""
     from .. import safejson
     return safejson.loads(read_bytes(path, what, limit), os.fspath(path), what)
+
+
+# ---- an output's own files (verify, --resume, files carried into OUT) -------------------------------
+
+_REGULAR, _DIRECTORY = 0o100444, 0o040555
+
+
+def _stat(mode: int, n: int) -> os.stat_result:
+    return os.stat_result((mode, 0, 0, 1, 0, 0, n, 0, 0, 0))
+
+
+def scan(path) -> dict:
+    """{name: its lstat} of every entry of a directory, links not followed (OSError when it cannot
+    be listed); of a prefix, each object as a regular file of its size and each deeper prefix as a
+    directory (BadInput when it cannot be listed)."""
+    path = os.fspath(path)
+    if is_url(path):
+        found = _listing(path)
+        out = {n: _stat(_DIRECTORY, 0) for n in found.dirs}
+        out.update({n: _stat(_REGULAR, s) for n, s in found.files.items()})
+        return out
+    entries = {}
+    with os.scandir(path) as it:
+        for entry in it:
+            try:
+                entries[entry.name] = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+    return entries
+
+
+def sha256(path, chunk: int = 16 << 20, progress=None):
+    """The SHA-256 (hex) of a regular file, opened without following a link and without blocking on
+    a FIFO; None when what is there is not a regular file. An object is read by ranged GETs (BadInput
+    when it cannot be, or changes meanwhile)."""
+    import hashlib
+    path = os.fspath(path)
+    h = hashlib.sha256()
+    if is_url(path):
+        f = open_file(path)
+        for at in range(0, f.size, chunk):
+            data = f.read(at, min(chunk, f.size - at))
+            h.update(data)
+            if progress is not None:
+                progress(len(data))
+        return h.hexdigest()
+    from .. import safejson
+    try:
+        with safejson.open_regular(path, follow=False) as fd:
+            while data := os.read(fd, chunk):
+                h.update(data)
+                if progress is not None:
+                    progress(len(data))
+            return h.hexdigest()
+    except BadInput:
+        return None
+
+
+def same_file(a, b) -> bool:
+    """Both regular files (no link followed) and one inode; two objects never are."""
+    a, b = os.fspath(a), os.fspath(b)
+    if is_url(a) or is_url(b):
+        return False
+    try:
+        sa, sb = os.lstat(a), os.lstat(b)
+    except OSError:
+        return False
+    import stat as st
+    return st.S_ISREG(sa.st_mode) and st.S_ISREG(sb.st_mode) and (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def copy_file(src, open_dst, chunk: int = 16 << 20) -> tuple:
+    """Copy the file or object `src` into what `open_dst(mode)` opens (a sink: `write`, `close`,
+    `abandon`; `mode` the source's permission bits, never wider than 0o666): (its SHA-256 hex, its
+    bytes). A local file is opened without following a link (one swapped in since it was checked is
+    refused) and must be a regular file whose size and modification time do not change while it is
+    read; an object is read by ranges as it was when opened (its ETag). BadInput otherwise."""
+    import hashlib
+    import stat as st
+    h = hashlib.sha256()
+    src = os.fspath(src)
+    if is_url(src):
+        remote = open_file(src)
+        sink = open_dst(0o644)
+        try:
+            for at in range(0, remote.size, chunk):
+                data = remote.read(at, min(chunk, remote.size - at))
+                h.update(data)
+                sink.write(data)
+        except BaseException:
+            sink.abandon()
+            raise
+        sink.close()
+        return h.hexdigest(), remote.size
+    try:
+        fi = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise BadInput(f"{src}: cannot read: {e.strerror}") from None
+    try:
+        before = os.fstat(fi)
+        if not st.S_ISREG(before.st_mode):
+            raise BadInput(f"{src}: is no longer a regular file")
+        sink = open_dst(before.st_mode & 0o666)
+        try:
+            left = before.st_size
+            while left > 0 and (data := os.read(fi, min(chunk, left))):
+                h.update(data)
+                sink.write(data)
+                left -= len(data)
+        except BaseException:
+            sink.abandon()
+            raise
+        sink.close()
+        after = os.fstat(fi)
+    finally:
+        os.close(fi)
+    if left or (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        raise BadInput(f"{src}: changed while it was being read; nothing was written")
+    return h.hexdigest(), before.st_size
+
+
+@contextlib.contextmanager
+def library_path(path, limit: int = 100 * 1000 * 1000):
+    """A local path where the safetensors library sees `path`'s header as the file holds it: `path`
+    itself, or for an object a sparse temporary file of the object's size holding its first 8 bytes
+    and the header they count (at most `limit`), the rest holes (nothing else fetched or written)."""
+    path = os.fspath(path)
+    if not is_url(path):
+        yield path
+        return
+    import tempfile
+    f = open_file(path)
+    head = f.read(0, min(8, f.size))
+    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+    head += f.read(8, min(n, limit, f.size - len(head))) if len(head) == 8 else b""
+    with tempfile.NamedTemporaryFile(prefix="ckptconv-header-", suffix=".safetensors") as local:
+        local.write(head)
+        local.truncate(f.size)
+        local.flush()
+        yield local.name

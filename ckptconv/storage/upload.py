@@ -74,11 +74,16 @@ class ObjectWriter:
     buffer and `upload_concurrency` parts in flight."""
 
     def __init__(self, store: Store, location: Location, expected_size: Optional[int] = None,
-                 mode: str = "overwrite"):
+                 mode: str = "overwrite", hashed: bool = True, share: int = 1):
+        """`hashed=False`: the caller hashes the bytes (the write pipeline does: io/hashing.py) and
+        `commit` gives no digest; `share`: how many objects are written side by side (a reshard's
+        ranks), among which the options' upload concurrency is divided and parts are made smaller."""
         self.store, self.location, self.mode = store, location, mode
-        self.part = part_size_for(expected_size, store.options.part_size)
+        share = max(1, share)
+        self.part = part_size_for(expected_size, max(MIN_PART, store.options.part_size // share))
+        self.concurrency = max(1, store.options.upload_concurrency // share)
         self.size, self.state = 0, "open"
-        self._hash, self._buf = sha256.new(), bytearray()
+        self._hash, self._buf = (sha256.new() if hashed else None), bytearray()
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._thread: Optional[threading.Thread] = None
         self._result, self._error = None, None
@@ -94,14 +99,16 @@ class ObjectWriter:
         if self.mode == "create":   # one PUT at commit (create-only is not a multipart upload)
             if self.size + count > MAX_PART:
                 raise OutputError(f"{self.location}: a create-only object holds at most 5 GiB")
-            self._hash.update(view)
+            if self._hash is not None:
+                self._hash.update(view)
             self._buf += view
             self.size += count
             return count
         if self.size + count > self.part * MAX_PARTS:
             raise OutputError(f"{self.location}: more than {self.part * MAX_PARTS:,} bytes, what {MAX_PARTS:,} parts "
                               f"of {self.part:,} bytes hold; give the expected size when it is opened")
-        self._hash.update(view)
+        if self._hash is not None:
+            self._hash.update(view)
         self.size += count
         while len(view):
             take = min(len(view), self.part - len(self._buf))
@@ -126,7 +133,7 @@ class ObjectWriter:
         import obstore
         try:
             self._result = obstore.put(self.store.handle, self.location.key, self._parts(), chunk_size=self.part,
-                                       max_concurrency=self.store.options.upload_concurrency, use_multipart=True)
+                                       max_concurrency=self.concurrency, use_multipart=True)
         except BaseException as e:  # noqa: BLE001 (handed to the writing thread)
             self._error = e
 
@@ -173,7 +180,8 @@ class ObjectWriter:
                 self._failed()
         self._buf = bytearray()
         self.state = "committed"
-        return Written(self.location, self.size, self._hash.hexdigest(), (self._result or {}).get("e_tag"))
+        return Written(self.location, self.size, self._hash.hexdigest() if self._hash is not None else None,
+                       (self._result or {}).get("e_tag"))
 
     def abort(self):
         """Leave nothing: the multipart upload aborted (by obstore, when its parts fail), the object
@@ -239,10 +247,13 @@ class Publisher:
     """One OUT prefix: claim it, write into it, publish it pointer last, or roll it back."""
 
     def __init__(self, out: Location, options: StorageOptions = StorageOptions(), store: Optional[Store] = None,
-                 heartbeat_seconds: float = 60.0, stale_seconds: float = 600.0):
+                 heartbeat_seconds: float = 60.0, stale_seconds: float = 600.0, single: bool = False):
+        """`single`: OUT is one object (a .safetensors file), not a prefix; the objects written are
+        OUT itself, by its name."""
         if not out.key:
             raise OutputError(f"{out}: OUT must be a prefix inside the bucket (s3://BUCKET/NAME), not the bucket")
-        self.out, self.options = out, options
+        self.out, self.options, self.single = out, options, single
+        self.pointer_writer: Optional[PointerWriter] = None
         self.store = store or open_store(out, options)
         self.lock = out.sibling(f".{out.key.rpartition('/')[2]}.ckptconv-lock")
         self.heartbeat_seconds, self.stale_seconds = heartbeat_seconds, stale_seconds
@@ -360,12 +371,80 @@ class Publisher:
                 pass
 
     # -- writing ----------------------------------------------------------------------------------
-    def writer(self, name: str, expected_size: Optional[int] = None) -> ObjectWriter:
+    def place(self, name: str) -> Location:
+        """Where the object `name` of OUT goes: OUT/`name`; for a single-file OUT, OUT itself."""
+        if self.single:
+            if name != self.out.key.rpartition("/")[2]:
+                raise OutputError(f"{self.out}: one object, not a prefix holding {name}")
+            return self.out
+        return self.out.child(name)
+
+    def writer(self, name: str, expected_size: Optional[int] = None, hashed: bool = True,
+               share: int = 1) -> ObjectWriter:
         """An ObjectWriter for OUT/`name`, tracked: committed through it, rolled back with the rest."""
         self._check_held()
-        w = _Tracked(self, self.store, self.out.child(name), expected_size)
+        w = _Tracked(self, self.store, self.place(name), expected_size, hashed=hashed, share=share)
         self.open.append(w)
         return w
+
+    def pointer(self, name: str, expected_size: Optional[int] = None, head: int = 0) -> "PointerWriter":
+        """The writer of OUT's pointer (the file a consumer opens first): its bytes are written now and
+        held or sent as parts, but the object appears only at `publish_pointer`, create-only. `head`:
+        its first bytes that may still be rewritten (`patch`) until then (a single file's header)."""
+        self._check_held()
+        if self.pointer_writer is not None:
+            raise OutputError(f"{self.out}: its pointer is already being written")
+        self.pointer_writer = PointerWriter(self.store, self.place(name), expected_size, head)
+        return self.pointer_writer
+
+    def publish_pointer(self) -> Written:
+        """Complete the pointer, create-only, after everything else (see `publish`), and let the lock
+        go: from now on a consumer finds the whole output."""
+        self._check_held()
+        w = self.pointer_writer
+        if w is None or w.state != "written":
+            raise OutputError(f"{self.out}: its pointer was not written; nothing was published")
+        if self.open:
+            raise OutputError(f"{self.out}: {len(self.open)} object(s) still being written, "
+                              f"{self.open[0].location} first; the pointer is written last")
+        with deferred():
+            self._check_held()
+            done = w.commit()
+            self.pointer_writer = None
+            self.created.append(w.location.key)
+            self.release()
+        return done
+
+    def copy(self, source: str, name: str):
+        """OUT/`name` as a copy of OUT/`source`, made by the store (no bytes pass through here), tracked."""
+        import obstore
+        self._check_held()
+        to = self.place(name)
+        try:
+            obstore.copy(self.store.handle, self.place(source).key, to.key)
+        except Exception as e:  # noqa: BLE001
+            raise OutputError(f"{to}: cannot copy {source} there: {failure(e)}") from None
+        if to.key not in self.created:
+            self.created.append(to.key)
+
+    def adopt(self, keys):
+        """Objects already under OUT (what a killed run left, taken over) become this run's: kept if it
+        publishes, deleted with the rest if it fails."""
+        self._check_held()
+        self.created += [k for k in keys if k not in self.created]
+
+    def delete(self, keys):
+        """Delete objects under OUT (this run's, or adopted), a thousand a request."""
+        import obstore
+        self._check_held()
+        keys = list(keys)
+        for at in range(0, len(keys), 1000):
+            try:
+                obstore.delete(self.store.handle, keys[at:at + 1000])
+            except Exception as e:  # noqa: BLE001
+                raise OutputError(f"{self.out}: cannot delete {keys[at]}: {failure(e)}") from None
+        gone = set(keys)
+        self.created = [k for k in self.created if k not in gone]
 
     def put(self, name: str, data: bytes) -> Written:
         """A small object (manifest.json, SHA256SUMS, an extra) written whole."""
@@ -406,6 +485,9 @@ class Publisher:
             for w in list(self.open):
                 attempt(w.abort)
             self.open.clear()
+            if self.pointer_writer is not None:
+                attempt(self.pointer_writer.abort)
+                self.pointer_writer = None
             if not self._lost and self._lock is not None:
                 for at in range(0, len(self.created), 1000):
                     attempt(obstore.delete, self.store.handle, self.created[at:at + 1000])
@@ -421,7 +503,7 @@ class Publisher:
         if self.out.kind != "s3":
             return None
         from . import s3api
-        return s3api.pending(self.out, self.options)
+        return s3api.pending(self.out, self.options, exact=self.single)
 
     def abort_pending(self, only: Optional[set] = None):
         """Abort the multipart uploads pending under OUT (those of `only`'s keys, when given)."""
@@ -452,7 +534,8 @@ class _Tracked(ObjectWriter):
         self.publisher._check_held()
         done = super().commit()   # (one that fails stays open: the rollback sweeps what it may have left)
         self.publisher.open.remove(self)
-        self.publisher.created.append(self.location.key)
+        if self.location.key not in self.publisher.created:   # (a journal is written again and again)
+            self.publisher.created.append(self.location.key)
         return done
 
     def abort(self):
@@ -461,3 +544,111 @@ class _Tracked(ObjectWriter):
         super().abort()
         if self.location.key in self.publisher.created:
             self.publisher.created.remove(self.location.key)
+
+
+class PointerWriter:
+    """An output's pointer: written as a stream like any object, but it appears only when `commit`
+    completes it, create-only, after everything else. Its first part (`head` bytes at least, a single
+    file's header rewritten at the end: `patch`) is held until then; an object larger than that and
+    one more part goes to S3 as a multipart upload of ours (s3api.Multipart: part 1 sent last, the
+    upload completed with `If-None-Match: *`); a smaller one is one create-only PUT on any store.
+    obstore has no conditional multipart completion, so on gs:// and az:// a larger pointer is refused
+    (docs/storage-publishing.md). Memory: the first part, the part being filled, and the parts in flight."""
+
+    def __init__(self, store: Store, location: Location, expected_size: Optional[int] = None, head: int = 0):
+        self.store, self.location = store, location
+        self.part = part_size_for(expected_size, store.options.part_size)
+        self.first = max(self.part, -(-head // MIB) * MIB)
+        if self.first > MAX_PART:
+            raise OutputError(f"{location}: its first {head:,} bytes, held until it is published, pass a part's 5 GiB")
+        self.size, self.state = 0, "open"
+        self._head, self._buf, self._next = bytearray(), bytearray(), 2
+        self._upload = None
+
+    def __repr__(self) -> str:
+        return f"PointerWriter({str(self.location)!r}, {self.state}, {self.size} bytes)"
+
+    def write(self, data) -> int:
+        if self.state != "open":
+            raise OutputError(f"{self.location}: written after it was {self.state}")
+        view = memoryview(data).cast("B")
+        count = len(view)
+        if self.size + count > self.first + self.part * (MAX_PARTS - 1):
+            raise OutputError(f"{self.location}: more bytes than {MAX_PARTS:,} parts of {self.part:,} hold")
+        self.size += count
+        if len(self._head) < self.first:
+            take = min(len(view), self.first - len(self._head))
+            self._head += view[:take]
+            view = view[take:]
+        while len(view):
+            take = min(len(view), self.part - len(self._buf))
+            self._buf += view[:take]
+            view = view[take:]
+            if len(self._buf) == self.part:
+                self._send()
+        return count
+
+    def _send(self):
+        if self._upload is None:
+            if self.location.kind != "s3":
+                self.state = "failed"
+                raise OutputError(f"{self.location}: the file a consumer opens first is written create-only when "
+                                  f"everything else is; past {self.first + self.part:,} bytes that takes S3's "
+                                  "conditional multipart completion, which this store does not offer through "
+                                  "ckptconv (raise --part-size to hold it, at most 5 GiB, or write a sharded OUT)")
+            from .s3api import Multipart
+            self._upload = Multipart(self.location, self.store.options)
+        self._upload.part(self._next, self._buf)
+        self._next += 1
+        self._buf = bytearray()
+
+    def patch(self, offset: int, data):
+        """Rewrite bytes [offset, offset + len(data)) of the held first part."""
+        view = memoryview(data).cast("B")
+        if offset < 0 or offset + len(view) > len(self._head):
+            raise OutputError(f"{self.location}: bytes {offset}..{offset + len(view)} are not held to be rewritten")
+        self._head[offset:offset + len(view)] = view
+
+    def finish(self):
+        """Every byte is written (the object is still not there: `commit` makes it appear)."""
+        if self.state == "open":
+            self.state = "written"
+
+    def commit(self) -> Written:
+        """Make the object appear, create-only: OutputError (and nothing left) if it already exists."""
+        import obstore
+        try:
+            if self._upload is None:
+                result = obstore.put(self.store.handle, self.location.key, bytes(self._head + self._buf), mode="create",
+                                     use_multipart=False)
+                etag = result.get("e_tag")
+            else:
+                from .s3api import Refused
+                if self._buf:
+                    self._upload.part(self._next, self._buf)
+                self._upload.part(1, self._head)
+                try:
+                    etag = self._upload.complete(create_only=True)["e_tag"]
+                except Refused as e:
+                    if e.status == 412:
+                        raise OutputError(f"{self.location}: already exists (another run published it)") from None
+                    raise
+        except OutputError:
+            self.abort()
+            raise
+        except Exception as e:  # noqa: BLE001 (obstore's)
+            self.abort()
+            if type(e).__name__ in ("AlreadyExistsError", "PreconditionError"):
+                raise OutputError(f"{self.location}: already exists (another run published it)") from None
+            raise OutputError(f"{self.location}: upload failed: {failure(e)}") from None
+        self.state = "committed"
+        self._head = self._buf = bytearray()
+        return Written(self.location, self.size, None, etag)
+
+    def abort(self):
+        """Leave nothing: the held bytes dropped, a multipart upload begun aborted."""
+        self.state = "aborted"
+        self._head = self._buf = bytearray()
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            upload.abort()

@@ -14,7 +14,7 @@ import pytest
 
 from ckptconv.errors import BadInput, OutputError, UsageError
 from ckptconv.storage.objects import SourceObject
-from ckptconv.storage.upload import MAX_PARTS, MIN_PART, ObjectWriter, Publisher, part_size_for
+from ckptconv.storage.upload import MAX_PARTS, MIN_PART, ObjectWriter, PointerWriter, Publisher, part_size_for
 from ckptconv.storage.urls import open_store, parse
 from tests.helpers import ROOT
 from tests.storage.conftest import CREDENTIALS
@@ -277,3 +277,27 @@ def test_no_message_or_repr_holds_a_credential(s3, monkeypatch):
         assert "\n" not in text
         for secret in secrets:
             assert secret not in text, text
+
+
+def test_the_pointer_is_created_only_where_nothing_is(s3):
+    """S3 (and moto) take `If-None-Match: *` on CompleteMultipartUpload: a pointer larger than a part,
+    completed where an object appeared meanwhile, is refused and leaves no pending upload."""
+    store_ = open_store(parse(s3.url("x")), s3.options())
+    w = PointerWriter(store_, parse(s3.url("runs/out/model.safetensors")), 12 * MIB, head=100)
+    w.write(os.urandom(12 * MIB))
+    w.patch(0, b"h" * 100)
+    w.finish()
+    assert s3.uploads() == ["runs/out/model.safetensors"] and s3.keys() == []   # parts sent, nothing visible
+    s3.client.put_object(Bucket=s3.bucket, Key="runs/out/model.safetensors", Body=b"another run's")
+    with pytest.raises(OutputError, match="model.safetensors: already exists \\(another run published it\\)"):
+        w.commit()
+    assert s3.uploads() == [] and s3.client.get_object(Bucket=s3.bucket, Key="runs/out/model.safetensors")[
+        "Body"].read() == b"another run's"
+    w = PointerWriter(store_, parse(s3.url("runs/out/other.safetensors")), 12 * MIB, head=100)
+    data = bytearray(os.urandom(12 * MIB))
+    w.write(data)
+    w.patch(10, b"x" * 90)
+    w.finish()
+    w.commit()
+    data[10:100] = b"x" * 90
+    assert s3.client.get_object(Bucket=s3.bucket, Key="runs/out/other.safetensors")["Body"].read() == data

@@ -137,9 +137,9 @@ def test_sigv4_signatures_are_botocore_s(monkeypatch):
 
 
 def test_commands_refuse_urls_in_one_line_and_write_nothing(tmp_path, monkeypatch):
-    """A URL a command cannot use (credentials or a query in it, a bad bucket name; OUT and PATH until
-    outputs reach buckets) is one line (exit 2) without its user, password or query, and never a
-    local directory named `s3:`."""
+    """A URL a command cannot use (credentials or a query in it, a bad bucket name), as SRC, OUT or
+    PATH, is one line (exit 2) without its user, password or query, and never a local directory
+    named `s3:`."""
     import torch
     from tests.helpers import run
     monkeypatch.chdir(tmp_path)
@@ -147,9 +147,9 @@ def test_commands_refuse_urls_in_one_line_and_write_nothing(tmp_path, monkeypatc
     torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
     cases = [("inspect", "s3://u:pw@bkt/model.safetensors?X-Amz-Signature=abc", "may not carry a query"),
              ("inspect", "s3://u:pw@bkt/model.safetensors", "may not carry credentials"),
-             ("convert", "m.pt", "s3://bkt/out", "is an object-store URL"),
-             ("reshard", "m.pt", "gs://bkt/out", "--tp", "2", "is an object-store URL"),
-             ("verify", "az://c/hunter2secret/out", "is an object-store URL"),
+             ("convert", "m.pt", "s3://u:pw@bkt/out", "may not carry credentials"),
+             ("reshard", "m.pt", "gs://Bkt/out", "--tp", "2", "--allow-replicate", ".*", "is not a bucket"),
+             ("verify", "s3://bkt/out?X-Amz-Signature=abc&t=hunter2secret", "may not carry a query"),
              ("plan", "abfs://c@acct.dfs.core.windows.net/x", "is not a bucket or container name")]
     for *args, said in cases:
         r = run(*args)

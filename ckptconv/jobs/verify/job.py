@@ -6,15 +6,17 @@ report); and the bytes an output holds, for the progress bar."""
 import functools
 import hashlib
 import os
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ... import safejson, signals
 from ...errors import BadInput, UsageError
+from ...formats import pointer
 from ...formats.identity import identity
-from ...formats.sums import NAME as SUMS
+from ...formats.sums import NAME as SUMS, parse_sums
 from ...layouts import detected
-from ...storage.urls import local_only
+from ...storage import files as storage
 from ...layouts.report import Problem, Report, _detail
 from ...readers import ReadOptions
 from ...run.runner import run_stages
@@ -27,7 +29,9 @@ def verify(request: "VerifyRequest", progress=None, cluster=None) -> Report:
     (an output's identity, formats/identity.py), the output must also be exactly that one. On several
     processes each checks its share (shards, rank dirs, tensors) and process 0 gathers the report;
     they first agree that they verify the same output the same way."""
-    local_only(request.path, "PATH")
+    report = unpublished(request.path)
+    if report is not None:
+        return report
     report = _verify(request, progress, cluster)
     if request.expect is not None and (cluster is None or cluster.is_main):
         _check_expected(request, report)
@@ -64,8 +68,35 @@ def _check_expected(request: VerifyRequest, report: Report):
         report.expected = True
 
 
+def unpublished(path) -> Report | None:
+    """For an output in an object store, a Report of one problem when it is not published: it has no
+    SHA256SUMS, or not the file a consumer opens first (its pointer, formats.pointer: written last,
+    create-only; docs/storage-publishing.md), or (one object) only a run's lock beside it. None for a
+    local path and a published output, which verify checks as any other."""
+    path = os.fspath(path)
+    if not storage.is_url(path) or storage.is_file(path):
+        return None
+    lock = storage.join(storage.parent(path), f".{storage.name(path)}.ckptconv-lock")
+    names = storage.listdir(path) if storage.is_dir(path) else []
+    if not names:
+        if not storage.exists(lock):
+            return None   # (nothing there: said by the layouts' detection, exit 2)
+        why = f"nothing is there but a run's lock ({storage.name(lock)}): a run is writing it, or one was killed"
+    else:
+        listed, _ = parse_sums(storage.read_bytes(storage.join(path, SUMS), SUMS, 1 << 30), paths=True) \
+            if SUMS in names else ({}, [])
+        first = pointer(listed)
+        if SUMS in names and (first is None or first in names):
+            return None
+        why = (f"{first} is not there" if SUMS in names else f"{SUMS} is not there") + \
+            " (written last: a run is writing it, or one failed or was killed; --resume or --overwrite completes it)"
+    report = Report()
+    report.add(path, f"incomplete (not published): {why}", "unpublished")
+    return report
+
+
 def _verify(request: VerifyRequest, progress, cluster) -> Report:
-    path = Path(request.path)
+    path = storage.place(request.path)
     if cluster is not None and cluster.num_processes > 1:
         from ...run.cluster import agree
         agree(cluster, _job(request))
@@ -152,16 +183,15 @@ def total_bytes(path: Path) -> int:
 
     def scan(d, depth):
         nonlocal total
-        with os.scandir(d) as it:
-            for entry in it:
-                if entry.is_dir(follow_symlinks=False):
-                    if depth == 0:
-                        scan(entry.path, 1)
-                elif entry.name.endswith(".safetensors") and entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_size
+        for name, st in storage.scan(d).items():
+            if stat.S_ISDIR(st.st_mode):
+                if depth == 0:
+                    scan(storage.join(d, name), 1)
+            elif name.endswith(".safetensors") and stat.S_ISREG(st.st_mode):
+                total += st.st_size
 
     try:
-        scan(path, 0)
-    except OSError:
+        scan(os.fspath(path), 0)
+    except (OSError, BadInput):
         pass
     return total

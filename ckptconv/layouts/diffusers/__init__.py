@@ -18,9 +18,6 @@ beside them, and last the top-level manifest and SHA256SUMS over the whole tree 
 back; --resume re-hashes each component's finished shards against its own journal).
 """
 import dataclasses
-import os
-import shutil
-from pathlib import Path
 
 from ...formats.manifest import MANIFEST
 from ...formats.mesh import MESH, read_regular
@@ -30,6 +27,8 @@ from ...io.hashing import Pipeline
 from ...errors import BadInput
 from ..base import Content, Layout, OutputPart, RunFacts, WriteOptions, register
 from ..files import Written, check_space, copy_files, finish_dir, plan_shards, write_json, write_shards
+from ...storage import files as storage
+from ...storage.targets import as_target
 from ..sharded import ShardedDirectory
 from ..sharded.resume import _keep_only, _plan_id, reusable
 from .check import check_component, check_units, component_of, verify_pipeline
@@ -50,26 +49,26 @@ class PipelineDirectory(Layout):
 
     @classmethod
     def detect(cls, path) -> bool:
-        path = Path(path)
-        return path.is_dir() and not os.path.lexists(path / MESH) and os.path.lexists(path / MODEL_INDEX) and any(
-            os.path.lexists(path / n) for n in (MANIFEST, SUMS))
+        path = storage.place(path)
+        return path.is_dir() and not storage.exists(path / MESH) and storage.exists(path / MODEL_INDEX) and any(
+            storage.exists(path / n) for n in (MANIFEST, SUMS))
 
     @classmethod
     def check_units(cls, path) -> dict:
         """Every component's shards by bytes and tensors by elements, as `FOLDER/NAME`."""
-        return check_units(Path(path), ShardedDirectory)
+        return check_units(storage.place(path), ShardedDirectory)
 
     @classmethod
     def check(cls, path, report, progress=None, share=None):
         mine = None if share is None or share.processes == 1 else share.mine
-        verify_pipeline(Path(path), report, progress, mine, structural=share is None or share.is_main)
+        verify_pipeline(storage.place(path), report, progress, mine, structural=share is None or share.is_main)
 
     @classmethod
     def parts(cls, path) -> list:
         """The top level and every component folder, as the top-level manifest records them: a folder of
         weights is read back as a sharded output; the files carried (a folder's whole, or beside the
         folders, less the --with files) with their digests."""
-        path = Path(path)
+        path = storage.place(path)
         try:
             doc, _ = read_document(read_regular(path / MANIFEST), path / MANIFEST)
         except BadInput:
@@ -88,6 +87,11 @@ class PipelineDirectory(Layout):
             for name, kind in doc.components.items()]
 
     # -- writing -------------------------------------------------------------------------------------
+
+    def pointer(self, units) -> str:
+        """model_index.json, what diffusers opens first (carried from the source; manifest.json
+        when the source has none to carry)."""
+        return MODEL_INDEX if any(rel == MODEL_INDEX for rel, _ in self.content.model_files) else MANIFEST
 
     def plan(self, tensors=None) -> list:
         """Each component's shards, planned as a sharded output plans its own (`tensors`, their
@@ -113,13 +117,13 @@ class PipelineDirectory(Layout):
                     + (self.content.added_bytes() if first else 0),
                     [f for p in self.content.parts for f in p.content.model_files] + self.content.model_files
                     if first else ())
-        written, pipeline = Written(), Pipeline()
+        written, pipeline, target = Written(), Pipeline(), as_target(tmp)
         try:
             for part in self.content.parts:
                 if part.name not in mine:
                     continue
-                folder = os.path.join(tmp, part.name)
-                os.makedirs(folder, exist_ok=True)
+                target.mkdir(part.name, exist_ok=True)
+                folder = target.sub(part.name)
                 journal = {"plan": _plan_id(self.shards[part.name]), "source": part.content.identity} \
                     if solo and part.content.identity else None
                 done = write_shards(folder, [s for s in self.shards[part.name] if s.name in mine[part.name]], pipeline,
@@ -133,22 +137,20 @@ class PipelineDirectory(Layout):
     def _reusable(self, tmp) -> tuple:
         """--resume: each component's shards a killed run finished, re-hashed against the journal in its
         folder ({component: Written}), and why not more; everything else it left is removed."""
-        reused, notes = {}, {}
+        reused, notes, target = {}, {}, as_target(tmp)
         for part in self.content.parts:
             if not part.weights:
                 continue
-            folder = os.path.join(tmp, part.name)
-            if part.content.identity and os.path.isdir(folder) and not os.path.islink(folder):
-                reused[part.name], notes[part.name] = reusable(folder, self.shards[part.name], part.content.identity)
+            if part.content.identity and target.is_dir(part.name):
+                reused[part.name], notes[part.name] = reusable(target.sub(part.name), self.shards[part.name],
+                                                               part.content.identity)
             else:
                 reused[part.name], notes[part.name] = Written(), FRESH
-        for entry in os.scandir(tmp):
-            if entry.name in reused and entry.is_dir(follow_symlinks=False):
-                _keep_only(entry.path, set(reused[entry.name].files))
-            elif entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
+        for name, is_dir in target.entries():
+            if name in reused and is_dir:
+                _keep_only(target.sub(name), set(reused[name].files))
             else:
-                os.unlink(entry.path)
+                target.remove(name)
         said = {n for n in notes.values() if n}
         if len(said) <= 1 and all(notes.values()):
             return reused, next(iter(said), None)
@@ -156,10 +158,10 @@ class PipelineDirectory(Layout):
 
     def finish(self, tmp, results) -> RunFacts:
         by_name = {name: r for r in results for name in r.files}
-        files, kinds = {}, {}
+        files, kinds, target = {}, {}, as_target(tmp)
         for part in self.content.parts:   # each folder: its shards' records, model files and metadata
-            folder = os.path.join(tmp, part.name)
-            os.makedirs(folder, exist_ok=True)
+            target.mkdir(part.name, exist_ok=True)
+            folder = target.sub(part.name)
             written, c = Written(), part.content
             if part.weights:
                 for shard in self.shards[part.name]:   # merged in plan order, as a sharded output's
@@ -174,12 +176,12 @@ class PipelineDirectory(Layout):
             kinds[part.name] = WEIGHTS if part.weights else FILES
             files.update({f"{part.name}/{n}": info for n, info in written.files.items()})
         top = Written()
-        copy_files(tmp, self.content.model_files, top, self.content.edited, self.content.added)
+        copy_files(target, self.content.model_files, top, self.content.edited, self.content.added)
         files.update(top.files)
         sums = {name: info["sha256"] for name, info in files.items()}
-        sums[MANIFEST] = write_json(tmp, MANIFEST, document({**self.content.source, **self.content.skipped()}, kinds,
+        sums[MANIFEST] = write_json(target, MANIFEST, document({**self.content.source, **self.content.skipped()}, kinds,
                                                             files))
-        write_sums(tmp, sums, paths=True)
+        write_sums(target, sums, paths=True)
         notes = [r.note for r in results if r.note]
         return RunFacts(sorted(files), sum(r.reused for r in results), notes[0] if notes else None)
 
@@ -195,7 +197,7 @@ class ComponentDirectory(Layout):
 
     @classmethod
     def detect(cls, path) -> bool:
-        return component_of(Path(path)) is not None
+        return component_of(storage.place(path)) is not None
 
     @classmethod
     def check_units(cls, path) -> dict:
@@ -205,7 +207,7 @@ class ComponentDirectory(Layout):
     def check(cls, path, report, progress=None, share=None):
         mine = None if share is None or share.processes == 1 else \
             {f for f, _ in share.units.get("shard", ()) if share.mine("shard", f)}
-        check_component(Path(path), report, progress, mine, structural=share is None or share.is_main)
+        check_component(storage.place(path), report, progress, mine, structural=share is None or share.is_main)
 
     def plan(self, tensors) -> list:
         raise NotImplementedError("a component folder is written as part of its pipeline (PipelineDirectory)")

@@ -3,7 +3,6 @@ as the sharded output it is (sharded/check.verify_dir: its shards, index and man
 top-level SHA256SUMS's lines for its files, as it has none of its own), and the tree as the top level
 records it — the top-level SHA256SUMS and manifest.json listing the same files with the same digests,
 every one of them there and a regular file, nothing unlisted, no folder but the components."""
-import os
 import stat
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from ...formats.sums import NAME as SUMS, parse_sums
 from ..report import Report, _detail
 from ..scan import _kind, _read, _regular, _scan, _sha256_regular, shard_sizes
 from ..sharded.check import verify_dir
+from ...storage import files as storage
 
 
 def verify_pipeline(path: Path, report: Report, progress=None, mine=None, structural=True):
@@ -55,7 +55,7 @@ def _inner(sums, name: str) -> dict:
 
 def _check_folder(d: Path, sums: dict, report: Report, progress, hash_only, structural):
     """A component folder of weights: the sharded output it is, against the pipeline's lines for it."""
-    if structural and os.path.lexists(d / SUMS):
+    if structural and storage.exists(d / SUMS):
         report.add(d / SUMS, "a component folder holds no SHA256SUMS of its own (the pipeline's lists its files)",
                    "unlisted")
     verify_dir(d, report, progress, hash_only, structural, sums, plain=True)

@@ -10,8 +10,6 @@ as taps of the bytes it streams; the rest are one bounded pass over the source, 
 processes by bytes.
 """
 import math
-import os
-from pathlib import Path
 
 import numpy as np
 
@@ -23,6 +21,8 @@ from ...tp.layout import RankPieces, holds
 from ...run.share import Share, assign
 from ..base import Content, Layout, MeshPlan, RunFacts, WriteOptions, register
 from ..files import InlineTap, OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json
+from ...storage import files as storage
+from ...storage.targets import as_target
 from .check import check_only_ranks, check_units, verify_mesh, verify_mesh_tensors
 from .write import (MeshResult, RankDir, _in_global_order, _ordered, _scatter, _scatters, _streams_in_order,
                     rank_piece)
@@ -75,27 +75,28 @@ class MeshDirectory(Layout):
 
     @classmethod
     def detect(cls, path) -> bool:
-        return Path(path).is_dir() and os.path.lexists(Path(path) / fmt.MESH)
+        path = storage.place(path)
+        return path.is_dir() and storage.exists(path / fmt.MESH)
 
     @classmethod
     def recorded_in(cls, path):
         """Every rank's manifest records the source alike (checked): rank 0's."""
-        return Path(path) / fmt.rank_dir(0)
+        return storage.place(path) / fmt.rank_dir(0)
 
     @classmethod
     def check_units(cls, path) -> dict:
         """Its rank directories by bytes, its global tensors by bytes (those of a valid mesh.json)."""
-        return check_units(Path(path))
+        return check_units(storage.place(path))
 
     @classmethod
     def check(cls, path, report, progress=None, share=None):
         """Every rank directory on its own (shared out), then, with all of them intact, each global
         tensor as mesh.json describes it; the engine layout mesh.json names checks the top level."""
         share = share or Share()
-        mesh = verify_mesh(Path(path), report, progress, share.mine, cls)
+        mesh = verify_mesh(storage.place(path), report, progress, share.mine, cls)
         share.merge("rank-dirs")
         if not report.problems and mesh is not None:
-            verify_mesh_tensors(Path(path), mesh, report, share.mine)
+            verify_mesh_tensors(storage.place(path), mesh, report, share.mine)
 
     # -- writing -------------------------------------------------------------------------------------
 
@@ -110,7 +111,7 @@ class MeshDirectory(Layout):
         digests a bit per tensor of the layout and 32 bytes for each bit set."""
         if set(result.shards) != {u.rank for u in units}:
             return f"it names ranks {sorted(result.shards)[:4]}, not its share {[u.rank for u in units][:4]}"
-        if any(not os.path.isdir(os.path.join(tmp, u.name)) or os.path.islink(os.path.join(tmp, u.name)) for u in units):
+        if any(not as_target(tmp).is_dir(u.name) for u in units):
             return "a rank directory of its share is not there"
         if len(result.global_at) != -(-len(self.layout) // 8):
             return "its global digests do not fit the layout"
@@ -177,13 +178,18 @@ class MeshDirectory(Layout):
             have |= at
         if not have.all():
             raise AssertionError("a tensor's global digest was computed by no process")
-        write_json(tmp, fmt.MESH, fmt.document(self.layout, self.rules, self.tp, self.ep, self.content.source,
-                                               memoryview(digests).cast("B")))
-        fmt.write_top_sums(tmp, self.known_digests(results))
+        mesh = write_json(tmp, fmt.MESH, fmt.document(self.layout, self.rules, self.tp, self.ep, self.content.source,
+                                                      memoryview(digests).cast("B")))
+        fmt.write_top_sums(tmp, {fmt.MESH: mesh, **self.known_digests(results)})
         return RunFacts()
 
+    def pointer(self, units) -> str:
+        """mesh.json: what a consumer of rank directories reads first (written last in a store)."""
+        return fmt.MESH
+
     def known_digests(self, results) -> dict:
-        """Top-level files whose digests the run already has (none here; the vLLM layout's links)."""
+        """Top-level files besides mesh.json whose digests the run has (none here; the vLLM layout's
+        links and model files)."""
         return {}
 
     def _write_ranks(self, tmp, ranks, progress, every_rank: bool) -> tuple:
@@ -191,12 +197,12 @@ class MeshDirectory(Layout):
         the global digests of the tensors whose global bytes went by in order, when `every_rank` (this
         process writes them all), in layout order, and which those are: a byte per layout index)."""
         pipeline = Pipeline(taps=every_rank)
-        streams = {}
+        streams, target = {}, as_target(tmp)
+        target.side_by_side(len(ranks))   # (a store divides its upload memory among the ranks' files)
         try:
             for r in ranks:
-                rank_dir = Path(tmp) / fmt.rank_dir(r)
-                rank_dir.mkdir()
-                streams[r] = OutputStream(rank_dir, plan_shards(RankPieces.of(self.layout, r),
+                target.mkdir(fmt.rank_dir(r))
+                streams[r] = OutputStream(target.sub(fmt.rank_dir(r)), plan_shards(RankPieces.of(self.layout, r),
                                                                 self.options.max_shard_size, self.options.stem),
                                           pipeline, self.options.fsync, direct=self.options.direct)
             taps, tapped = Digests(), bytearray(len(self.layout))

@@ -4,7 +4,6 @@ as mesh.json describes it: replicas and shared intervals equal, pieces where it 
 digests right (assembled lazily from the rank pieces, never in memory)."""
 import hashlib
 import math
-import os
 import stat
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from ...readers import mesh as mesh_reader
 from ...formats.sums import NAME as SUMS
 from ...tp.rules import check_recorded
 from ...tensor import sha256_of
+from ...storage import files as storage
 from ...formats import manifest as manifest_format
 from ...formats.manifest import MANIFEST
 from ...formats.mesh import MESH, MeshDoc, intervals, outer_cut, parse_mesh, rank_dir, rank_dirs, rank_number
@@ -132,12 +132,8 @@ def check_units(path: Path) -> dict:
 
 
 def _same_file(a: Path, b: Path) -> bool:
-    """Both regular files (no link followed) and one inode."""
-    try:
-        sa, sb = os.lstat(a), os.lstat(b)
-    except OSError:
-        return False
-    return stat.S_ISREG(sa.st_mode) and stat.S_ISREG(sb.st_mode) and (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+    """Both regular files (no link followed) and one inode (never two objects: storage.files.same_file)."""
+    return storage.same_file(a, b)
 
 
 def _ranks_agree(path: Path, mesh: MeshDoc, documents: list, report: Report):

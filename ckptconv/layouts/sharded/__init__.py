@@ -4,13 +4,12 @@ and `STEM.safetensors.index.json`), `manifest.json` with file and per-tensor SHA
 `SHA256SUMS`, and the model files carried over; checked against those records (check.py), resumed
 after a kill (resume.py)."""
 import math
-import os
-from pathlib import Path
 
 from ...formats.manifest import MANIFEST
 from ...formats.mesh import MESH
 from ...formats.sums import NAME as SUMS
 from ...io.hashing import Pipeline
+from ...storage import files as storage
 from ..base import Content, Layout, RunFacts, WriteOptions, register
 from ..files import Written, check_space, copy_files, finish_dir, plan_shards, write_shards
 from ..scan import _listed, shard_sizes
@@ -28,17 +27,17 @@ class ShardedDirectory(Layout):
 
     @classmethod
     def detect(cls, path) -> bool:
-        path = Path(path)
-        return path.is_dir() and not os.path.lexists(path / MESH) and any(
-            os.path.lexists(path / n) for n in (MANIFEST, SUMS))
+        path = storage.place(path)
+        return path.is_dir() and not storage.exists(path / MESH) and any(
+            storage.exists(path / n) for n in (MANIFEST, SUMS))
 
     @classmethod
     def check_units(cls, path) -> dict:
         """Its shards by bytes, its tensors by elements (what is on disk and valid), from one read of
         its metadata."""
-        meta = _listed(Path(path))
+        meta = _listed(storage.place(path))
         m_tensors = meta[1][4] or {}
-        return {"shard": list(shard_sizes(Path(path), meta).items()),
+        return {"shard": list(shard_sizes(storage.place(path), meta).items()),
                 "tensor": [(n, math.prod(e.shape)) for n, e in m_tensors.items() if e is not None]}
 
     @classmethod
@@ -47,7 +46,7 @@ class ShardedDirectory(Layout):
         process 0 does the rest."""
         mine = None if share is None or share.processes == 1 else \
             {f for f, _ in share.units.get("shard", ()) if share.mine("shard", f)}
-        verify_dir(Path(path), report, progress, mine, structural=share is None or share.is_main, plain=True)
+        verify_dir(storage.place(path), report, progress, mine, structural=share is None or share.is_main, plain=True)
 
     def plan(self, tensors) -> list:
         self.shards = plan_shards(tensors, self.options.max_shard_size, self.options.stem)

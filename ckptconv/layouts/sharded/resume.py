@@ -3,11 +3,11 @@ reads, its plan, each finished shard's digests), and a run of the same job re-ha
 one finished and reuses the shards that give the journal's digests again."""
 import hashlib
 import os
-import shutil
 import stat
 
 from ...formats import manifest as fmt
 from ...io.hashing import CHUNK
+from ...storage.targets import as_target
 from ..files import Written
 
 
@@ -23,8 +23,10 @@ def _plan_id(shards) -> str:
 
 def reusable(out_dir, shards, identity: str, progress=None):
     """Shards a killed run of the same job finished, re-hashed and checked against its journal; the
-    rest is redone. Returns (Written, why nothing or not everything could be reused, or None)."""
-    journal = fmt.read_journal(out_dir)
+    rest is redone. `out_dir`: the output's Target (or a local directory). Returns (Written, why
+    nothing or not everything could be reused, or None)."""
+    target = as_target(out_dir)
+    journal = fmt.read_journal(target)
     if journal is None:
         return Written(), "no interrupted run of this output to resume; started afresh"
     done = Written()
@@ -35,11 +37,10 @@ def reusable(out_dir, shards, identity: str, progress=None):
     files, digests, redone = journal["files"], journal["digests"], 0
     for shard in shards:
         info = files.get(shard.name)
-        path = os.path.join(out_dir, shard.name)
-        st = os.lstat(path) if os.path.lexists(path) else None   # (a link put there is not followed)
+        st = target.stat(shard.name)   # (a link put there is not followed)
         if not isinstance(info, dict) or st is None or not stat.S_ISREG(st.st_mode) or st.st_size != info.get("size"):
             continue
-        file_digest, row = _rehash(path, shard, progress)
+        file_digest, row = _rehash(None, shard, progress, target)
         if file_digest != info.get("sha256") or row is None or row.hex() != digests.get(shard.name):
             redone += 1
             continue
@@ -48,39 +49,39 @@ def reusable(out_dir, shards, identity: str, progress=None):
     return done, (f"{redone} finished shard(s) failed their re-check and were rewritten" if redone else None)
 
 
-def _rehash(path, shard, progress=None) -> tuple:
-    """(file digest, its tensors' digests packed in plan order) of a shard written before, in one
-    read: a journal's digests are believed only where the bytes give them again."""
+def _rehash(path, shard, progress=None, target=None) -> tuple:
+    """(file digest, its tensors' digests packed in plan order) of a shard written before (the local
+    file `path`, or `shard.name` of the Target `target`), in one read: a journal's digests are
+    believed only where the bytes give them again."""
     file_h, done, pos = hashlib.sha256(), bytearray(), 0
     tensors, k, h = iter(shard.tensors), shard.header_size, None   # k: where the current tensor ends
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb", buffering=0) as f:
-        while chunk := f.read(CHUNK):
-            file_h.update(chunk)
-            view, end = memoryview(chunk), pos + len(chunk)
-            while True:
-                if h is None:   # the next tensor starts at k
-                    t = next(tensors, None)
-                    if t is None:
-                        break
-                    h, start, k = hashlib.sha256(), k, k + t.nbytes
-                h.update(view[max(start, pos) - pos:min(k, end) - pos] if start < end else b"")
-                if k > end:
+    read = target.chunks(shard.name, CHUNK) if target is not None else \
+        as_target(os.path.dirname(os.fspath(path))).chunks(os.path.basename(os.fspath(path)), CHUNK)
+    for chunk in read:
+        file_h.update(chunk)
+        view, end = memoryview(chunk), pos + len(chunk)
+        while True:
+            if h is None:   # the next tensor starts at k
+                t = next(tensors, None)
+                if t is None:
                     break
-                done += h.digest()
-                h = None
-            pos = end
-            if progress is not None:
-                progress(len(chunk))
+                h, start, k = hashlib.sha256(), k, k + t.nbytes
+            h.update(view[max(start, pos) - pos:min(k, end) - pos] if start < end else b"")
+            if k > end:
+                break
+            done += h.digest()
+            h = None
+        pos = end
+        if progress is not None:
+            progress(len(chunk))
     return file_h.hexdigest(), bytes(done) if h is None and next(tensors, None) is None else None
 
 
 def _keep_only(tmp, reused: set):
-    """What a killed run left in the temporary directory, but the shards reused: a shard of another
-    plan, a half-copied model file, must not be published beside the new ones."""
-    for entry in os.scandir(tmp):
-        if entry.name in reused:
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path)
-        else:
-            os.unlink(entry.path)
+    """What a killed run left in the temporary directory (or under OUT in a store), but the shards
+    reused: a shard of another plan, a half-copied model file, must not be published beside the new
+    ones."""
+    target = as_target(tmp)
+    for name, _ in target.entries():
+        if name not in reused:
+            target.remove(name)

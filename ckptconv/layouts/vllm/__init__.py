@@ -6,9 +6,7 @@ config, tokenizer). The rank files are hard links to the rank directories' shard
 written once. The tensors are vLLM's own (names.py), the recipe's last step; what verify checks at
 the top is check.py; the `vllm` preset splits such an output again. Layout: docs/reshard.md#vllm.
 """
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ...errors import BadInput, UsageError, brief
 from ...formats import mesh as fmt
@@ -16,6 +14,8 @@ from ...tp.presets import STATED, MeshSpec, model_params, preset, stated
 from ...tp.rules import RuleSet, read_config
 from ..base import ResultError, RunFacts, is_digest, register
 from ..files import Written, copy_files
+from ...storage import files as storage
+from ...storage.targets import as_target
 from ..mesh import MeshDirectory
 from ..mesh.write import MeshResult
 from . import check
@@ -124,17 +124,18 @@ class VllmDirectory(MeshDirectory):
 
     @classmethod
     def top_parts(cls, path, ranks: int) -> dict | None:
-        return check.top_parts(Path(path), ranks)
+        return check.top_parts(storage.place(path), ranks)
 
     @classmethod
     def check_top(cls, path, parts: dict, entries: dict, sums: dict, report):
-        check.check_top(Path(path), parts, entries, sums, report)
+        check.check_top(storage.place(path), parts, entries, sums, report)
 
     def write(self, units, tmp, progress=None, share=(0, 1)):
         done = super().write(units, tmp, progress, share)
+        target = as_target(tmp)
         for rank, shards in done.shards.items():
-            for part, (name, digest) in enumerate(shards):
-                os.link(Path(tmp) / fmt.rank_dir(rank) / name, Path(tmp) / part_name(rank, part))
+            for part, (name, digest) in enumerate(shards):   # (hard links; copies made by the store in one)
+                target.link(f"{fmt.rank_dir(rank)}/{name}", part_name(rank, part))
         return VllmResult(done.global_digests, done.global_at, done.shards, _links(done.shards))
 
     def accepts(self, result, units, tmp) -> str | None:
@@ -146,9 +147,11 @@ class VllmDirectory(MeshDirectory):
 
     def known_digests(self, results) -> dict:
         """The links are the rank shards, hashed as they were written: SHA256SUMS lists them without
-        reading 2 x the model again."""
-        return {name: digest for r in results for name, digest in r.linked.items()}
+        reading 2 x the model again; the model files, hashed as they were copied."""
+        return {**{name: digest for r in results for name, digest in r.linked.items()},
+                **{name: info["sha256"] for name, info in self._top.files.items()}}
 
     def finish(self, tmp, results) -> RunFacts:
-        copy_files(tmp, self.content.model_files, Written(), self.content.edited, self.content.added)
+        self._top = Written()
+        copy_files(tmp, self.content.model_files, self._top, self.content.edited, self.content.added)
         return super().finish(tmp, results)
