@@ -7,15 +7,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "ckptconv"
 PACKAGES = ("readers", "layouts")
-# files not yet moved onto the interface (issue 39, item 0): this list only shrinks
-PENDING = {
-    "readers/dcp.py",
-    "readers/dcp_chunks.py",
-    "readers/npy.py",
-    "readers/torch_pickle.py",
-    "readers/torchscript.py",
-    "readers/unknown.py",
-}
 
 # calls that reach a file system by name: os.X / os.path.X / mmap / open / pathlib
 FORBIDDEN_OS = {"open", "listdir", "scandir", "stat", "lstat", "walk", "readlink", "fdopen"}
@@ -57,8 +48,6 @@ def test_readers_and_layouts_reach_files_only_through_storage():
     bad = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            if path.relative_to(ROOT).as_posix() in PENDING:
-                continue
             for line, what in violations(path):
                 bad.append(f"{path.relative_to(ROOT.parent)}:{line}: {what}")
     assert not bad, "use ckptconv.storage.files instead of:\n" + "\n".join(bad)

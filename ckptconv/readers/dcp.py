@@ -12,7 +12,9 @@ Everything `.metadata` says is checked before it is used (record types, field ty
 chunks tile each tensor exactly, that items' byte ranges lie in their files and do not share bytes),
 and every loop, allocation and decompression is bounded by bytes that are present or by sizes they
 justify: see the limits in dcp_metadata.py and docs/dcp.md. The checks are dcp_metadata.py's,
-the reading of the bytes dcp_chunks.py's; this module is the reader.
+the reading of the bytes dcp_chunks.py's; this module is the reader. Files are reached through
+storage/files.py: a checkpoint in an object store is read by ranged reads (`.metadata` whole, each
+item's metadata, tensor bytes when they are written).
 """
 import hashlib
 from pathlib import Path
@@ -20,7 +22,7 @@ from pathlib import Path
 from .base import Reader, register
 from ..errors import BadInput, UnsafePickle
 from ..limits import Budget
-from ..io.mapped import MappedFile
+from ..storage import files as storage
 from ..tensor import Checkpoint, SourceFacts
 from .pickle import unpickler
 from .pickle.torch_globals import TORCH_OWNED, flatten, torch_globals
@@ -84,13 +86,14 @@ def read(path: Path, options: ReadOptions, allow, keep) -> Checkpoint:
     as records, never read), unpickled with `allow` (DCP's records plus a format's own: the megatron
     reader's torch_dist directories)."""
     meta_path = path / ".metadata"
-    meta = MappedFile(confined(meta_path, source_root(path)))
-    md = _record(unpickler.load(meta.view, allow, meta_path), ("Metadata",), "the pickle", meta_path)
+    meta = storage.open_file(confined(meta_path, source_root(path)))
+    md = _record(unpickler.load(storage.buffer(meta, 0, meta.size), allow, meta_path), ("Metadata",), "the pickle",
+                 meta_path)
     sdm = _field(md, "state_dict_metadata", meta_path)
-    storage = _field(md, "storage_data", meta_path)
-    if not isinstance(sdm, dict) or not isinstance(storage, dict):
+    storage_data = _field(md, "storage_data", meta_path)
+    if not isinstance(sdm, dict) or not isinstance(storage_data, dict):
         raise BadInput(f"{meta_path}: Metadata.state_dict_metadata/storage_data are not dicts")
-    where_by_key = _storage_index(storage, meta_path)
+    where_by_key = _storage_index(storage_data, meta_path)
     reader = DCPReader(path, allow)
 
     # 1. Check every wanted item's records and layout before reading any bytes.
@@ -138,18 +141,18 @@ def read(path: Path, options: ReadOptions, allow, keep) -> Checkpoint:
 def _bytes_item(reader, fqn, loc, tensors, extras, skipped):
     m, offset, length = reader.item_bytes(loc)
     budget = Budget(m.path)
-    head = bytes(m.view[offset:offset + 4])
+    head = bytes(storage.buffer(m, offset, 4))
     if head == _ZIP:
         value = load_zip(m, reader.allow, offset, length, budget=budget)
     else:
         # Any pickle protocol (0 and 1 have no header) is run by the VM, which never executes
         # anything: a hostile global is refused; bytes that do not parse as a pickle are opaque.
+        raw = storage.buffer(m, offset, length)
         try:
-            value = unpickler.load(m.view[offset:offset + length], reader.allow, m.path, offset, budget=budget)
+            value = unpickler.load(raw, reader.allow, m.path, offset, budget=budget)
         except UnsafePickle:
             raise
         except BadInput:
-            raw = m.view[offset:offset + length]
             extras[fqn] = {"__opaque__": length, "sha256": hashlib.sha256(raw).hexdigest()}
             return
     t, e, s = flatten(value, m.path, prefix=fqn, budget=budget)

@@ -1,8 +1,14 @@
 """The DCP reader's bytes (readers/dcp.py reads with them): each chunk's torch.save zip or
 SAFETENSORS blob member, zstd items inflated into an unlinked temporary file, and the global tensors
 whose regions are filled from the chunks. Registers nothing: dcp.py is the reader.
+
+Files are reached through storage/files.py. From an object store: the first bytes of every chunk
+(zip or blob member?) in one batch per file, each chunk's zip metadata in a few ranged reads
+(ziparchive.py), a zstd item fetched front to back as it is inflated, a SAFETENSORS blob's header
+and then each tensor's bytes where it lies (`_Within`).
 """
 import bisect
+import contextlib
 import itertools
 import tempfile
 from collections import OrderedDict
@@ -12,9 +18,10 @@ import numpy as np
 
 from .. import safejson
 from ..errors import BadInput, OutputError, UsageError
-from ..io.mapped import MappedFile, MemoryFile
+from ..io.mapped import MemoryFile
 from ..io.spill import SpillFile
-from ..formats.safetensors import parse_header
+from ..storage import files as storage
+from ..formats.safetensors import file_header
 from ..tensor import Concat, TensorSource
 from .pickle.torch_globals import TorchTensor
 from . import confined, source_root
@@ -38,12 +45,12 @@ class DCPReader:
         self._spill = SpillFile("ckptconv-dcp-", "inflated zstd chunks")   # where inflated items go
         self._bytes_left = ZSTD_BYTES_LIMIT
 
-    def file(self, rel) -> MappedFile:
+    def file(self, rel):
         if rel not in self.files:
             p = self.path / rel
             if not p.is_file():
                 raise BadInput(f"{p}: .distcp file named by .metadata is missing")
-            self.files[rel] = MappedFile(confined(p, self.root))
+            self.files[rel] = storage.open_file(confined(p, self.root))
         return self.files[rel]
 
     def claim(self, bytes_locs, chunk_locs):
@@ -66,11 +73,21 @@ class DCPReader:
                                    "bytes must be its own")
 
     def mark_blob_members(self, chunk_locs):
+        """Which untransformed chunks are members of a SAFETENSORS blob: those without a zip at their
+        offset (the first bytes of a file's chunks read in one batch: files.read_ranges)."""
+        by_file = {}
         for loc in chunk_locs:
             if not loc.zstd:
                 m = self.file(loc.rel)
                 m.check(loc.offset, loc.length, loc.what)
-                loc.blob = bytes(m.view[loc.offset:loc.offset + 4]) != _ZIP
+                by_file.setdefault(loc.rel, []).append(loc)
+        for rel, locs in by_file.items():
+            m = self.files[rel]
+            heads = storage.read_ranges(m, ((loc.offset, min(4, m.size - loc.offset)) for loc in locs))
+            with contextlib.closing(heads):
+                for loc, head in zip(locs, heads):
+                    loc.head = bytes(head)
+                    loc.blob = loc.head != _ZIP
 
     # -- zstd
 
@@ -95,8 +112,10 @@ class DCPReader:
                              "pip install 'ckptconv[zstd]'") from None
         start, size = self._spill.begin(), 0
         dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+        source = m.view[loc.offset:loc.offset + loc.length] if not m.remote else \
+            _Reading(storage.pieces(m, loc.offset, loc.length, _PIECE))
         try:
-            with dctx.stream_reader(m.view[loc.offset:loc.offset + loc.length], closefd=False) as stream:
+            with dctx.stream_reader(source, closefd=False) as stream:
                 while True:
                     piece = stream.read(min(_PIECE, limit + 1 - size))
                     if not piece:
@@ -171,7 +190,8 @@ class DCPReader:
         return src
 
     def _chunk(self, chunk, m, offset, length, cache_blob):
-        if bytes(m.view[offset:offset + 4]) == _ZIP:
+        head = chunk.loc.head if cache_blob and chunk.loc.head is not None else bytes(storage.buffer(m, offset, 4))
+        if head == _ZIP:
             obj = load_zip(m, self.allow, offset, length)
             if not isinstance(obj, TorchTensor):
                 raise BadInput(f"{m.path}: chunk of {chunk.fqn!r} at offset {offset} is not a tensor")
@@ -206,14 +226,79 @@ class DCPReader:
     def _parse_blob(self, m, offset):
         if offset + 8 > m.size:
             raise BadInput(f"{m.path}: item at offset {offset} is neither a torch zip nor safetensors")
-        blob = MemoryFile(m.view[offset:], m.path)  # the blob seen as a file of its own
+        blob = MemoryFile(m.view[offset:], m.path) if not m.remote else _Within(m, offset)   # seen as a file
+        header = file_header(blob, m.path)   # (its metadata; file_tensors lets the header's bytes go)
         sources = {s.name: s for s in file_tensors(blob)}  # refuses a header with any problem
-        header = parse_header(blob.view, blob.size, m.path)
         info = safejson.loads(header.metadata.get("DCP_SHARDING_INFO", "{}") or "{}", m.path,
                               f"DCP_SHARDING_INFO of the safetensors blob at offset {offset}")
         if not isinstance(info, dict):
             raise BadInput(f"{m.path}: DCP_SHARDING_INFO of the safetensors blob at offset {offset} is not an object")
         return sources, info
+
+
+class _Reading:
+    """Pieces of bytes (files.pieces) as the file-like source a zstd stream reader reads from."""
+
+    def __init__(self, pieces):
+        self._pieces, self._left = pieces, memoryview(b"")
+
+    def read(self, n: int = -1) -> bytes:
+        while not self._left:
+            piece = next(self._pieces, None)
+            if piece is None:
+                return b""
+            self._left = memoryview(piece)
+        n = len(self._left) if n < 0 else n
+        out, self._left = bytes(self._left[:n]), self._left[n:]
+        return out
+
+
+class _Within:
+    """The bytes of an object from `offset` on (a SAFETENSORS blob) as a file of its own: a
+    RemoteFile's interface (storage/files.py), offsets shifted, so tensors over the blob fetch their
+    own bytes (a local file's blob is a MemoryFile over its mapping)."""
+
+    remote = True
+
+    def __init__(self, m, offset: int):
+        self._m, self._at = m, offset
+        self.path, self.size, self.identity = m.path, m.size - offset, m.identity
+
+    @property
+    def view(self) -> memoryview:
+        return self._m.view[self._at:]
+
+    def need(self, offset: int, length: int):
+        self._m.need(self._at + offset, length)
+
+    def read(self, offset: int, length: int) -> bytes:
+        self.check(offset, length, "a read")
+        return self._m.read(self._at + offset, length)
+
+    def check(self, offset: int, length: int, what: str):
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise BadInput(f"{self.path}: {what} needs bytes {self._at + offset}..{self._at + offset + length} "
+                           f"but the object has {self._m.size} bytes (truncated or corrupt)")
+
+    @contextlib.contextmanager
+    def reader(self):
+        with self._m.reader() as fill_at:
+            yield lambda view, offset: fill_at(view, self._at + offset)
+
+    def will_need(self, offset: int, length: int):
+        self._m.will_need(self._at + offset, length)
+
+    def populate(self, offset: int, length: int):
+        self._m.populate(self._at + offset, length)
+
+    def release(self, offset: int, length: int):
+        self._m.release(self._at + offset, length)
+
+    def advise(self, advice: int, offset: int = 0, length=None):
+        pass
+
+    def unchanged(self) -> bool:
+        return self._m.unchanged()
 
 
 class ChunkedTensor(TensorSource):

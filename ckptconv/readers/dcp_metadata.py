@@ -127,6 +127,7 @@ class Loc:
             raise BadInput(f"{where}: unsupported transform {[t[:100] for t in transforms[:4]]!r} (known: {ZSTD})")
         self.zstd = bool(transforms)
         self.blob = False      # a member of a SAFETENSORS blob (several chunks share its start)
+        self.head = None       # its first 4 bytes, once read (dcp_chunks.DCPReader.mark_blob_members)
         self.extent = None     # (start, size) in the reader's temporary file, once inflated
 
 

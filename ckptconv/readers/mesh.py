@@ -2,14 +2,18 @@
 
 Each global tensor is a lazy join of slices of the rank pieces that cover it, following mesh.json
 (even blocks, `ranges` or `boxes`); replicated tensors are rank 0's copy. Nothing is assembled in memory,
-so a tp 8 output reshards to tp 4 (or merges back to tp 1) slice by slice.
+so a tp 8 output reshards to tp 4 (or merges back to tp 1) slice by slice. An output in an object store
+is read the same way: mesh.json and the rank directories from its listing, each rank's files by the
+safetensors reader (storage/files.py).
 """
 from pathlib import Path
 
 from .base import Reader, register
 from .. import dtypes
 from ..errors import BadInput
-from ..formats.mesh import MESH, MeshDoc, MeshEntry, intervals, outer_cut, parse_mesh, rank_dir, rank_dirs, read_regular
+from ..formats.mesh import (MAX_METADATA, MESH, MeshDoc, MeshEntry, intervals, outer_cut, parse_mesh, rank_dir, rank_dirs,
+                            rank_number, read_regular)
+from ..storage import files as storage
 from ..tp.rules import check_recorded
 from ..tensor import Checkpoint, SourceFacts, Concat
 from . import ReadOptions, model_files, wanted
@@ -25,11 +29,24 @@ def detect(path: Path) -> bool:
 def read_mesh(path: Path) -> MeshDoc:
     """mesh.json of a reshard output, read (a regular file only) and validated (`parse_mesh`), with
     exactly its ranks' directories rank-00000 … beside it."""
-    present = rank_dirs(path)
-    mesh = check_recorded(parse_mesh(read_regular(path / MESH), path / MESH, len(present)), path / MESH)
+    present = _rank_dirs(path)
+    mesh = check_recorded(parse_mesh(_mesh_json(path), path / MESH, len(present)), path / MESH)
     if max(present) != mesh.ranks - 1:  # as many distinct ranks as mesh.json says: 0..ranks-1 or not
         raise BadInput(f"{path}: its rank directories are not {rank_dir(0)} to {rank_dir(mesh.ranks - 1)}")
     return mesh
+
+
+def _rank_dirs(path) -> dict:
+    """formats.mesh.rank_dirs, or for an output in an object store, from its listing (no links there)."""
+    if not storage.is_url(str(path)):
+        return rank_dirs(path)
+    return {r: e.name for e in storage.entries(path) if e.is_dir and (r := rank_number(e.name)) is not None}
+
+
+def _mesh_json(path) -> bytes:
+    if not storage.is_url(str(path)):
+        return read_regular(path / MESH)
+    return storage.read_bytes(path / MESH, MESH, MAX_METADATA)
 
 
 def rank_pieces(path: Path, ranks: int, only=()):

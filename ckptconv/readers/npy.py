@@ -9,6 +9,9 @@ False, and a tuple of integers), never by eval or ast. A stored array is a view 
 deflated `.npz` member is inflated, when its tensor is first read, into an unlinked temporary file
 that is then mapped, to exactly its declared size, and all of a file's deflated members to at most
 INFLATE_RATIO times its bytes plus INFLATE_SLACK. Object arrays (`allow_pickle`) are never unpickled.
+Files are reached through storage/files.py: from an object store, an .npy costs one ranged read for
+its header, an .npz its zip metadata (ziparchive.py) and its stored members' headers in one batch; a
+deflated member is fetched front to back as it is inflated.
 """
 import math
 import re
@@ -21,8 +24,8 @@ from pathlib import Path
 
 from .. import dtypes
 from ..errors import BadInput, OutputError, printable
-from ..io.mapped import MappedFile
 from ..io.spill import SpillFile
+from ..storage import files as storage
 from ..limits import MAX_NDIM, shape_problem
 from ..tensor import Checkpoint, SourceFacts, MappedView, Strided, TensorSource
 from . import ReadOptions, confined, inside, model_files, source_root, wanted
@@ -35,6 +38,7 @@ MAX_HEADER = 10_000          # numpy's own limit on the headers it reads (np.loa
 INFLATE_RATIO = 64           # deflated members of a file inflate to at most this times its bytes ...
 INFLATE_SLACK = 64 << 20     # ... plus this
 _PIECE = 1 << 20             # inflated and written a MiB at a time
+HEAD_FETCH = 64 << 10        # a deflated member's first bytes: fetched from an object this much at a time
 _ARCHIVE = "numpy .npz archive"
 
 # The header grammar's tokens; each alternative is bounded by the header's length, and the scan is linear.
@@ -228,7 +232,7 @@ def _view(name, header: Header, mapped, start: int) -> MappedView:
 class _Spill:
     """The unlinked temporary file a file's deflated members are inflated into, once each."""
 
-    def __init__(self, m: MappedFile):
+    def __init__(self, m):
         self.m, self.lock = m, threading.Lock()
         self.file = SpillFile("ckptconv-npz-", "inflated .npz members")
 
@@ -237,7 +241,6 @@ class _Spill:
         its CRC checked; the stream is read and written a MiB at a time."""
         start = self.file.begin()
         inflater, size, crc = zlib.decompressobj(-15), 0, 0
-        src = self.m.view[entry.offset:entry.offset + entry.stored]
 
         def emit(piece):
             nonlocal size, crc
@@ -247,8 +250,7 @@ class _Spill:
             size, crc = size + len(piece), zlib.crc32(piece, crc)
 
         try:
-            for at in range(0, len(src), _PIECE):
-                data = src[at:at + _PIECE]
+            for data in storage.pieces(self.m, entry.offset, entry.stored, _PIECE):
                 while data and not inflater.eof:
                     emit(inflater.decompress(data, _PIECE))
                     data = inflater.unconsumed_tail
@@ -295,7 +297,7 @@ class Deflated(TensorSource):
 
 # --- files and directories -----------------------------------------------------------------------
 
-def _npz_names(m: MappedFile):
+def _npz_names(m):
     try:
         return list(ziparchive.names(m, _ARCHIVE)) if ziparchive.is_zip(m) else None
     except BadInput:
@@ -306,7 +308,7 @@ def _is_npz(path: Path) -> bool:
     """A zip named *.npz (load says what is wrong with it, if anything), or any zip whose entries (at
     least one) are all `.npy` members, told by the central directory alone."""
     try:
-        m = MappedFile(path)
+        m = storage.open_file(path)
     except BadInput:
         return False
     if path.name.endswith(".npz"):
@@ -316,11 +318,7 @@ def _is_npz(path: Path) -> bool:
 
 
 def _is_npy(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(MAGIC)) == MAGIC
-    except OSError:
-        return False
+    return storage.head(path, len(MAGIC)) == MAGIC
 
 
 def _dir_files(directory: Path) -> list:
@@ -350,7 +348,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         files = [path]
     tensors, skipped, mapped = [], _Skipped(), []
     for f in files:
-        m = MappedFile(f)
+        m = storage.open_file(f)
         mapped.append(m)
         if f.name.endswith(".npy") or (not f.name.endswith(".npz") and _is_npy(f)):   # one array, named by its stem
             name = f.name[:-4] if f.name.endswith(".npy") else f.stem
@@ -369,14 +367,31 @@ class _Skipped(list):
     first = None
 
 
-def _npy(m: MappedFile) -> tuple:
-    header = parse_header(m.view[:12 + MAX_HEADER], m.size, m.path)
+def _npy(m) -> tuple:
+    header = parse_header(storage.buffer(m, 0, 12 + MAX_HEADER), m.size, m.path)
     m.release(0, header.data_start)
     return header, lambda name: _view(name, header, m, header.data_start), m.path
 
 
-def _npz(m: MappedFile, options: ReadOptions, tensors, skipped):
+def _npz(m, options: ReadOptions, tensors, skipped):
     entries = ziparchive.read_entries(m, kind=_ARCHIVE)
+    heads = storage.read_ranges(m, _stored_heads(entries, options))
+    try:
+        _members(m, entries, heads, options, tensors, skipped)
+    finally:
+        heads.close()
+
+
+def _stored_heads(entries, options: ReadOptions):
+    """(offset, length) of the first bytes of each stored member `_members` parses, in its order
+    (read ahead of it in one batch: one ranged read per member would be one request each)."""
+    for member in entries:
+        entry = entries[member]
+        if member.endswith(".npy") and wanted(member[:-4], options.only) and entry.method == 0:
+            yield entry.offset, min(entry.size, 12 + MAX_HEADER)
+
+
+def _members(m, entries, heads, options: ReadOptions, tensors, skipped):
     inflated, spill = 0, _Spill(m)
     for member in entries:
         where = f"{m.path}: member {printable(member, 200)!r}"
@@ -387,8 +402,7 @@ def _npz(m: MappedFile, options: ReadOptions, tensors, skipped):
             continue   # (never read)
         entry = entries[member]
         if entry.method == 0:
-            header = parse_header(m.view[entry.offset:entry.offset + min(entry.size, 12 + MAX_HEADER)], entry.size,
-                                  where)
+            header = parse_header(next(heads), entry.size, where)
             m.release(entry.offset, header.data_start)
             _add(tensors, skipped, name, header,
                  lambda n, h=header, e=entry: _view(n, h, m, e.offset + h.data_start), where, options)
@@ -406,16 +420,17 @@ def _npz(m: MappedFile, options: ReadOptions, tensors, skipped):
                            "members only")
 
 
-def _head(m: MappedFile, entry, where) -> bytes:
+def _head(m, entry, where) -> bytes:
     """The first bytes of a deflated member, as much as holds its preamble and header (inflated no
-    further)."""
+    further; an object's compressed bytes fetched HEAD_FETCH at a time, as they are needed)."""
     inflater = zlib.decompressobj(-15)
     want = min(entry.size, 12 + MAX_HEADER)
-    src = m.view[entry.offset:entry.offset + entry.stored]
     out = b""
     try:
-        for at in range(0, len(src), 4096):
-            data = src[at:at + 4096]
+        for at in range(0, entry.stored, 4096):
+            if at % HEAD_FETCH == 0:
+                src = storage.buffer(m, entry.offset + at, min(HEAD_FETCH, entry.stored - at))
+            data = src[at % HEAD_FETCH:at % HEAD_FETCH + 4096]
             while data and len(out) < want and not inflater.eof:
                 out += inflater.decompress(data, want - len(out))
                 data = inflater.unconsumed_tail

@@ -3,17 +3,21 @@ Hugging Face directories of `.bin` shards with `pytorch_model.bin.index.json`.
 
 `data.pkl` runs through the allowlisting unpickler with torch's stand-ins; each storage resolves to
 its zip entry (or its place after the legacy pickles), so every tensor is a view of the mapped file.
+Files are reached through storage/files.py: from an object store, a zip's metadata costs a few ranged
+reads (ziparchive.py), a legacy file's pickles are fetched front to back once, as far as their STOP
+(`_pickle_at`), and the element counts before its storages in one batch; tensors fetch their own bytes.
 """
 import struct
 from array import array
 from pathlib import Path
 
 from .pickle import unpickler
+from .pickle.memo import pickle_end
 from . import torch_modules, wrappers, ziparchive
 from .base import Reader, register
 from ..errors import BadInput, brief
 from ..limits import Budget
-from ..io.mapped import MappedFile
+from ..storage import files as storage
 from ..tensor import Checkpoint, SourceFacts
 from ..formats.manifest import index_kind, is_index
 from .pickle.torch_globals import TORCH_OWNED, Storage, flatten, storage_dtype, torch_globals
@@ -29,17 +33,13 @@ _LEGACY_HEAD = b"\x80\x02\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little")
 
 
 def _is_torch_file(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(_LEGACY_HEAD))
-    except OSError:
-        return False
+    head = storage.head(path, len(_LEGACY_HEAD))
     if head.startswith(_LEGACY_HEAD):
         return True
     if not head.startswith(b"PK\x03\x04"):
         return False
     try:
-        return any(n.endswith("data.pkl") for n in ziparchive.names(MappedFile(path)))
+        return any(n.endswith("data.pkl") for n in ziparchive.names(storage.open_file(path)))
     except BadInput:
         return path.name.endswith(TORCH_SUFFIXES)  # let open() give the precise error
 
@@ -84,7 +84,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     tensors, extras, skipped, mapped, dropped, placeholders, unwrapped, layouts = [], {}, [], [], [], [], None, []
     modules, unsupported = [], None
     for shard in shards:
-        m = MappedFile(shard)
+        m = storage.open_file(shard)
         mapped.append(m)
         budget, unlisted = Budget(shard), unpickler.Unlisted(shard)
         obj, pickled = torch_modules.as_state_dicts(_load_file(m, allow, budget, unlisted), shard, budget)
@@ -133,7 +133,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
                       unsupported=unsupported)
 
 
-def justified(m: MappedFile, tensors):
+def justified(m, tensors):
     """Views may repeat bytes (tied weights) or stretch them (a stride-0 `expand`), but the tensors of
     a file may not describe far more bytes than it holds: a 620-byte file is not 2 GB of output."""
     described = sum(t.nbytes for t in tensors)
@@ -142,8 +142,8 @@ def justified(m: MappedFile, tensors):
                        f"repeat or stretch the same bytes over {AMPLIFICATION}x); refused")
 
 
-def _load_file(m: MappedFile, allow, budget, unlisted):
-    if bytes(m.view[:len(_LEGACY_HEAD)]) == _LEGACY_HEAD:
+def _load_file(m, allow, budget, unlisted):
+    if m.read(0, min(m.size, len(_LEGACY_HEAD))) == _LEGACY_HEAD:
         return _load_legacy(m, allow, budget, unlisted)
     if not ziparchive.is_zip(m):
         raise BadInput(f"{m.path}: not a torch.save file (neither a zip archive nor the legacy format)")
@@ -155,7 +155,7 @@ def _load_file(m: MappedFile, allow, budget, unlisted):
     return load_zip(m, allow, budget=budget, unlisted=unlisted, entries=entries)
 
 
-def archive_prefix(m: MappedFile, entries) -> str:
+def archive_prefix(m, entries) -> str:
     """The folder inside a torch zip archive that holds its one data.pkl (`archive/`, or the stem)."""
     pkl = [n for n in entries if n == "data.pkl" or n.endswith("/data.pkl")]
     if len(pkl) != 1:
@@ -163,10 +163,18 @@ def archive_prefix(m: MappedFile, entries) -> str:
     return pkl[0][:-len("data.pkl")]
 
 
-def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=None, entries=None):
+def load_zip(m, allow, base=0, length=None, budget=None, unlisted=None, entries=None):
     """Unpickle a torch zip archive at [base, base+length) of `m` (DCP chunks are such archives);
     `entries` if the caller has read them already."""
-    entries = entries if entries is not None else ziparchive.read_entries(m, base, length)
+    try:
+        entries = entries if entries is not None else ziparchive.read_entries(m, base, length)
+        return _run_zip(m, allow, entries, budget, unlisted)
+    finally:
+        if m.remote:   # what read_entries fetched and held (ziparchive.HEAD, the end records): let go
+            m.release(base, (m.size - base) if length is None else length)
+
+
+def _run_zip(m, allow, entries, budget, unlisted):
     prefix = archive_prefix(m, entries)
     order = entries.get(prefix + "byteorder")
     said = bytes(ziparchive.read_small(m, order, 16)) if order is not None else b"little"   # (as torch.save wrote it)
@@ -215,13 +223,13 @@ def load_zip(m: MappedFile, allow, base=0, length=None, budget=None, unlisted=No
         m.release(entry.offset, entry.span)  # parsed: its pages go (a DCP checkpoint has one per chunk)
 
 
-def _load_legacy(m: MappedFile, allow, budget, unlisted=None):
+def _load_legacy(m, allow, budget, unlisted=None):
     """Legacy format: magic, protocol, sys_info pickles, the object pickle, the storage-key list pickle,
     then each storage as an int64 element count followed by its bytes."""
     pos = 0
     header = []
     for _ in range(3):
-        value, length = unpickler.load_prefix(m.view[pos:], {}, m.path, pos)
+        value, length = unpickler.load_prefix(_pickle_at(m, pos), {}, m.path, pos)
         header.append(value)
         pos += length
     if header[0] != _LEGACY_MAGIC or header[1] != 1001:
@@ -250,28 +258,70 @@ def _load_legacy(m: MappedFile, allow, budget, unlisted=None):
         views.append((sub, root, voffset * item))
         return sub
 
-    obj, length = unpickler.load_prefix(m.view[pos:], allow, m.path, pos, persistent_load, budget=budget,
+    obj, length = unpickler.load_prefix(_pickle_at(m, pos), allow, m.path, pos, persistent_load, budget=budget,
                                         unlisted=unlisted)
     pos += length
-    keys, length = unpickler.load_prefix(m.view[pos:], {}, m.path, pos)
+    keys, length = unpickler.load_prefix(_pickle_at(m, pos), {}, m.path, pos)
     pos += length
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or set(keys) != set(storages):
         raise BadInput(f"{m.path}: legacy storage key list does not match the storages the pickle uses")
+    # Each storage follows the last, after its element count: where each lies follows from the sizes
+    # the pickle gave, so the counts are read in one batch (files.read_ranges), then checked in order.
+    places, beyond = [], None
     for key in keys:
-        m.check(pos, 8, f"storage {key!r} header")
-        numel = struct.unpack_from("<q", m.view, pos)[0]
         st = storages[key]
-        m.check(pos + 8, st.nbytes, f"storage {key!r}")
-        if numel < 0 or numel * _itemsize(st.dtype) != st.nbytes:
-            raise BadInput(f"{m.path}: storage {key!r} at offset {pos} holds {numel} elements, "
-                           f"the pickle expects {st.nbytes // _itemsize(st.dtype)}")
-        st.offset = pos + 8
+        try:
+            m.check(pos, 8, f"storage {key!r} header")
+            m.check(pos + 8, st.nbytes, f"storage {key!r}")
+        except BadInput as e:
+            beyond = e   # (raised once the counts before it are checked)
+            break
+        places.append((key, pos))
         pos += 8 + st.nbytes
+    counts = storage.read_ranges(m, ((at, 8) for _, at in places))
+    try:
+        for (key, at), head in zip(places, counts):
+            numel = struct.unpack_from("<q", head, 0)[0]
+            st = storages[key]
+            if numel < 0 or numel * _itemsize(st.dtype) != st.nbytes:
+                raise BadInput(f"{m.path}: storage {key!r} at offset {at} holds {numel} elements, "
+                               f"the pickle expects {st.nbytes // _itemsize(st.dtype)}")
+            st.offset = at + 8
+    finally:
+        counts.close()
+    if beyond is not None:
+        raise beyond
     for sub, root, off in views:
         if off + sub.nbytes > root.nbytes:
             raise BadInput(f"{m.path}: storage view {sub.key!r} lies outside its storage {root.key!r}")
         sub.offset = root.offset + off
     return obj
+
+
+FIRST_FETCH = 64 << 10      # an object's legacy pickle: fetched this much first, then twice as much each time
+MAX_FETCH_STEP = 64 << 20
+
+
+def _pickle_at(m, pos: int):
+    """The buffer the pickle at `pos` of a legacy torch file is run from: the rest of a local file's
+    mapping; for an object, its bytes fetched front to back as far as the pickle's STOP
+    (memo.pickle_end steps over the opcodes), then copied out of the mapping and let go (a
+    pickle's payloads stay views of what the VM ran). A pickle the VM will refuse before its end, or
+    one cut short by the end of the object, is run from the mapping as a local one is (the same
+    error, at the same offset)."""
+    if not m.remote:
+        return m.view[pos:]
+    held, step, state, at, resume = pos, FIRST_FETCH, "short", pos, pos
+    while state == "short" and held < m.size and at <= m.size:   # (past the end: the VM says it is truncated)
+        end = min(m.size, max(at, held + step))
+        m.need(held, end - held)
+        held, step = end, min(2 * step, MAX_FETCH_STEP)
+        state, at, resume = pickle_end(m.view[:held], resume)
+    if state != "stop":
+        return m.view[pos:]
+    data = m.read(pos, at - pos)
+    m.release(pos, held - pos)
+    return data
 
 
 def _itemsize(dtype) -> int:

@@ -21,7 +21,7 @@ from .pickle.torch_globals import TORCH_OWNED, TorchTensor, TorchTensorUnsupport
 from .pickle.torchscript_globals import SCRIPT_MODULE, ScriptObject, script_globals
 from .torch_pickle import archive_prefix, justified, load_zip
 from ..errors import BadInput, printable
-from ..io.mapped import MappedFile
+from ..storage import files as storage
 from ..limits import MAX_DEPTH, Budget
 from ..tensor import Checkpoint, SourceFacts
 
@@ -34,9 +34,10 @@ CUSTOM_CLASSES = SCRIPT_MODULE + ".torch.classes"   # C++ classes (torch.classes
 
 
 def _zip(path: Path):
-    """`path` mapped, if it is a regular file that starts as a zip archive does; else None."""
+    """`path` opened (storage.open_file), if it is a regular file that starts as a zip archive does;
+    else None."""
     try:
-        m = MappedFile(path) if path.is_file() else None
+        m = storage.open_file(path) if path.is_file() else None
     except (OSError, BadInput):
         return None
     return m if m is not None and ziparchive.is_zip(m) else None

@@ -6,10 +6,10 @@ or, for a directory, the file in it that does) and why it is not that, and where
 formats is. Only the first bytes of a file (HEAD) and the names of a directory's first entries
 (MAX_LISTED) are looked at; it never raises.
 """
-import os
 from pathlib import Path
 
-from ..errors import printable
+from ..errors import BadInput, printable
+from ..storage import files as storage
 
 HEAD = 4096          # bytes of a file looked at
 MAX_LISTED = 4096    # entries of a directory looked at
@@ -49,11 +49,14 @@ def _expects(reader) -> str:
 
 def _file(path: Path, readers) -> str:
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(HEAD)
+        size = storage.size(path)
     except OSError as e:
         return f"cannot be read ({e.strerror})"
+    except BadInput:
+        return "cannot be read (no such object)"
+    head = storage.head(path, HEAD)
+    if size and not head:
+        return "cannot be read"
     kind = _kind(head, size)
     reader = _closest(path.name, readers)
     if reader is not None:
@@ -93,14 +96,11 @@ def _kind(head: bytes, size: int) -> str:
 
 def _directory(path: Path, readers) -> str:
     try:
-        with os.scandir(path) as it:
-            names = []
-            for entry in it:
-                names.append(entry.name)
-                if len(names) >= MAX_LISTED:
-                    break
+        names = storage.listdir(path)[:MAX_LISTED]
     except OSError as e:
         return f"a directory that cannot be listed ({e.strerror})"
+    except BadInput:
+        return "a directory that cannot be listed"
     visible = sorted(n for n in names if not n.startswith("."))
     if not visible:
         return "an empty directory"

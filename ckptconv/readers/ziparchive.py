@@ -7,6 +7,14 @@ torch.jit.save deflates its `code/` entries: an archive may hold compressed entr
 refused only if it is read, and then inflated no further than its declared size and a fixed ratio.
 Pickles are read only stored (as torch writes them): an inflated pickle would build objects in
 proportion to its inflated size, not to the bytes in the file.
+
+The file is reached through storage/files.py, so an archive in an object store is read the same way
+in a few ranged reads: its last 64 KiB (the end records, and the central directory when it lies
+there, else one more read for it) and its first HEAD bytes (a torch archive's data.pkl and first
+local headers), then what those do not hold: the other local headers in a batch
+(files.read_ranges: headers near each other share a GET), each small entry read whole
+(`read_small`). An archive of up to 64 KiB (a DCP chunk) is one read. Those bytes are held until the
+reader of the entries lets them go (`torch_pickle.load_zip`); tensor data stays where it is.
 """
 import re
 import struct
@@ -19,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import BadInput
+from ..storage import files as storage
 
 _EOCD, _EOCD64, _LOC64, _CEN, _LOC = 0x06054B50, 0x06064B50, 0x07064B50, 0x02014B50, 0x04034B50
 
@@ -38,20 +47,23 @@ class Entry:
 
 
 INFLATE_RATIO = 64       # the most an entry may inflate to, per byte in the file (beyond 1 MiB)
+HEAD = 64 << 10          # an archive in an object store: its first bytes, fetched with its end records
 
 
 def is_zip(mapped) -> bool:
-    return mapped.size >= 4 and bytes(mapped.view[:4]) == b"PK\x03\x04"
+    return mapped.size >= 4 and mapped.read(0, 4) == b"PK\x03\x04"
 
 
 def read_entries(mapped, base=0, length=None, kind="torch zip archive") -> "Entries":
     """Parse the archive in [base, base+length) of `mapped`; returns its Entries (name -> Entry, in
     file order). `kind` names the archive in errors."""
     d = _central(mapped, base, length, kind)
-    with mapped.reader() as fill_at:
-        entries = _directory(d, fill_at)
-    first = min(d.tail_start, d.cd_offset)
-    mapped.release(base + first, d.length - first)  # the directory and the end record: read, let go
+    if mapped.remote:   # the archive's first bytes too (torch's: data.pkl, byteorder, the first local headers)
+        mapped.need(base, min(d.length, HEAD))
+    entries = _directory(d, mapped)
+    if not mapped.remote:   # (an object's are held for whoever reads the entries, who lets them go)
+        first = min(d.tail_start, d.cd_offset)
+        mapped.release(base + first, d.length - first)  # the directory and the end record: read, let go
 
     offsets = np.frombuffer(entries.offset, np.int64)
     ends = offsets + np.where(np.frombuffer(entries.stored, np.int64) < 0, np.frombuffer(entries.size, np.int64),
@@ -165,6 +177,7 @@ def _central(mapped, base, length, kind="torch zip archive") -> _Directory:
         return BadInput(f"{path}: not a valid {kind}: {msg}")
 
     tail_start = max(0, length - 22 - 65535)
+    mapped.need(base + tail_start, length - tail_start)   # (an object's: one ranged read)
     tail = bytes(view[tail_start:])
     at = tail.rfind(struct.pack("<I", _EOCD))
     if at < 0:
@@ -177,9 +190,13 @@ def _central(mapped, base, length, kind="torch zip archive") -> _Directory:
         raise bad("multi-disk archives are not supported")
     if 0xFFFF in (count,) or 0xFFFFFFFF in (cd_size, cd_offset):
         loc = eocd - 20
+        if loc >= 0:
+            mapped.need(base + loc, 20)
         if loc < 0 or struct.unpack_from("<I", view, loc)[0] != _LOC64:
             raise bad("ZIP64 end-of-directory locator missing")
         z64 = struct.unpack_from("<Q", view, loc + 8)[0]
+        if z64 + 56 <= length:
+            mapped.need(base + z64, 56)
         if z64 + 56 > length or struct.unpack_from("<I", view, z64)[0] != _EOCD64:
             raise bad("ZIP64 end of central directory record missing or out of bounds")
         count, cd_size, cd_offset = struct.unpack_from("<QQQ", view, z64 + 32)
@@ -187,6 +204,7 @@ def _central(mapped, base, length, kind="torch zip archive") -> _Directory:
         raise bad(f"central directory ({cd_size} bytes at {cd_offset}) lies beyond the end of the file")
     if count > cd_size // 46 + 1:
         raise bad(f"central directory claims {count} entries in {cd_size} bytes")
+    mapped.need(base + cd_offset, cd_size)   # (held already when it lies in the tail)
     return _Directory(view, base, length, tail_start, count, cd_size, cd_offset, bad)
 
 
@@ -224,10 +242,27 @@ def _name(record, bad) -> str:
         raise bad(f"entry name {raw_name!r} is not UTF-8") from None
 
 
-def _directory(d: "_Directory", fill_at) -> dict:
+def _directory(d: "_Directory", mapped) -> dict:
     """The central directory's entries, each checked against its local header. Local headers lie one
     before each entry's data, all over the file: they are read with pread, not through the mapping
-    (touching one page of a mapping can map a whole 2 MiB folio of the page cache: one per tensor)."""
+    (touching one page of a mapping can map a whole 2 MiB folio of the page cache: one per tensor),
+    and from an object in a batch of concurrent GETs (files.read_ranges) a bounded window ahead."""
+    if mapped.remote:
+        headers = storage.read_ranges(mapped, _local_ranges(d))
+        try:
+            return _checked(d, lambda offset, n: next(headers))
+        finally:
+            headers.close()   # (its GETs ahead)
+    with mapped.reader() as fill_at:
+        def header_at(offset, n):
+            local = bytearray(n)
+            fill_at(memoryview(local), offset)
+            return local
+        return _checked(d, header_at)
+
+
+def _checked(d: "_Directory", header_at) -> "Entries":
+    """The entries, each checked against its local header, `header_at(offset, length)`'s bytes."""
     entries, base, length, bad = Entries(), d.base, d.length, d.bad
     for record in _records(d):
         _, flags, method, crc, csize, usize, raw_name, extra, hdr = record
@@ -240,10 +275,9 @@ def _directory(d: "_Directory", fill_at) -> dict:
             raise bad(f"entry {name!r} is encrypted")
         if method == 0 and csize != usize:
             raise bad(f"entry {name!r} is stored but its sizes differ ({csize} != {usize})")
-        local = bytearray(30 + nlen)
-        if hdr + len(local) > length:
+        if hdr + 30 + nlen > length:
             raise bad(f"entry {name!r}: local header at offset {base + hdr} is missing")
-        fill_at(memoryview(local), base + hdr)
+        local = header_at(base + hdr, 30 + nlen)
         signature, lmethod = struct.unpack_from("<IxxxxH", local, 0)
         lnlen, lxlen = struct.unpack_from("<HH", local, 26)
         if signature != _LOC:
@@ -259,6 +293,21 @@ def _directory(d: "_Directory", fill_at) -> dict:
         except ValueError:
             raise bad(f"entry {name!r} appears twice") from None
     return entries
+
+
+def _local_ranges(d: "_Directory"):
+    """(offset, length) of each entry's local header that `_directory` reads, in the same order, for
+    the entries it gets to; read ahead of it, so what is wrong is left for it to find, in order."""
+    records = _records(d)
+    while True:
+        try:
+            _, _, _, _, csize, usize, raw_name, extra, hdr = next(records)
+            hdr = _zip64(extra, usize, csize, hdr, d.bad, "")[2]
+        except (BadInput, StopIteration):
+            return
+        if hdr + 30 + len(raw_name) > d.length:
+            return
+        yield d.base + hdr, 30 + len(raw_name)
 
 
 def _zip64(extra, usize, csize, hdr, bad, name):
@@ -292,7 +341,7 @@ def read_small(mapped, entry: Entry, limit=1 << 31):
     if entry.size > limit:
         raise BadInput(f"{mapped.path}: entry {entry.name!r} is unexpectedly large ({entry.size} bytes)")
     if entry.method == 0:
-        data = mapped.view[entry.offset:entry.offset + entry.size]
+        data = storage.buffer(mapped, entry.offset, entry.size)   # (an object's: fetched now, bytes)
     elif entry.method == 8:
         data = _inflate(mapped, entry)
     else:
@@ -309,7 +358,7 @@ def _inflate(mapped, entry: Entry) -> bytes:
                        f"bytes (over {INFLATE_RATIO}x); refused")
     inflater = zlib.decompressobj(-15)
     try:
-        data = inflater.decompress(mapped.view[entry.offset:entry.offset + entry.stored], entry.size + 1)
+        data = inflater.decompress(storage.buffer(mapped, entry.offset, entry.stored), entry.size + 1)
     except zlib.error as e:
         raise BadInput(f"{mapped.path}: entry {entry.name!r} does not inflate ({e})") from None
     if len(data) != entry.size or not inflater.eof or inflater.unused_data:

@@ -7,7 +7,9 @@
   prefix's names, each with whether it is a directory and its size);
 - small files whole: `read_bytes` (configs, indexes, JSON: at most `limit` bytes);
 - weight files: `open_file`, a `MappedFile` for a local path (io/mapped.py: zero-copy views of a
-  read-only mapping, SIGBUS guard) or a `RemoteFile` for a URL, behind the same interface.
+  read-only mapping, SIGBUS guard) or a `RemoteFile` for a URL, behind the same interface; parts of
+  an open file for a reader to parse: `buffer` (one range), `read_ranges` (many small ones: an
+  object's in a few concurrent GETs), `pieces` (one long range front to back, for a decompressor).
 
 A `RemoteFile` is the object as it was when opened (its ETag and size: objects.py). Its `view` is an
 anonymous mapping the size of the object that nothing fills until `need(offset, length)` fetches the
@@ -19,6 +21,7 @@ ranges a writer will read next; at most `concurrency` parts of `part_size` bytes
 at once), hashed and written as they arrive.
 """
 import contextlib
+import itertools
 import mmap
 import os
 import threading
@@ -34,7 +37,7 @@ from .urls import Location, StorageOptions, is_url, parse, redact
 __all__ = ["configure", "options", "is_url", "join", "name", "parent", "realpath", "shown", "is_dir", "is_file",
            "exists", "size", "listdir", "entries", "read_bytes", "open_file", "RemoteFile", "Entry", "place",
            "RemotePath", "head", "stat", "fingerprint", "load_json", "forget", "scan", "sha256", "same_file",
-           "copy_file", "library_path"]
+           "copy_file", "library_path", "buffer", "read_ranges", "pieces"]
 
 _PAGE = mmap.PAGESIZE
 MAX_ENTRIES = 1_000_000   # names one listing may hold (objects.MAX_LISTED)
@@ -268,6 +271,46 @@ def open_file(path):
     return MappedFile(path)
 
 
+def buffer(f, offset: int, length: int):
+    """[offset, offset+length) of an open file (clamped to its end, as a slice is) as a buffer to
+    parse whole: a view of a local file's mapping (nothing copied), an object's bytes fetched now
+    (one GET, or the window's for a long range; nothing kept in its mapping)."""
+    if not f.remote:
+        return f.view[offset:offset + length]
+    offset = min(max(offset, 0), f.size)
+    return f.read(offset, max(0, min(length, f.size - offset)))
+
+
+def read_ranges(f, ranges):
+    """The bytes of each (offset, length) of `ranges` (an iterable, consumed lazily), in order: a
+    local file's by pread (nothing mapped), an object's by concurrent ranged GETs a bounded window
+    ahead, ranges near each other sharing one (objects.GAP): the local headers of a zip's entries or
+    the element counts before a legacy torch file's storages cost a few requests, not one each.
+    Every range must lie inside the file (BadInput otherwise, when it is reached)."""
+    if f.remote:
+        yield from f.read_many(ranges)
+        return
+    with f.reader() as fill_at:
+        for offset, length in ranges:
+            f.check(offset, length, "a read")
+            out = bytearray(length)
+            fill_at(memoryview(out), offset)
+            yield out
+
+
+def pieces(f, offset: int, length: int, piece: int):
+    """[offset, offset+length) of an open file front to back, `piece` bytes at a time (the last
+    shorter), for a decompressor: views of a local file's mapping; an object's bytes fetched a bounded
+    window ahead (nothing kept: memory stays (concurrency + 1) x part_size whatever the length)."""
+    f.check(offset, length, "a read")
+    steps = ((at, min(piece, offset + length - at)) for at in range(offset, offset + length, piece))
+    if f.remote:
+        yield from f.read_many(steps)
+        return
+    for at, n in steps:
+        yield f.view[at:at + n]
+
+
 def _store(loc: Location):
     from .objects import reading
     key = (loc.scheme, loc.bucket, loc.account)
@@ -390,12 +433,44 @@ class RemoteFile:
         self.check(offset, length, "a read")
         if not length:
             return b""
+        held = self._held(offset, length)
+        return held if held is not None else self._object.read(offset, length)
+
+    def _held(self, offset: int, length: int):
+        """The bytes of [offset, offset+length) copied from `view` if `need` fetched them all, else None."""
         with self._lock:
-            held = not self._pages.missing(offset - offset % _PAGE,
-                                           min(self.size, -(-(offset + length) // _PAGE) * _PAGE))
-        if held and self._view is not None:
-            return bytes(self._view[offset:offset + length])
-        return self._object.read(offset, length)
+            held = self._view is not None and not self._pages.missing(
+                offset - offset % _PAGE, min(self.size, -(-(offset + length) // _PAGE) * _PAGE))
+            return bytes(self._view[offset:offset + length]) if held else None
+
+    def read_many(self, ranges):
+        """The bytes of each (offset, length) of `ranges`, in order (files.read_ranges): copied from
+        `view` where `need` fetched them, else by the object's stream (concurrent GETs, nearby
+        ranges sharing one), not kept in `view`."""
+        queue, fetching, numbers = deque(), {}, itertools.count()   # [bytes, bytes to come]; stream index -> one
+
+        def planned():
+            for offset, length in ranges:
+                self.check(offset, length, "a read")
+                held = self._held(offset, length) if length else b""
+                entry = [held, 0] if held is not None else [None, length]   # (filled when its bytes come)
+                queue.append(entry)
+                if held is None:
+                    fetching[next(numbers)] = entry
+                    yield offset, length
+
+        for piece in self._object.stream(planned()):
+            entry = fetching[piece.index]
+            if entry[0] is None:
+                entry[0] = bytearray(entry[1])
+            entry[0][piece.offset:piece.offset + len(piece.data)] = piece.data
+            entry[1] -= len(piece.data)
+            if not entry[1]:
+                del fetching[piece.index]
+            while queue and not queue[0][1]:
+                yield queue.popleft()[0]
+        while queue:   # (what is left was held: nothing more to fetch)
+            yield queue.popleft()[0]
 
     @contextlib.contextmanager
     def reader(self):

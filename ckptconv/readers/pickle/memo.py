@@ -75,3 +75,53 @@ def fetched_memo(mv):
     except (ValueError, struct.error):
         return None
     return None
+
+
+def pickle_end(mv, pos: int = 0) -> tuple:
+    """Step over the opcodes of the pickle at `pos` of `mv` without building anything, to find how
+    much of a stream read front to back (an object's legacy torch pickles) must be fetched before the
+    VM runs it: ("stop", just past its STOP, -); ("short", the offset `mv` must reach to go on: an
+    opcode's argument, or a line, runs past its end; where that opcode starts, to step on from once
+    it does); ("bad", where the VM stops anyway: a byte that is no opcode, or a negative length, -)."""
+    sizes, n = _ARG_SIZES, len(mv)
+    while pos < n:
+        op = mv[pos]
+        at = pos + 1
+        size = sizes[op]
+        if size is None:
+            return "bad", pos, pos
+        if size.__class__ is int:
+            end = at + size
+        elif size is _LINE or size is _LINES:
+            end = at
+            for _ in range(2 if size is _LINES else 1):
+                found = _find_line_end(mv, end)
+                if found < 0:
+                    return "short", n + 1, pos
+                end = found
+        else:
+            if at + size.size > n:
+                return "short", at + size.size, pos
+            length = size.unpack_from(mv, at)[0]
+            if length < 0:
+                return "bad", pos, pos
+            end = at + size.size + length
+        if end > n:
+            return "short", end, pos
+        if op == _STOP:
+            return "stop", end, end
+        pos = end
+    return "short", n + 1, pos
+
+
+def _find_line_end(mv, pos: int) -> int:
+    """Just past the newline ending the line at `pos`, or -1 if `mv` ends first (windows growing
+    fourfold: linear time)."""
+    k = 32
+    while True:
+        at = bytes(mv[pos:pos + k]).find(b"\n")
+        if at >= 0:
+            return pos + at + 1
+        if pos + k >= len(mv):
+            return -1
+        k *= 4
