@@ -7,7 +7,8 @@ fenced block that holds a `ckptconv …` line without the prompt is a command to
 as an example, or opt out (below).
 
 How a page's examples run. In a fresh empty directory, in which the page's generator
-(tests/fixtures/docs_inputs.py, PAGES) first makes every input the commands name; then every command
+(tests/fixtures/docs_inputs.py, PAGES) first makes every input the commands name (and may return
+environment variables they run with: docs/storage.md's bucket endpoint); then every command
 of the page in order, as `bash -c` would run it there (a page's examples may build on each other).
 `ckptconv` is this checkout: a command that is nothing but `ckptconv ARGS` (or several joined with
 `&&`) runs in this process through click's CliRunner, which shows stdout and stderr together as a
@@ -248,7 +249,9 @@ def test_examples_print_what_the_page_shows(page, tmp_path, monkeypatch):
     shim.mkdir()
     (shim / "ckptconv").write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m ckptconv.cli \"$@\"\n")
     (shim / "ckptconv").chmod(0o755)
-    GENERATORS[page](work)
+    env = GENERATORS[page](work)
+    for name, value in (env or {}).items():   # (a page's own environment: docs/storage.md's endpoint)
+        monkeypatch.setenv(name, value)
     monkeypatch.chdir(work)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     digests, failures = {}, []

@@ -26,7 +26,7 @@ def not_ours(out, single_file: bool) -> str | None:
 
 
 def pointer(names) -> str | None:
-    """The file a consumer opens first, of an output's top-level file names (docs/storage-publishing.md):
+    """The file a consumer opens first, of an output's top-level file names (docs/storage.md):
     mesh.json (a reshard output), model_index.json (a pipeline), the index, or the one weights file;
     None when the names hold none of them. In a store it is written last, create-only: an output
     whose pointer is there is published, whole."""

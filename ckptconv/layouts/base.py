@@ -333,7 +333,7 @@ class Layout:
     def pointer(self, units) -> str:
         """The file of the output a consumer opens first (formats.pointer): in an object store it is
         written last, create-only, so that finding it means finding the whole output
-        (docs/storage-publishing.md). Sharded files: the index, or the one shard."""
+        (docs/storage.md). Sharded files: the index, or the one shard."""
         return index_name(self.options.stem) if indexed(len(units)) else units[0].name
 
     def job(self) -> dict:

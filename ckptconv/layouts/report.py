@@ -10,7 +10,7 @@ from ..errors import BadInput, printable
 # a metadata file or header that is malformed or disagrees; an entry that is not a regular file; one
 # that cannot be read; what the safetensors library sees differing from ckptconv; rank pieces that do
 # not fit mesh.json; a tensor that differs from the --against source; an output in an object store
-# whose pointer was never written (docs/storage-publishing.md).
+# whose pointer was never written (docs/storage.md).
 KINDS = ("missing", "unlisted", "misplaced", "digest", "metadata", "not-regular", "unreadable", "consumer", "mesh",
          "source", "identity", "device", "unpublished")
 

@@ -66,8 +66,8 @@ def options() -> StorageOptions:
 
 
 def forget(url):
-    """Drop what was listed of `url` and under it (an output just written or rolled back there):
-    the next look lists it again."""
+    """Drop what was listed of `url` and under it, and the objects opened there (an output just
+    written, replaced or rolled back there): the next look lists and opens them again."""
     key = realpath(os.fspath(url)) if is_url(os.fspath(url)) else None
     if key is None:
         return
@@ -75,6 +75,8 @@ def forget(url):
         for k in [k for k in _listings if k == key or k.startswith(key + "/") or key.startswith(k + "/")
                   or k == key.rpartition("/")[0]]:
             del _listings[k]
+        for k in [k for k in _opened if k == key or k.startswith(key + "/")]:
+            del _opened[k]
 
 
 # ---- names ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Where an output's bytes go: the one interface layouts write through (docs/storage-publishing.md).
+"""Where an output's bytes go: the one interface layouts write through (docs/storage.md).
 
 A `Target` is an output being written, named by paths relative to it (`model-00001-of-00002.safetensors`,
 `rank-00000/manifest.json`): a local directory (`LocalTarget`: the temporary directory of
@@ -479,6 +479,7 @@ def bucket_output(out, overwrite=False, resume=False, inputs=(), single_file=Fal
         files.forget(out)
         target = BucketTarget(_Out(publisher, pointer, share))
         _prepare(target, taken, overwrite, resume, single_file, not_ours or (lambda *a: "unknown"), published)
+        files.forget(out)   # (what was there was read to decide; it may have been deleted since)
         yield target
         check()   # a signal still pending stops the run before it publishes
         with deferred():

@@ -553,7 +553,7 @@ class PointerWriter:
     one more part goes to S3 as a multipart upload of ours (s3api.Multipart: part 1 sent last, the
     upload completed with `If-None-Match: *`); a smaller one is one create-only PUT on any store.
     obstore has no conditional multipart completion, so on gs:// and az:// a larger pointer is refused
-    (docs/storage-publishing.md). Memory: the first part, the part being filled, and the parts in flight."""
+    (docs/storage.md). Memory: the first part, the part being filled, and the parts in flight."""
 
     def __init__(self, store: Store, location: Location, expected_size: Optional[int] = None, head: int = 0):
         self.store, self.location = store, location

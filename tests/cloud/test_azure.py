@@ -27,3 +27,18 @@ def test_an_azure_source_converts_as_locally(az, tmp_path):
 def test_a_missing_blob_is_one_line(az):
     r = run("inspect", az.url("nothing/model.safetensors"))
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_an_azure_output_is_the_local_output_and_verifies(az, tmp_path):
+    (tmp_path / "src").mkdir()
+    src = _model(tmp_path / "src")
+    r = run("convert", src, az.url("out/m"), "--quiet", "--max-shard-size", "300KB")
+    assert r.exit_code == 0, r.stderr
+    assert run("convert", src, tmp_path / "local", "--quiet", "--max-shard-size", "300KB").exit_code == 0
+    names = az.names("out/m/")
+    assert sorted(n.removeprefix("out/m/") for n in names) == sorted(p.name for p in (tmp_path / "local").iterdir())
+    for n in names:
+        assert az.client.download_blob(n).readall() == (tmp_path / "local" / n.removeprefix("out/m/")).read_bytes(), n
+    assert run("verify", az.url("out/m")).exit_code == 0
+    again = run("convert", src, az.url("out/m"), "--quiet")
+    assert again.exit_code == 2 and "already exists" in again.stderr

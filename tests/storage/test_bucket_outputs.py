@@ -1,7 +1,7 @@
 """Outputs written to a bucket (moto's S3 API through the fault proxy): byte for byte the local output,
 the pointer (the file a consumer opens first) last and create-only, nothing partial ever left by a
 failure or a signal, a killed run resumed, one of two racing runs publishing, --overwrite replacing
-only a ckptconv output, and verify reading a bucket OUT (docs/storage-publishing.md)."""
+only a ckptconv output, and verify reading a bucket OUT (docs/storage.md)."""
 import json
 import os
 import re
@@ -44,7 +44,7 @@ def store(s3, monkeypatch, **kw):
     """The CLI's storage options with a short retry budget (what --endpoint-url etc. would give, and
     retries a test can wait for)."""
     options = s3.options(stall_seconds=20.0, **kw)
-    monkeypatch.setattr(cli_options, "_storage", lambda endpoint_url, concurrency, part_size: options)
+    monkeypatch.setattr(cli_options, "_storage", lambda *given: options)
 
 
 def download(s3, prefix: str, to: Path) -> Path:

@@ -3,11 +3,7 @@ the same files on a local disk do: convert and `reshard --tp 2` write byte-ident
 file, manifest.json too: it records the source by name), `plan` counts the bytes that cross the
 network, the merges fetch ranges of the rank files (never the Adam moments beside the partitions),
 a Grok-1 shard is parsed from its opcodes alone, and hostile inputs are refused with the line they
-get locally. A `--distributed` job refuses a URL in one line.
-
-DeepSpeed's and Megatron's rank files are torch zip archives, and Megatron's torch_dist layout a DCP
-checkpoint: their tests wait (skip, naming it) until those readers are on the storage interface
-(tests/test_storage_room.py's PENDING no longer lists them)."""
+get locally. A `--distributed` job refuses a URL in one line."""
 import os
 import shutil
 
@@ -19,17 +15,6 @@ from tests.fixtures import grok as gf
 from tests.fixtures.attacks import Reduce, attacks
 from tests.helpers import DATA, run
 from tests.storage.test_bucket_sources import same_tree, upload
-from tests.test_storage_room import PENDING
-
-
-def needs(*modules):
-    """Skip while a reader these sources also go through is not on the storage interface yet."""
-    pending = [m for m in modules if f"readers/{m}" in PENDING]
-    return pytest.mark.skipif(bool(pending), reason=f"{', '.join(pending)} not yet on the storage interface")
-
-
-TORCH = needs("torch_pickle.py")          # DeepSpeed's and Megatron's rank files (torch zip archives)
-DCP = needs("torch_pickle.py", "dcp.py", "dcp_chunks.py")
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +43,10 @@ def both(s3, local, tmp_path, command, *args):
 @pytest.mark.parametrize("name, args", [
     ("grok", ()),
     ("grok", ("--layout", "mixtral")),   # dequantized, transposed, split into experts: regions, not spans
-    pytest.param("deepspeed/z2-fp32-mlp", (), marks=TORCH),
-    pytest.param("deepspeed/z3-bf16-frozen-tied", ("--max-shard-size", "4KB"), marks=TORCH),
-    pytest.param("megatron/legacy-moe-tp2-pp1-ep2", (), marks=TORCH),
-    pytest.param("megatron/dist-tied-tp2-pp2", ("--to", "hf"), marks=DCP),
+    pytest.param("deepspeed/z2-fp32-mlp", ()),
+    pytest.param("deepspeed/z3-bf16-frozen-tied", ("--max-shard-size", "4KB")),
+    pytest.param("megatron/legacy-moe-tp2-pp1-ep2", ()),
+    pytest.param("megatron/dist-tied-tp2-pp2", ("--to", "hf")),
 ])
 def test_converted_from_a_bucket_as_locally(s3, grok_dir, tmp_path, name, args):
     same_tree(*both(s3, source(name, grok_dir), tmp_path, "convert", *args))
@@ -69,8 +54,8 @@ def test_converted_from_a_bucket_as_locally(s3, grok_dir, tmp_path, name, args):
 
 @pytest.mark.parametrize("name, args", [
     ("grok", ("--heads", 4, "--kv-heads", 2, "--head-dim", 32)),
-    pytest.param("deepspeed/z3-bf16-llama-tied", (), marks=TORCH),
-    pytest.param("megatron/legacy-untied-tp2-pp2", (), marks=TORCH),
+    pytest.param("deepspeed/z3-bf16-llama-tied", ()),
+    pytest.param("megatron/legacy-untied-tp2-pp2", ()),
 ])
 def test_resharded_from_a_bucket_as_locally(s3, grok_dir, tmp_path, name, args):
     same_tree(*both(s3, source(name, grok_dir), tmp_path, "reshard", "--tp", 2, *args))
@@ -102,7 +87,6 @@ def test_plan_counts_what_crosses_the_network(s3, grok_dir, tmp_path):
     assert "network 0.001 GB/s" in r.stdout and "over the network, writes" in r.stdout, r.stdout
 
 
-@TORCH
 def test_the_merge_fetches_the_partitions_not_the_moments(s3, tmp_path, monkeypatch):
     """Of each rank's optimizer-state file only its zip directory, its pickle and its fp32 partition
     are fetched: the Adam moments (two thirds of the file) never are."""
@@ -230,8 +214,8 @@ def _megatron_rank_missing(d):
 @pytest.mark.parametrize("make", [
     _grok_code, _grok_truncated, _grok_index_missing, _deepspeed_latest_outside, _deepspeed_rank_0_missing,
     _megatron_tracker,
-    pytest.param(_deepspeed_code, marks=TORCH), pytest.param(_deepspeed_truncated, marks=TORCH),
-    pytest.param(_megatron_truncated, marks=TORCH), pytest.param(_megatron_rank_missing, marks=TORCH),
+    pytest.param(_deepspeed_code), pytest.param(_deepspeed_truncated),
+    pytest.param(_megatron_truncated), pytest.param(_megatron_rank_missing),
 ], ids=lambda f: f.__name__.strip("_"))
 def test_hostile_input_from_a_bucket_is_refused_as_locally(s3, tmp_path, make):
     src = tmp_path / "src"

@@ -71,7 +71,7 @@ def _check_expected(request: VerifyRequest, report: Report):
 def unpublished(path) -> Report | None:
     """For an output in an object store, a Report of one problem when it is not published: it has no
     SHA256SUMS, or not the file a consumer opens first (its pointer, formats.pointer: written last,
-    create-only; docs/storage-publishing.md), or (one object) only a run's lock beside it. None for a
+    create-only; docs/storage.md), or (one object) only a run's lock beside it. None for a
     local path and a published output, which verify checks as any other."""
     path = os.fspath(path)
     if not storage.is_url(path) or storage.is_file(path):
