@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput
+from .objects import GAP
 from .urls import Location, StorageOptions, is_url, parse, redact
 
 __all__ = ["configure", "options", "is_url", "join", "name", "parent", "realpath", "shown", "is_dir", "is_file",
@@ -41,6 +42,7 @@ __all__ = ["configure", "options", "is_url", "join", "name", "parent", "realpath
 
 _PAGE = mmap.PAGESIZE
 MAX_ENTRIES = 1_000_000   # names one listing may hold (objects.MAX_LISTED)
+HEAD = 4096               # an object's first bytes, read once and kept (the readers' detection looks there)
 _state = threading.local()
 _lock = threading.Lock()
 _options = StorageOptions()
@@ -395,6 +397,7 @@ class RemoteFile:
         self._map = None
         self._view = None
         self._pages = _Pages()
+        self._head = None   # the first HEAD bytes, once read
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -435,6 +438,10 @@ class RemoteFile:
         self.check(offset, length, "a read")
         if not length:
             return b""
+        if offset + length <= HEAD:   # (detection: every reader looks at the first bytes)
+            if self._head is None:
+                self._head = self._object.read(0, min(HEAD, self.size))
+            return self._head[offset:offset + length]
         held = self._held(offset, length)
         return held if held is not None else self._object.read(offset, length)
 
@@ -571,13 +578,20 @@ class _Window:
             one._pool.shutdown(wait=False, cancel_futures=True)
 
     def ahead(self, file: RemoteFile, offset: int, length: int):
+        """Want [offset, offset+length) of `file` next. A range already wanted or in the window is not
+        asked twice; one that starts at most GAP after the last one wanted of the same file joins it
+        (a zip's tensors lie between small local headers: one GET of `part_size` serves several).
+        Parts are started when a `fill` comes (every range a shard names is known by then)."""
+        end = offset + length
         with self._lock:
+            if any(p.file is file and p.start <= offset and end <= p.end for p in self._parts) or \
+                    any(w[0] is file and w[1] <= offset and end <= w[2] for w in self._wanted):
+                return
             last = self._wanted[-1] if self._wanted else None
-            if last is not None and last[0] is file and last[2] == offset:
-                last[2] = offset + length
+            if last is not None and last[0] is file and 0 <= offset - last[2] <= GAP:
+                last[2] = max(last[2], end)
             else:
-                self._wanted.append([file, offset, offset + length])
-            self._top_up()
+                self._wanted.append([file, offset, end])
 
     def _top_up(self):
         while len(self._parts) < self.slots and self._wanted:
@@ -612,6 +626,8 @@ class _Window:
             self._top_up()
 
     def fill(self, file: RemoteFile, view, offset: int):
+        with self._lock:
+            self._top_up()
         got, n = 0, len(view)
         while got < n:
             at = offset + got

@@ -68,3 +68,18 @@ def test_a_missing_object_is_one_line(s3, tmp_path):
     r = run("inspect", s3.url("nothing/here.safetensors"), "--endpoint-url", s3.endpoint)
     assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "nothing/here.safetensors" in r.stderr
+
+
+def test_tensor_bytes_come_in_few_long_gets(s3, tmp_path):
+    """The read-ahead window joins the ranges a shard names (each asked once, however often it is
+    named) into GETs of --part-size: 64 tensors of 16 KiB are one GET, not 64 (nor 128)."""
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(11)
+    save_file({f"t{i:02d}": rng.standard_normal(4096).astype(np.float32) for i in range(64)}, tmp_path / "m.safetensors")
+    url = upload(s3, tmp_path / "m.safetensors", "few/m.safetensors")
+    r = run("convert", url, tmp_path / "out", "--quiet", "--endpoint-url", s3.proxy.endpoint)
+    assert r.exit_code == 0, r.stderr
+    gets = [s for s in s3.proxy.seen if s[0] == "GET" and "few/m.safetensors" in s[1]]
+    assert len(gets) <= 4, gets   # the first bytes (detection), the header's length, the header, the data
+    assert run("convert", tmp_path / "m.safetensors", tmp_path / "local", "--quiet").exit_code == 0
+    same_tree(tmp_path / "out", tmp_path / "local")
