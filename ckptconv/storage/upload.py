@@ -259,6 +259,8 @@ class Publisher:
         self.heartbeat_seconds, self.stale_seconds = heartbeat_seconds, stale_seconds
         self.created: list = []     # keys of the objects committed, in order
         self.open: list = []        # ObjectWriters not yet committed
+        self.started: set = set()   # keys any writer of this run was given: a signal between a PUT's
+        #                             answer and its bookkeeping leaves an object only this names
         self._lock: Optional[dict] = None   # this run's lock object's ETag and version, while it holds it
         self._lost = False
         self._stop = threading.Event()
@@ -384,6 +386,7 @@ class Publisher:
         """An ObjectWriter for OUT/`name`, tracked: committed through it, rolled back with the rest."""
         self._check_held()
         w = _Tracked(self, self.store, self.place(name), expected_size, hashed=hashed, share=share)
+        self.started.add(w.location.key)
         self.open.append(w)
         return w
 
@@ -489,9 +492,12 @@ class Publisher:
                 attempt(self.pointer_writer.abort)
                 self.pointer_writer = None
             if not self._lost and self._lock is not None:
-                for at in range(0, len(self.created), 1000):
-                    attempt(obstore.delete, self.store.handle, self.created[at:at + 1000])
+                # what was committed, and what any writer was given (deleting a key never written is a no-op)
+                doomed = self.created + sorted(self.started - set(self.created))
+                for at in range(0, len(doomed), 1000):
+                    attempt(obstore.delete, self.store.handle, doomed[at:at + 1000])
                 self.created.clear()
+                self.started.clear()
                 if multipart and self.out.kind == "s3":   # (obstore aborts what fails; a sweep for what it could not)
                     attempt(self.abort_pending, multipart)
             attempt(self.release)

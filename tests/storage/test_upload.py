@@ -301,3 +301,24 @@ def test_the_pointer_is_created_only_where_nothing_is(s3):
     w.commit()
     data[10:100] = b"x" * 90
     assert s3.client.get_object(Bucket=s3.bucket, Key="runs/out/other.safetensors")["Body"].read() == data
+
+
+def test_a_stop_between_a_put_and_its_bookkeeping_leaves_nothing(s3, monkeypatch):
+    """A signal that lands after the store answered a PUT but before the run recorded the object (the
+    outside attack found shards left under OUT after SIGTERM): the rollback deletes every key a writer
+    of the run was given, written or not."""
+    import obstore
+    real = obstore.put
+
+    def stopped_after_the_put(store, key, *args, **kwargs):
+        answer = real(store, key, *args, **kwargs)   # the object is there now ...
+        if key.endswith(".safetensors"):
+            raise KeyboardInterrupt                  # ... and the run stops before it is recorded
+        return answer
+    monkeypatch.setattr(obstore, "put", stopped_after_the_put)
+    out = parse(s3.url("runs/out"))
+    with pytest.raises(KeyboardInterrupt):
+        with Publisher(out, s3.options()) as p:
+            p.claim()
+            p.put("model-00001-of-00002.safetensors", b"x" * 1000)
+    assert s3.keys("runs/") == [] and s3.uploads() == []
