@@ -83,3 +83,15 @@ def test_tensor_bytes_come_in_few_long_gets(s3, tmp_path):
     assert len(gets) <= 4, gets   # the first bytes (detection), the header's length, the header, the data
     assert run("convert", tmp_path / "m.safetensors", tmp_path / "local", "--quiet").exit_code == 0
     same_tree(tmp_path / "out", tmp_path / "local")
+
+
+def test_verify_against_a_bucket_source_compares_its_carried_files(s3, hf_dir, tmp_path):
+    """The outside attack: every carried file was 'not the source's' when the source was a URL."""
+    url = upload(s3, hf_dir, "against/hf")
+    out = tmp_path / "out"
+    assert run("convert", url, out, "--quiet", "--endpoint-url", s3.endpoint).exit_code == 0
+    r = run("verify", out, "--against", url, "--endpoint-url", s3.endpoint)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    s3.client.put_object(Bucket=s3.bucket, Key="against/hf/config.json", Body=b'{"model_type": "other"}')
+    r = run("verify", out, "--against", url, "--endpoint-url", s3.endpoint)
+    assert r.exit_code == 1 and "is not the source's config.json" in r.stdout + r.stderr

@@ -25,6 +25,7 @@ from ...formats.mesh import MESH, read_regular
 from ...formats.pipeline import read_document
 from ...layouts.base import for_target
 from ...layouts.report import Report
+from ...storage.files import place
 from ...layouts.scan import _checked_manifest, _sha256_regular
 
 
@@ -195,7 +196,7 @@ def _compare_carried(where: Path, ours: dict, theirs: list, report: Report):
     for name in sorted(ours):
         if name not in theirs:
             report.add(where / name, "is listed as carried, but the source has no such file", "source")
-        elif _sha256_regular(Path(theirs[name])) != ours[name]:
+        elif _sha256_regular(place(theirs[name])) != ours[name]:
             report.add(where / name, f"is not the source's {name}", "source")
     for name in sorted(set(theirs) - set(ours)):
         report.add(where, f"file {name!r} of the source was not carried", "source")
@@ -350,7 +351,7 @@ def _compare_model_files(recorded: Path, files: dict, manifest: dict, source, re
             else:
                 report.add(recorded.parent, f"model file {rel!r} of the source was not carried", "source")
             continue
-        digest = hashlib.sha256(edited[rel]).hexdigest() if rel in edited else _sha256_regular(Path(path))
+        digest = hashlib.sha256(edited[rel]).hexdigest() if rel in edited else _sha256_regular(place(path))
         if not isinstance(info, dict) or info.get("sha256") != digest:
             report.add(recorded.parent / rel, f"is not the source's {rel}" + (" as --dtype edits it" if rel in edited
                                                                               else ""), "source")
