@@ -405,6 +405,9 @@ def _refuse_inputs(out: str, inputs):
             if r == real or r.startswith(real + "/"):
                 raise OutputError(f"{redact(out)}: {'is' if r == real else 'holds'} the input {redact(os.fspath(p))}; "
                                   "write the output somewhere else")
+            if real.startswith(r + "/"):   # (a key below an object's: the source would read as a prefix after)
+                raise OutputError(f"{redact(out)}: lies under the input object {redact(os.fspath(p))}, which would "
+                                  "then also be a prefix; write the output somewhere else")
     for root in getattr(inputs, "roots", ()):
         if is_url(os.fspath(root)):
             r = files.realpath(root)

@@ -123,6 +123,8 @@ def parse(url: str) -> Location:
     """`url` as a Location; UsageError naming what is wrong (never repeating a credential)."""
     if not is_url(url):
         raise UsageError(f"{printable(url)}: not a URL (scheme://...)")
+    if not url.isprintable():   # (urlsplit would drop a tab or newline silently: another key)
+        raise UsageError(f"{printable(url, 300)}: a storage URL may not hold control characters")
     scheme = url.split("://", 1)[0].lower()
     if scheme not in SCHEMES:
         raise UsageError(f"{printable(scheme)}://...: not a storage URL ckptconv reads or writes "

@@ -269,3 +269,15 @@ def test_verify_of_a_bucket_out(s3, model, monkeypatch):
     assert r.exit_code == 1 and "runs/gone: incomplete (not published): nothing is there but a run's lock" in r.stdout
     r = run("verify", s3.url("runs/nothing"))
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_out_under_a_source_object_s_key_and_control_characters_are_refused(s3, model, monkeypatch):
+    """What the outside attack found: OUT below SRC's own key (SRC would read as a prefix afterwards),
+    and a tab in a URL, which URL parsing would have dropped silently (another key)."""
+    store(s3, monkeypatch)
+    s3.client.upload_file(str(model), s3.bucket, "p/m.pt")
+    r = run("convert", s3.url("p/m.pt"), s3.url("p/m.pt/x"))
+    assert r.exit_code == 2 and "lies under the input object" in r.stderr and r.stderr.count("\n") == 1
+    r = run("convert", model, s3.url("odd/ta\tb"))
+    assert r.exit_code == 2 and "may not hold control characters" in r.stderr and r.stderr.count("\n") == 1
+    assert s3.keys("p/") == ["p/m.pt"] and s3.keys("odd") == []
