@@ -209,8 +209,13 @@ def open_store(location: Location, options: StorageOptions = StorageOptions(), r
     (readers retry ranged GETs themselves and pass 0)."""
     obstore_module()
     from obstore.store import AzureStore, GCSStore, S3Store
+    # A whole request may take an hour (an upload's 5 GiB part); a read, what a part takes at 256 KiB/s
+    # more than its stall timeout: a server that trickles bytes, never stalling for --stall-timeout,
+    # cannot hold a ranged GET (nor a process that a signal stopped, waiting for it) for longer.
+    whole = 3600 if retries is None else options.stall_seconds + options.part_size / (256 << 10)
     client = {"allow_http": False, "read_timeout": timedelta(seconds=options.stall_seconds),
-              "connect_timeout": timedelta(seconds=min(options.stall_seconds, 30)), "timeout": "1h"}
+              "connect_timeout": timedelta(seconds=min(options.stall_seconds, 30)),
+              "timeout": timedelta(seconds=whole)}
     retry = {"max_retries": options.retries if retries is None else retries,
              "retry_timeout": timedelta(seconds=options.retry_seconds),
              "backoff": {"init_backoff": timedelta(seconds=options.backoff_seconds),

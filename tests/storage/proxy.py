@@ -22,7 +22,8 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy
 class Fault:
     """What to do to the requests it matches (`method`, and `match(path_and_query)` when given),
     `times` times (-1: always). kind: "cut" (forward, send the headers and `after` bytes of the body,
-    close), "stall" (the same, then wait `seconds` before closing), "status" (answer `status` with an S3
+    close), "stall" (the same, then wait `seconds` before closing), "trickle" (the same, then one byte
+    every `seconds`), "status" (answer `status` with an S3
     error `code` without forwarding: 503 SlowDown by default)."""
 
     kind: str
@@ -100,6 +101,15 @@ class FaultProxy:
                     return
                 self.wfile.write(data[:fault.after])
                 self.wfile.flush()
+                if fault.kind == "trickle":   # then one byte every `seconds`: never a stall, never done
+                    for b in data[fault.after:]:
+                        if proxy.stop.wait(fault.seconds):
+                            break
+                        try:
+                            self.wfile.write(bytes([b]))
+                            self.wfile.flush()
+                        except OSError:
+                            return
                 if fault.kind == "stall":
                     proxy.stop.wait(fault.seconds)
                 self.close_connection = True

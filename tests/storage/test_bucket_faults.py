@@ -71,3 +71,16 @@ def test_an_object_replaced_while_it_is_read_stops_the_run(s3, model, tmp_path):
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "h/model.safetensors" in r.stderr and "changed while it was being read" in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_server_that_trickles_cannot_hold_a_read(s3, model, tmp_path):
+    """One byte every 0.1 s never stalls for --stall-timeout; a ranged GET still ends, at what its part
+    takes at 256 KiB/s more than the stall timeout (64 KiB parts: 1.25 s), and is retried."""
+    src, local = model
+    url = upload(s3, src, "t/model.safetensors")
+    s3.proxy.add(Fault("trickle", method="GET", match=data_get, after=1000, seconds=0.1))
+    r = run("convert", url, tmp_path / "out", "--quiet", "--part-size", "64KiB", "--stall-timeout", "1",
+            "--endpoint-url", s3.proxy.endpoint)
+    assert r.exit_code == 0, r.stderr
+    assert s3.proxy.done("trickle") == 1
+    same_tree(tmp_path / "out", local)
