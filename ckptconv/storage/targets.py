@@ -240,7 +240,29 @@ class _Out:
     known: dict = field(default_factory=dict)
 
 
-class _ObjectFile:
+class _ObjectSink:
+    """A file written whole through an object's writer (manifest.json, SHA256SUMS, a carried file):
+    committed on close (or, for the pointer, finished: written, to be published last), aborted on
+    abandon."""
+
+    def __init__(self, out: _Out, rel: str, writer, pointer: bool):
+        self.out, self.rel, self.writer, self.pointer = out, rel, writer, pointer
+
+    def write(self, data):
+        self.writer.write(data)
+
+    def close(self):
+        if self.pointer:
+            self.writer.finish()
+        else:
+            self.writer.commit()
+        self.out.known[self.rel] = self.writer.size
+
+    def abandon(self):
+        self.writer.abort()
+
+
+class _ObjectFile(_ObjectSink):
     """The write pipeline's file (stage, close, abandon) as an object: each staged buffer's bytes are
     handed to the object's writer, which sends them part by part, while the hash threads read the
     same buffer (the file's digest is the pipeline's: the writer does not hash them again)."""
@@ -261,32 +283,7 @@ class _ObjectFile:
         return view, lease
 
     def close(self, fsync: bool = False):
-        if self.pointer:
-            self.writer.finish()
-        else:
-            self.writer.commit()
-        self.out.known[self.rel] = self.writer.size
-
-    def abandon(self):
-        self.writer.abort()
-
-
-class _ObjectSink:
-    def __init__(self, out: _Out, rel: str, writer, pointer: bool):
-        self.out, self.rel, self.writer, self.pointer = out, rel, writer, pointer
-
-    def write(self, data):
-        self.writer.write(data)
-
-    def close(self):
-        if self.pointer:
-            self.writer.finish()
-        else:
-            self.writer.commit()
-        self.out.known[self.rel] = self.writer.size
-
-    def abandon(self):
-        self.writer.abort()
+        super().close()
 
 
 class BucketTarget(Target):
