@@ -21,7 +21,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import BadInput, CkptError, OutputError
+from ..errors import BadInput, CkptError, OutputError, printable
 from ..signals import check, deferred, published as announce
 from . import files
 from .urls import is_url, parse, redact
@@ -482,6 +482,10 @@ def bucket_output(out, overwrite=False, resume=False, inputs=(), single_file=Fal
         files.forget(out)   # (what was there was read to decide; it may have been deleted since)
         yield target
         check()   # a signal still pending stops the run before it publishes
+        foreign = sorted(set(_listed(publisher)) - set(target.out.known))
+        if foreign:   # (someone else's objects would be published as part of this output)
+            raise OutputError(f"{redact(out)}: {printable(foreign[0], 200)} appeared under OUT while the run wrote it "
+                              f"({len(foreign)} object(s) not this run's); nothing was published")
         with deferred():
             publisher.publish_pointer()
             announce(out)   # (a signal after this: "published before it and is complete")

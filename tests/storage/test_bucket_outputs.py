@@ -281,3 +281,32 @@ def test_out_under_a_source_object_s_key_and_control_characters_are_refused(s3, 
     r = run("convert", model, s3.url("odd/ta\tb"))
     assert r.exit_code == 2 and "may not hold control characters" in r.stderr and r.stderr.count("\n") == 1
     assert s3.keys("p/") == ["p/m.pt"] and s3.keys("odd") == []
+
+
+def test_an_object_that_appears_under_out_during_the_run_is_never_published(s3, model, monkeypatch):
+    """The outside attack: another writer's foo.txt put under a claimed OUT was published inside the
+    output. It is now found before the pointer is written: nothing published, the foreign object
+    left alone, this run's objects gone."""
+    store(s3, monkeypatch)
+    state = {"done": False}
+
+    def someone_else_writes(target):
+        if not state["done"] and "runs/out/model-" in target:
+            state["done"] = True
+            s3.client.put_object(Bucket=s3.bucket, Key="runs/out/foo.txt", Body=b"theirs")
+        return False
+    s3.proxy.add(Fault("status", method="PUT", match=someone_else_writes, times=-1))
+    r = run("convert", model, s3.url("runs/out"), "--max-shard-size", "9MB")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "foo.txt appeared under OUT while the run wrote it" in r.stderr and "nothing was published" in r.stderr
+    assert s3.keys("runs/") == ["runs/out/foo.txt"] and s3.uploads() == []
+
+
+def test_a_single_file_out_that_is_also_a_prefix_is_not_published(s3, model, monkeypatch):
+    """The outside attack: OUT.safetensors, also a prefix holding objects, was published and then
+    reported as failed. Refused before anything is published now, the objects under it left alone."""
+    store(s3, monkeypatch)
+    s3.client.put_object(Bucket=s3.bucket, Key="runs/one.safetensors/x", Body=b"theirs")
+    r = run("convert", model, s3.url("runs/one.safetensors"))
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert s3.keys("runs/") == ["runs/one.safetensors/x"] and s3.uploads() == []
