@@ -82,19 +82,24 @@ def check_target(out: Path, inputs=(), overwrite=False, single_file=False, not_o
     if not os.path.lexists(out):
         return
     if single_file:
-        if not overwrite:
-            raise OutputError(f"{out}: already exists (use --overwrite to replace a previous ckptconv output)")
-        why = not_ours(out, True)
-        if why:
-            raise OutputError(f"{out}: is not a single-file ckptconv output ({why}); --overwrite replaces only those")
+        replaceable(out, overwrite, not_ours, True)
         return
     if not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory; remove it or choose another OUT")
     if not any(os.scandir(out)):
         return  # an empty directory (`mkdir out` first): replaced by the output
+    replaceable(out, overwrite, not_ours, False)
+
+
+def replaceable(out, overwrite: bool, not_ours, single_file: bool):
+    """The one rule for an OUT that already holds something, on a disk or in a bucket
+    (storage/targets.py): only --overwrite replaces it, and only a previous ckptconv output
+    (`not_ours(out, single_file)` says why not, or None); OutputError otherwise."""
     if not overwrite:
         raise OutputError(f"{out}: already exists (use --overwrite to replace a previous ckptconv output)")
-    why = not_ours(out, False)
+    why = not_ours(out, single_file)
+    if why and single_file:
+        raise OutputError(f"{out}: is not a single-file ckptconv output ({why}); --overwrite replaces only those")
     if why:
         raise OutputError(f"{out}: is not a ckptconv output ({why}); --overwrite replaces only those: remove it "
                           "yourself if it should go")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..errors import BadInput, CkptError, OutputError, printable
 from ..signals import check, deferred, published as announce
+from ..io.output import replaceable
 from . import files
 from .urls import is_url, parse, redact
 
@@ -433,11 +434,7 @@ def _prepare(target: BucketTarget, taken, overwrite: bool, resume: bool, single:
             there = False
         if not there:
             return
-        if not overwrite:
-            raise OutputError(f"{out}: already exists (use --overwrite to replace a previous ckptconv output)")
-        why = not_ours(out, True)
-        if why:
-            raise OutputError(f"{out}: is not a single-file ckptconv output ({why}); --overwrite replaces only those")
+        replaceable(out, overwrite, not_ours, True)
         publisher.adopt([publisher.out.key])
         publisher.delete([publisher.out.key])
         return
@@ -446,12 +443,7 @@ def _prepare(target: BucketTarget, taken, overwrite: bool, resume: bool, single:
         return
     shown = published(out, found) if published else None   # (the pointer of a published output)
     if taken is None or (shown is not None and not overwrite):
-        if not overwrite:
-            raise OutputError(f"{out}: already exists (use --overwrite to replace a previous ckptconv output)")
-        why = not_ours(out, False)
-        if why:
-            raise OutputError(f"{out}: is not a ckptconv output ({why}); --overwrite replaces only those: remove it "
-                              "yourself if it should go")
+        replaceable(out, overwrite, not_ours, False)
     publisher.adopt([publisher.place(k).key for k in found])
     target.out.known.update(found)
     if taken is None or not resume:   # (--resume keeps a killed run's objects: its layout re-checks them)
