@@ -22,6 +22,7 @@ at once), hashed and written as they arrive.
 """
 import contextlib
 import itertools
+import itertools
 import mmap
 import os
 import threading
@@ -164,12 +165,18 @@ class _Listing:
 
 def _listing(url: str) -> _Listing:
     key = realpath(url)
+    return _kept(_listings, key, lambda: _Listing(key))
+
+
+def _kept(table: dict, key, make):
+    """table[key], made once (outside the lock: a listing or a HEAD takes a request) and kept until
+    the next `configure` (or `forget`); of two made at once, the first kept wins."""
     with _lock:
-        found = _listings.get(key)
+        found = table.get(key)
     if found is None:
-        found = _Listing(key)
+        made = make()
         with _lock:
-            _listings[key] = found
+            found = table.setdefault(key, made)
     return found
 
 
@@ -263,14 +270,7 @@ def open_file(path):
     the URL until the next `configure`, so a run reads one version of each object)."""
     path = os.fspath(path)
     if is_url(path):
-        key = realpath(path)
-        with _lock:
-            found = _opened.get(key)
-        if found is None:
-            found = RemoteFile(path)
-            with _lock:
-                found = _opened.setdefault(key, found)
-        return found
+        return _kept(_opened, realpath(path), lambda: RemoteFile(path))
     from ..io.mapped import MappedFile
     return MappedFile(path)
 
@@ -317,14 +317,8 @@ def pieces(f, offset: int, length: int, piece: int):
 
 def _store(loc: Location):
     from .objects import reading
-    key = (loc.scheme, loc.bucket, loc.account)
-    with _lock:
-        found = _stores.get(key)
-    if found is None:
-        found = reading(Location(loc.scheme, loc.bucket, "", loc.account), _options)
-        with _lock:
-            _stores[key] = found
-    return found
+    return _kept(_stores, (loc.scheme, loc.bucket, loc.account),
+                 lambda: reading(Location(loc.scheme, loc.bucket, "", loc.account), _options))
 
 
 # ---- remote files --------------------------------------------------------------------------------
@@ -584,8 +578,11 @@ class _Window:
         Parts are started when a `fill` comes (every range a shard names is known by then)."""
         end = offset + length
         with self._lock:
+            # (a writer names the tensor it reads now: at the window's head, among the parts or the first
+            # ranges wanted; looking no further keeps a shard of a million names linear)
+            near = itertools.islice(self._wanted, 4)
             if any(p.file is file and p.start <= offset and end <= p.end for p in self._parts) or \
-                    any(w[0] is file and w[1] <= offset and end <= w[2] for w in self._wanted):
+                    any(w[0] is file and w[1] <= offset and end <= w[2] for w in near):
                 return
             last = self._wanted[-1] if self._wanted else None
             if last is not None and last[0] is file and 0 <= offset - last[2] <= GAP:
