@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-cloud test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures demo bench fuzz clean
+.PHONY: setup test test-training training-fixtures test-cloud test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures demo bench fuzz clean
 
 setup: $(VENV)/.installed
 
@@ -68,6 +68,27 @@ test-megatron: setup $(MEGATRON_VENV)/.installed
 
 megatron-fixtures: $(MEGATRON_VENV)/.installed
 	$(MEGATRON_VENV)/bin/python -m tests.fixtures.megatron --committed
+
+# Training states saved through torch DCP by the real stacks (FSDP1, Lightning's FSDP strategy, a
+# torchtitan step directory, Accelerate's pytorch_model_fsdp_0; CPU, 2 processes with gloo), each
+# compared bit for bit with the stack's own consolidation (not part of `make test`: the venv is about
+# 1.5 GB with torchtitan's dependencies; the fixtures take about a minute). `training-fixtures`
+# remakes the small ones committed under tests/fixtures/data/training_dcp/. See docs/dcp.md#training-states.
+TRAINING_VENV ?= .venv-training
+TRAINING_FIXTURES ?= /tmp/ckptconv-training-dcp-fixtures
+$(TRAINING_VENV)/.installed:
+	python3 -m venv $(TRAINING_VENV)
+	$(TRAINING_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(TRAINING_VENV)/bin/python -m pip install --quiet lightning==2.6.6 accelerate==1.15.0 torchtitan==0.3.0 safetensors
+	touch $@
+
+test-training: setup $(TRAINING_VENV)/.installed
+	rm -rf $(TRAINING_FIXTURES)
+	$(TRAINING_VENV)/bin/python -m tests.fixtures.training_dcp $(TRAINING_FIXTURES)
+	CKPTCONV_TRAINING_DCP_FIXTURES=$(abspath $(TRAINING_FIXTURES)) $(PY) -m pytest tests/readers/test_dcp_training.py -v
+
+training-fixtures: $(TRAINING_VENV)/.installed
+	$(TRAINING_VENV)/bin/python -m tests.fixtures.training_dcp --committed
 
 # Azure Blob Storage through Azurite, Microsoft's emulator (npm), on 127.0.0.1, and the client the tests
 # use to make containers (azure-storage-blob, installed beside it): az:// sources and outputs checked
