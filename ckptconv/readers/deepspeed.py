@@ -27,6 +27,13 @@ file name, count and size is checked against the others, and every file must be 
 save (readers.one_save: what each records of it, deepspeed_files.saved_facts), before any tensor is
 handed out.
 
+A pipeline checkpoint (DeepSpeed's PipelineModule: `layer_NN[-model_00]-model_states.pt` per
+layer, per stage S `mp_rank_SS_model_states.pt` and `[bf16_]zero_pp_rank_R_mp_rank_SS_optim_states.pt`)
+is each stage's masters merged as above, named as DeepSpeed's own load_checkpoint names them
+(`N.param`, `tied_modules.KEY.param` once), buffers from the layer files, every layer file checked
+against the stages' names and shapes (_pipeline; docs/formats.md#pipeline-checkpoints-deepspeeds-
+pipelinemodule). Tensor-parallel pipelines are refused.
+
 What one file says and the tag directory's rank files are deepspeed_files.py's, the joins of the
 partitions deepspeed_tensors.py's; this module is the reader. Files are reached through
 storage/files.py: in an object store each rank file's zip directory and pickle are read by ranged
@@ -414,8 +421,8 @@ def _pipeline_parallelism(top, path, stages: int):
                            "refused")
 
 
-READER = register(Reader(NAME, "DeepSpeed ZeRO checkpoint directories (latest + global_stepN/, stages 1-3): the fp32 "
-                               "master weights", detect, load, priority=38, parses_pickles=True, suffixes=(".pt",),
+READER = register(Reader(NAME, "DeepSpeed ZeRO checkpoint directories (latest + global_stepN/, stages 1-3; "
+                               "PipelineModule layer files merged): the fp32 master weights", detect, load, priority=38, parses_pickles=True, suffixes=(".pt",),
                                fuzz=(("latest", b"global_step1"), ("global_step1/mp_rank_00_model_states.pt", None),
                                      ("global_step1/zero_pp_rank_0_mp_rank_00_optim_states.pt", None)),
                                looks_for="a directory holding latest, or *_optim_states.pt and *_model_states.pt rank "

@@ -355,21 +355,19 @@ def _pipeline_layout(directory: Path, optim: dict, model: dict, mp: dict, layers
     if missing is not None:
         raise BadInput(f"{directory}: the files of pipeline stage {missing} (mp_rank_{missing:02d}) are missing "
                        f"beside those of stages up to {stages_named - 1}; refused")
+    by_stage = [{r: p for (r, m), p in optim.items() if m == s} for s in range(stages_named)]
+    world = max(max(ranks) + 1 if ranks else 0 for ranks in by_stage)   # (every stage has as many ranks)
     stages = []
-    for s in range(stages_named):
-        ranks = {r: p for (r, m), p in optim.items() if m == s}
+    for s, ranks in enumerate(by_stage):
         if not ranks:
             raise BadInput(f"{directory}: pipeline stage {s} has no optimizer-state file "
                            f"(zero_pp_rank_0_mp_rank_{s:02d}_optim_states.pt); refused")
-        world = max(ranks) + 1
         miss = first_missing(ranks, world)
         if miss is not None:
+            prefix = "bf16_" if next(iter(ranks.values())).name.startswith("bf16_") else ""
             raise BadInput(f"{directory}: the optimizer state of rank {miss} of pipeline stage {s} is missing "
-                           f"(zero_pp_rank_{miss}_mp_rank_{s:02d}_optim_states.pt; {len(ranks)} rank files for ranks "
-                           f"0-{world - 1}); refused")
-        if stages and world != len(stages[0].optim):
-            raise BadInput(f"{directory / ranks[0].name}: pipeline stage {s} has {world} data-parallel ranks' "
-                           f"optimizer state, stage 0 {len(stages[0].optim)}: files of different runs; refused")
+                           f"({prefix}zero_pp_rank_{miss}_mp_rank_{s:02d}_optim_states.pt; {len(ranks)} rank files of "
+                           f"the stage, {world} data-parallel ranks in the directory); refused")
         files = {k: p for k, p in model.items() if k[1] == s}
         stages.append(Layout(directory, [ranks[r] for r in range(world)], files, mp=s, layers=layers))
     first = stages[0]

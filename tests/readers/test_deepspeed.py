@@ -23,7 +23,8 @@ from tests.helpers import DATA, ROOT, assert_same, load_output, run
 FIXTURES = DATA / "deepspeed"
 COMMITTED = ["z1-fp32-mlp", "z2-fp32-mlp", "z3-bf16-frozen-tied", "z3-bf16-llama-tied", "z3-fp32-saves", "z2-bf16-saves"]
 SAVED_TWICE = ["z3-fp32-saves", "z2-bf16-saves"]   # global_step1/ and global_step2/ of one run
-PIPELINES = ["z1-fp32-pipeline", "z1-bf16-pipe-tied"]   # DeepSpeed's PipelineModule, two stages
+PIPELINES = ["z1-fp32-pipeline", "z1-bf16-pipe-tied", "z1-bf16-pipe-dp2"]   # PipelineModule, two stages (dp2: of
+#                                                                         two data-parallel ranks each)
 
 
 def reference(name, root=FIXTURES):

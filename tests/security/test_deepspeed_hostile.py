@@ -225,6 +225,15 @@ def test_a_layer_file_of_other_shapes_is_refused(tmp_path):
     refused_here(src, tmp_path, "layer_03-model_states.pt", "'weight' is [7, 6]", "param_shapes says [6, 7]")
 
 
+def test_a_data_parallel_rank_of_one_stage_missing_is_refused(tmp_path):
+    src, tag = copy("z1-bf16-pipe-dp2", tmp_path)   # two stages of two data-parallel ranks
+    (tag / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink()
+    refused_here(src, tmp_path, "optimizer state of rank 0 of pipeline stage 1 is missing")
+    shutil.copy(FIXTURES / "z1-bf16-pipe-dp2" / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt", tag)
+    (tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    refused_here(src, tmp_path, "rank 1 of pipeline stage 0 is missing", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+
+
 def test_a_pipeline_stage_missing_or_of_another_run_is_refused(tmp_path):
     src, tag = copy(PIPE, tmp_path)
     (tag / "mp_rank_01_model_states.pt").unlink()
