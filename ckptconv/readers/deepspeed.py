@@ -49,7 +49,8 @@ from ..storage import files as storage
 from ..tensor import Checkpoint, SourceFacts, MappedView, TensorSource, cast
 from . import (DEEPSPEED_RANK_FILE, ReadOptions, confined, deepspeed_tag_directory, model_files, one_save,
                source_root, wanted)
-from .deepspeed_files import Layout, ModelStates, OptimRank, _found, _layout, _model_files, read_model, read_optim
+from .deepspeed_files import (Layout, ModelStates, OptimRank, _found, _layout, _model_files, read_layer, read_model,
+                              read_optim)
 from .deepspeed_tensors import _check_names, _frozen, _stage12, _stage3
 from .pickle import unpickler
 from .pickle.deepspeed_globals import deepspeed_globals
@@ -198,13 +199,12 @@ def _pipeline(layout: Layout, root: str, allow, mapped: list) -> tuple:
         if m0.frozen_shapes:
             raise BadInput(f"{m0.path}: frozen_param_shapes in a pipeline stage's file (a ZeRO stage 2 pipeline, which "
                            "DeepSpeed does not run); refused")
-        shapes = {n: sh for g in m0.param_shapes for n, sh in g}
         for t in st:
             if t.name.startswith("tied_modules."):
                 if t.name in by_name:
                     if tuple(by_name[t.name].shape) != tuple(t.shape):
-                        raise BadInput(f"{m0.path}: tied {t.name!r} is {list(t.shape)} here, {list(by_name[t.name].shape)} "
-                                       f"in pipeline stage {owner[t.name]}'s files; refused")
+                        raise BadInput(f"{m0.path}: tied {t.name!r} is {list(t.shape)} here, "
+                                       f"{list(by_name[t.name].shape)} in pipeline stage {owner[t.name]}'s files; refused")
                     continue
                 _, key, sub = t.name.split(".", 2) if t.name.count(".") >= 2 else (None, t.name, "")
                 tied.setdefault(key, {})[sub] = tuple(t.shape)
@@ -212,7 +212,7 @@ def _pipeline(layout: Layout, root: str, allow, mapped: list) -> tuple:
                 raise BadInput(f"{m0.path}: {t.name!r} is a parameter of pipeline stage {layout_s.mp} and of stage "
                                f"{owner[t.name]}: two stages claim one layer; refused")
             else:
-                _layer_key(t.name, layout_s.mp, shapes[t.name], names_by_layer, m0.path)
+                _layer_key(t.name, layout_s.mp, tuple(t.shape), names_by_layer, m0.path)
             owner[t.name] = layout_s.mp
             by_name[t.name] = t
             tensors.append(t)
@@ -237,7 +237,7 @@ def _pipeline(layout: Layout, root: str, allow, mapped: list) -> tuple:
 def _layer_key(name: str, stage: int, shape, names_by_layer: dict, path):
     """Note `N.key` (a parameter with its shape, or a buffer: None) as layer N's, of `stage`."""
     head, _, key = name.partition(".")
-    if not (head.isdigit() and len(head) <= 9 and key):
+    if not (head.isascii() and head.isdigit() and len(head) <= 9 and key):
         raise BadInput(f"{path}: {printable(repr(name), 120)} is not a PipelineModule name (N.key, N the layer's "
                        "global index, or tied_modules.KEY.key); refused")
     names_by_layer.setdefault(int(head), {})[key] = (stage, shape)
@@ -249,7 +249,6 @@ def _layer_buffers(layout: Layout, root: str, allow, mapped: list, names_by_laye
     layer N's file (a trained parameter with the shape param_shapes gives it; the 16-bit copy is never
     read, the master is), the buffers handed out as saved; a file of a layer no stage names holding
     tensors is refused unless its keys are a tied module's."""
-    from .deepspeed_files import read_layer
     buffers = []
     last = max(names_by_layer, default=0)
     for index in sorted(names_by_layer):
@@ -413,16 +412,17 @@ def _pipeline_parallelism(top, path, stages: int):
     parallelism 1 (mp_world_size, the stages times the tensor-parallel ranks, equal to pp_degree)."""
     dims = top.get("checkpoint_parallel_dimensions")
     dims = dims if isinstance(dims, dict) else {}
-    for what, value, want in (("pp_degree", dims.get("pp_degree"), stages), ("mp_world_size", top.get("mp_world_size"), stages),
-                              ("tp_degree", dims.get("tp_degree"), 1)):
+    for what, value, want in (("pp_degree", dims.get("pp_degree"), stages),
+                              ("mp_world_size", top.get("mp_world_size"), stages), ("tp_degree", dims.get("tp_degree"), 1)):
         if value is not None and (type(value) is not int or value != want):
-            raise BadInput(f"{path}: {what} is {_found(value)}, the directory holds {stages} pipeline stages' files"
-                           f"{' and no tensor parallelism (merging it is not supported)' if what == 'tp_degree' else ''}; "
+            tp = " and no tensor parallelism (merging it is not supported)" if what == "tp_degree" else ""
+            raise BadInput(f"{path}: {what} is {_found(value)}, the directory holds {stages} pipeline stages' files{tp}; "
                            "refused")
 
 
 READER = register(Reader(NAME, "DeepSpeed ZeRO checkpoint directories (latest + global_stepN/, stages 1-3; "
-                               "PipelineModule layer files merged): the fp32 master weights", detect, load, priority=38, parses_pickles=True, suffixes=(".pt",),
+                               "PipelineModule layer files merged): the fp32 master weights", detect, load,
+                               priority=38, parses_pickles=True, suffixes=(".pt",),
                                fuzz=(("latest", b"global_step1"), ("global_step1/mp_rank_00_model_states.pt", None),
                                      ("global_step1/zero_pp_rank_0_mp_rank_00_optim_states.pt", None)),
                                looks_for="a directory holding latest, or *_optim_states.pt and *_model_states.pt rank "

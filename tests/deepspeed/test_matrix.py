@@ -5,7 +5,7 @@ what DeepSpeed's get_fp32_state_dict_from_zero_checkpoint returns for the same f
 bf16, also from the tag directory; verify --against the ZeRO directory passes; Llamas reshard;
 pipeline checkpoints (PipelineModule, tied layers) to what DeepSpeed's own load_checkpoint gives.
 
-Run by `make test-deepspeed`, which makes DeepSpeed's venv and the fixtures (about 20 s on two CPUs)
+Run by `make test-deepspeed`, which makes DeepSpeed's venv and the fixtures (about 70 s on two CPUs)
 and points CKPTCONV_DEEPSPEED_FIXTURES at them; skipped otherwise."""
 import json
 import os

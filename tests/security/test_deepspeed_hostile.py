@@ -217,6 +217,11 @@ def test_a_tensor_parallel_pipeline_is_refused(tmp_path):
     shutil.copy(tag / "layer_01-model_00-model_states.pt", tag / "layer_01-model_01-model_states.pt")
     refused_here(src, tmp_path, "layer_01-model_01-model_states.pt", "tensor-parallel rank 1", "not supported",
                  "ds_to_universal")
+    (tag / "layer_01-model_01-model_states.pt").unlink()
+    state = torch.load(tag / "mp_rank_01_model_states.pt", weights_only=False)   # (plain data: no DeepSpeed class)
+    state["checkpoint_parallel_dimensions"]["tp_degree"] = 2
+    torch.save(state, tag / "mp_rank_01_model_states.pt")
+    refused_here(src, tmp_path, "mp_rank_01_model_states.pt", "tp_degree is 2", "no tensor parallelism")
 
 
 def test_a_layer_file_of_other_shapes_is_refused(tmp_path):
