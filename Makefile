@@ -30,8 +30,8 @@ test-vllm: setup $(VLLM_VENV)/.installed
 	CKPTCONV_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest tests/vllm -v
 
 # DeepSpeed ZeRO checkpoints made by the real DeepSpeed (CPU, 2 processes with gloo), every variant of
-# tests/fixtures/deepspeed.py, compared bit for bit with DeepSpeed's own merge (not part of `make
-# test`: the venv is about 1 GB; the fixtures take about 20 s). `deepspeed-fixtures` remakes the small
+# tests/fixtures/deepspeed.py, compared bit for bit with DeepSpeed's own merge, pipelines with its own
+# load_checkpoint (not part of `make test`: the venv is about 1 GB; the fixtures take about 70 s). `deepspeed-fixtures` remakes the small
 # ones committed under tests/fixtures/data/deepspeed/. See docs/formats.md#deepspeed.
 DS_VENV ?= .venv-deepspeed
 DS_FIXTURES ?= /tmp/ckptconv-deepspeed-fixtures
