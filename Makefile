@@ -54,17 +54,22 @@ deepspeed-fixtures: $(DS_VENV)/.installed
 # from, and `--to hf` with Megatron's own logits (not part of `make test`: the venv is about 1 GB; the
 # fixtures take about 6 minutes on two CPUs). `megatron-fixtures` remakes the small ones committed under
 # tests/fixtures/data/megatron/. See docs/formats.md#megatron.
-MEGATRON_VENV ?= .venv-megatron
+# MEGATRON_CORE picks another release (0.13.1-0.15.3 tried: docs/formats.md#megatron), in its own venv;
+# MEGATRON_VARIANTS a subset of the fixtures' variants (default: all), the tests then run on those only.
+MEGATRON_CORE ?= 0.16.1
+MEGATRON_VARIANTS ?=
+MEGATRON_VENV ?= .venv-megatron$(if $(filter 0.16.1,$(MEGATRON_CORE)),,-$(MEGATRON_CORE))
 MEGATRON_FIXTURES ?= /tmp/ckptconv-megatron-fixtures
 $(MEGATRON_VENV)/.installed:
 	python3 -m venv $(MEGATRON_VENV)
-	$(MEGATRON_VENV)/bin/python -m pip install --quiet torch==2.13.0 megatron-core==0.16.1 psutil transformers safetensors
+	$(MEGATRON_VENV)/bin/python -m pip install --quiet torch==2.13.0 megatron-core==$(MEGATRON_CORE) psutil transformers safetensors
 	touch $@
 
 test-megatron: setup $(MEGATRON_VENV)/.installed
 	rm -rf $(MEGATRON_FIXTURES)
-	$(MEGATRON_VENV)/bin/python -m tests.fixtures.megatron $(MEGATRON_FIXTURES)
-	CKPTCONV_MEGATRON_FIXTURES=$(abspath $(MEGATRON_FIXTURES)) $(PY) -m pytest tests/megatron -v
+	$(MEGATRON_VENV)/bin/python -m tests.fixtures.megatron $(MEGATRON_FIXTURES) $(MEGATRON_VARIANTS)
+	CKPTCONV_MEGATRON_FIXTURES=$(abspath $(MEGATRON_FIXTURES)) $(PY) -m pytest tests/megatron -v \
+		$(if $(MEGATRON_VARIANTS),-k "$(subst $() , or ,$(strip $(MEGATRON_VARIANTS)))")
 
 megatron-fixtures: $(MEGATRON_VENV)/.installed
 	$(MEGATRON_VENV)/bin/python -m tests.fixtures.megatron --committed

@@ -38,6 +38,7 @@ _DCP_CLASSES = ["Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "Ch
                 "MetadataIndex", "TensorProperties", "StorageMeta"]
 _MODULES = ["torch.distributed.checkpoint.metadata", "torch.distributed._shard.checkpoint.metadata"]
 _PLANNER = "torch.distributed.checkpoint.planner"
+_MCORE_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch"
 
 
 def _posix_path(ctx, *parts):
@@ -65,6 +66,10 @@ def allowlist(extra=(), base=None) -> dict:
     # structure again faster): records, never used here
     for cls in ("SavePlan", "WriteItem", "TensorWriteData"):
         allow[(_PLANNER, cls)] = InertClass(cls)
+    # Megatron-Core 0.13-0.15 pickle their planner's own SavePlan subclass there, and 0.15 its Metadata
+    # subclass as the whole file (both: the same fields plus per-tensor `mcore_data`, never used here)
+    allow[(_MCORE_STRATEGY, "MCoreSavePlan")] = InertClass("MCoreSavePlan")
+    allow[(_MCORE_STRATEGY, "MCoreMetadata")] = InertClass("MCoreMetadata")
     allow[(_PLANNER, "WriteItemType")] = _enum("WriteItemType")
     allow[("pathlib", "PosixPath")] = Function("pathlib.PosixPath", _posix_path)
     allow[("pathlib", "WindowsPath")] = Function("pathlib.WindowsPath", _posix_path)
@@ -88,8 +93,8 @@ def read(path: Path, options: ReadOptions, allow, keep=None) -> Checkpoint:
     unwrapped as --state-dict says (dcp_training.py) and --only selects among the names written."""
     meta_path = path / ".metadata"
     meta = storage.open_file(confined(meta_path, source_root(path)))
-    md = _record(unpickler.load(storage.buffer(meta, 0, meta.size), allow, meta_path), ("Metadata",), "the pickle",
-                 meta_path)
+    md = _record(unpickler.load(storage.buffer(meta, 0, meta.size), allow, meta_path), ("Metadata", "MCoreMetadata"),
+                 "the pickle", meta_path)
     sdm = _field(md, "state_dict_metadata", meta_path)
     storage_data = _field(md, "storage_data", meta_path)
     if not isinstance(sdm, dict) or not isinstance(storage_data, dict):
