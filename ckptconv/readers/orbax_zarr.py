@@ -468,7 +468,8 @@ class Inflating(TensorSource):
             while self._pos < lo * row:
                 self._read(min(_SKIP, lo * row - self._pos))
             np_dtype = self.dtype.numpy.newbyteorder(">") if self.big else self.dtype.numpy
-            data = np.frombuffer(self._read((hi - lo) * row), np_dtype).reshape((hi - lo,) + self.shape[1:])
+            data = np.frombuffer(self._read((hi - lo) * row), np_dtype).reshape((hi - lo,) + self.shape[1:]
+                                                                               if self.shape else ())
             kept = self._kept = (lo, hi - lo, data.astype(self.dtype.numpy) if self.big else data)
         out = kept[2][lo - kept[0]:hi - kept[0]] if self.shape else kept[2]
         return out[(slice(None),) + tuple(index[1:])] if self.shape else out
