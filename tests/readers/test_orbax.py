@@ -15,7 +15,7 @@ from ckptconv.readers.base import ReadOptions
 from tests.helpers import DATA, assert_same, load_output, run
 
 FIXTURES = Path(os.environ.get("CKPTCONV_ORBAX_FIXTURES") or DATA / "orbax")
-FLAX = ["flax-ocdbt", "flax-zarr2", "flax-zarr3", "flax-ocdbt-zarr3", "flax-raw"]
+FLAX = ["flax-ocdbt", "flax-zarr2", "flax-zarr3", "flax-ocdbt-zarr3", "flax-raw", "flax-2proc", "flax-2proc-zarr"]
 
 
 def reference(name):
@@ -39,7 +39,7 @@ def test_a_flax_models_params_are_orbaxs_restore_bit_for_bit(name, tmp_path):
     manifest = check(tmp_path / "out", reference(name))
     src = manifest["source"]
     assert src["format"] == "orbax" and src["state_dict"] == "params"
-    assert src["layout_kind"] == ("ocdbt" if "ocdbt" in name else "zarr")
+    assert src["layout_kind"] == ("ocdbt" if "ocdbt" in name or name == "flax-2proc" else "zarr")
 
 
 @pytest.mark.parametrize("name", ["flax-zarr2", "flax-ocdbt"])
