@@ -427,10 +427,18 @@ class Inflating(TensorSource):
                              "pip install 'ckptconv[zstd]'") from None
         window = min(ZSTD_MAX_WINDOW, max(1 << 20, 1 << max(self.nbytes - 1, 1).bit_length()))
         dctx = zstandard.ZstdDecompressor(max_window_size=window)
-        source = self.file.view[self.offset:self.offset + self.length] if not self.file.remote else \
-            _Reading(storage.pieces(self.file, self.offset, self.length, _PIECE))
-        self._reader = dctx.stream_reader(source, read_across_frames=True)
+        self._reader = dctx.stream_reader(_Reading(self._pieces()), read_across_frames=True)
         self._pos = 0
+
+    def _pieces(self):
+        """The compressed bytes front to back (files.pieces: views of a local mapping, an object's
+        bytes a bounded window ahead), each piece's pages let go once the next is asked for: a mapped
+        file's pages would otherwise stay resident, the whole checkpoint's by the end."""
+        at = self.offset
+        for piece in storage.pieces(self.file, self.offset, self.length, _PIECE):
+            yield piece
+            self.file.release(at, len(piece))
+            at += len(piece)
 
     def _read(self, n: int) -> bytes:
         import zstandard
@@ -450,7 +458,8 @@ class Inflating(TensorSource):
             raise BadInput(f"{self.file.path}: {self.what}: corrupt or unsupported zstd stream: {e}") from None
         self._pos += got
         if self._pos == self.nbytes:
-            self._reader = None   # read to its end: the decompressor goes
+            self._reader = None   # read to its end: the decompressor goes, and its pages
+            self.file.release(self.offset, self.length)
         return b"".join(parts) if len(parts) != 1 else parts[0]
 
     def _region(self, index):
