@@ -125,16 +125,18 @@ def test_detection_finds_items_steps_and_roots():
 
 
 def test_reshard_tp2_with_rules(tmp_path):
-    rules = tmp_path / "rules.toml"
-    rules.write_text('layout = "flax"\n[[rule]]\npattern = ".*kernel"\naxis = 1\n'
-                     '[[rule]]\npattern = "embed.embedding"\naxis = 0\n')
-    r = run("reshard", FIXTURES / "flax-zarr3", tmp_path / "out", "--tp", "2", "--rules", rules, "--quiet")
-    if r.exit_code != 0 and "layout" in r.stderr:   # (a rules file names its layout: torch is the default)
-        rules.write_text(rules.read_text().replace('layout = "flax"', 'layout = "torch"'))
-        r = run("reshard", FIXTURES / "flax-zarr3", tmp_path / "out", "--tp", "2", "--rules", rules, "--quiet")
-    assert r.exit_code == 0, r.stderr
-    r = run("verify", tmp_path / "out", "--against", FIXTURES / "flax-zarr3")
-    assert r.exit_code == 0, r.stdout + r.stderr
+    rules = tmp_path / "rules.toml"   # Flax kernels are [in, out]: the JAX layout
+    rules.write_text('layout = "jax"\n[[rule]]\npattern = "up\\\\.kernel"\naxis = 1\n'
+                     '[[rule]]\npattern = "down\\\\.kernel"\naxis = 0\n'
+                     '[[rule]]\npattern = "embed\\\\.embedding"\naxis = 0\n')
+    for name in ("flax-zarr3", "flax-ocdbt"):
+        out = tmp_path / name
+        r = run("reshard", FIXTURES / name, out, "--tp", "2", "--rules", rules, "--quiet")
+        assert r.exit_code == 0, r.stderr
+        mesh = json.loads((out / "mesh.json").read_text())
+        assert mesh["tp"] == 2
+        r = run("verify", out, "--against", FIXTURES / name)
+        assert r.exit_code == 0, r.stdout + r.stderr
 
 
 def test_only_reads_the_arrays_asked_for(tmp_path):
