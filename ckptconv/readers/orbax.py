@@ -88,7 +88,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     key = _unwrap(leaves, options.state_dict, storage.join(item, steps.METADATA))
     prefix = tuple(key.split(".")) if key else ()
     counter = Counter()
-    tensors, dropped, rest = [], [], {}
+    tensors, dropped, rest, extras, texts = [], [], {}, {}, None
     for leaf in leaves:
         mine = leaf.keys[:len(prefix)] == prefix and len(leaf.keys) > len(prefix)
         name = ".".join(leaf.keys[len(prefix):]) if prefix else leaf.name
@@ -96,6 +96,13 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
             top = ".".join(leaf.keys[:len(prefix)]) if len(leaf.keys) > len(prefix) else leaf.name
             rest[top] = rest.get(top, 0) + 1
             continue
+        if leaf.value_type == "string" and not leaf.skip:   # kept in _strings.json: an extra, as text
+            if texts is None:
+                texts = steps.strings(item)
+            text = texts.get(leaf.name)
+            if isinstance(text, str) and wanted(name, options.only):
+                extras[name] = text
+                continue
         if leaf.skip or leaf.value_type not in steps.ARRAY_TYPES:
             dropped.append({"name": leaf.name, "reason": f"not an array (Orbax value type {str(leaf.value_type)[:40]})"
                             if not leaf.skip else "saved with skip_deserialize"})
@@ -139,7 +146,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         else [str(item)]
     source = SourceFacts(format=NAME, path=str(path), files=files, dropped=dropped,
                          state_dict=key or ("none" if options.state_dict == "none" else None), more=more)
-    return Checkpoint(tensors, {}, source, [], list(store.files), layout=layout)
+    return Checkpoint(tensors, extras, source, [], list(store.files), layout=layout)
 
 
 OPTIONS = (

@@ -17,17 +17,10 @@ METADATA = "_METADATA"
 MAX_TREE_BYTES = 64 << 20          # _METADATA (the PyTree's paths and value metadata)
 MAX_SMALL_JSON = 1 << 20           # _CHECKPOINT_METADATA
 MAX_ENTRIES = 1 << 16              # entries of a manager root or step directory looked at
+DETECT_DIRS = 8                    # subdirectories of a directory detection looks into
 ITEM_PREFERENCE = ("default", "state", "params", "items", "model", "train_state")
 _STEP = re.compile(r"(?:(.*)_)?(\d{1,18})")
 _ITEM_MARKS = ("manifest.ocdbt", "_sharding", "array_metadatas", CHECKPOINT_METADATA, COMMIT)
-
-
-def _names(path) -> list:
-    try:
-        names = storage.listdir(path)
-    except (OSError, BadInput):
-        return []
-    return names
 
 
 def is_item(path) -> bool:
@@ -40,18 +33,31 @@ def is_item(path) -> bool:
     return any(storage.exists(storage.join(path, n)) for n in _ITEM_MARKS)
 
 
+def _subdirs(path) -> list:
+    """The names of a directory's subdirectories (from its one listing), sorted."""
+    try:
+        found = storage.entries(path)
+    except (OSError, BadInput):
+        return []
+    if len(found) > MAX_ENTRIES:
+        raise BadInput(f"{path}: {len(found)} entries, more than the {MAX_ENTRIES} an Orbax directory may hold")
+    return [e.name for e in found if e.is_dir and not e.name.startswith(".")]
+
+
 def items_of(step) -> list:
     """The item directories of a step directory, sorted."""
-    names = _names(step)
-    if len(names) > MAX_ENTRIES:
-        raise BadInput(f"{step}: {len(names)} entries, more than the {MAX_ENTRIES} an Orbax step directory may hold")
-    return [n for n in names if not n.startswith(".") and is_item(storage.join(step, n))]
+    return [n for n in _subdirs(step) if is_item(storage.join(step, n))]
 
 
 def is_step(path) -> bool:
+    """A step directory: `_CHECKPOINT_METADATA` beside item directories, or (a step whose write did
+    not finish) one of its first few subdirectories an item. Cheap for any directory detection asks
+    about: one listing, and at most DETECT_DIRS subdirectories looked into."""
     if not storage.is_dir(path) or is_item(path):
         return False
-    return storage.is_file(storage.join(path, CHECKPOINT_METADATA)) or bool(items_of(path))
+    subdirs = _subdirs(path)
+    preferred = [n for n in ITEM_PREFERENCE if n in subdirs]
+    return any(is_item(storage.join(path, n)) for n in (preferred + subdirs)[:DETECT_DIRS])
 
 
 def step_number(name: str):
@@ -62,14 +68,10 @@ def step_number(name: str):
 
 def steps_of(root) -> list:
     """(step, name) of the step directories of a manager root, by step (temporary ones included)."""
-    names = _names(root)
-    if len(names) > MAX_ENTRIES:
-        raise BadInput(f"{root}: {len(names)} entries, more than the {MAX_ENTRIES} a CheckpointManager directory "
-                       "may hold")
     out = []
-    for n in names:
+    for n in _subdirs(root):
         number = step_number(n)
-        if number is not None and storage.is_dir(storage.join(root, n)):
+        if number is not None:
             out.append((number, n))
     return sorted(out)
 
@@ -213,6 +215,21 @@ def tree(item) -> tuple:
         seen.add(leaf.name)
         leaves.append(leaf)
     return leaves, doc.get("use_ocdbt") is not False, doc.get("use_zarr3") is True
+
+
+STRINGS = "_strings.json"
+MAX_STRINGS_BYTES = 16 << 20       # _strings.json (the tree's string leaves)
+
+
+def strings(item) -> dict:
+    """{tree path: text} of the string leaves Orbax keeps in the item's `_strings.json` ({} without one)."""
+    path = storage.join(item, STRINGS)
+    if not storage.is_file(path):
+        return {}
+    doc = storage.load_json(path, "Orbax string leaves", MAX_STRINGS_BYTES)
+    if not isinstance(doc, dict):
+        raise BadInput(f"{path}: not a JSON object of string leaves")
+    return doc
 
 
 def safejson_brief(value) -> str:

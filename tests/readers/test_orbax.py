@@ -142,3 +142,13 @@ def test_reshard_tp2_with_rules(tmp_path):
 def test_only_reads_the_arrays_asked_for(tmp_path):
     ckpt = open_checkpoint(FIXTURES / "flax-zarr2", options=ReadOptions(only=["up."]))
     assert sorted(t.name for t in ckpt.tensors) == ["up.bias", "up.kernel"]
+
+
+def test_leaves_that_are_not_arrays_are_extras_or_left_out(tmp_path):
+    r = run("convert", FIXTURES / "mixed", tmp_path / "out", "--quiet", "--state-dict", "none")
+    assert r.exit_code == 0, r.stderr
+    manifest = check(tmp_path / "out", reference("mixed"), prefix="")
+    assert manifest["extras"] == {"name": "hello"}
+    assert {d["name"] for d in manifest["source"]["dropped"]} == {"none", "empty"}
+    ckpt = open_checkpoint(FIXTURES / "mixed", options=ReadOptions(state_dict="none"))
+    assert ckpt.extras == {"name": "hello"}
