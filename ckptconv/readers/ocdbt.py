@@ -19,6 +19,7 @@ parent records about a child (keys, node bytes, indirect value bytes) equal to w
 zstd-compressed nodes inflated to at most NODE_MAX_RATIO x their bytes and NODE_MAX_DECODED; all keys
 together at most KEY_BYTES_LIMIT bytes.
 """
+import bisect
 from typing import NamedTuple
 
 from ..errors import BadInput, UsageError
@@ -33,6 +34,7 @@ NODE_MAX_ENCODED = 256 << 20      # one encoded node as stored (Orbax's nodes: u
 NODE_MAX_DECODED = 128 << 20      # one node inflated; Orbax configures max_decoded_node_bytes = 100e6
 NODE_MAX_RATIO = 1024             # inflated bytes per stored byte of a zstd node (real nodes: < 20)
 NODE_MIN_DECODED = 64 << 10       # ...but a small node may always inflate to this much
+TREE_DECODED_LIMIT = 1 << 30     # all nodes of the tree together, inflated (each node is read once)
 KEY_BYTES_LIMIT = 256 << 20       # all keys of the tree, materialised (a key alone: <= MAX_KEY_LENGTH)
 MAX_KEY_LENGTH = 65535            # tensorstore's kMaxKeyLength
 MAX_PATH_LENGTH = 65535           # tensorstore's kMaxPathLength (a data file's full path)
@@ -60,11 +62,61 @@ def _crc_table():
 _CRC = _crc_table()
 
 
-def crc32c(data) -> int:
-    crc, table = 0xFFFFFFFF, _CRC
+def _crc_bytes(crc: int, data) -> int:
+    table = _CRC
     for b in bytes(data):
         crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
+    return crc
+
+
+def _shift_columns(n: int):
+    """The linear map "feed n zero bytes" on a CRC register, as the images of its 32 unit vectors."""
+    def apply(cols, v):
+        out = 0
+        for i in range(32):
+            if v >> i & 1:
+                out ^= cols[i]
+        return out
+    result = [1 << i for i in range(32)]                       # identity
+    step = [_crc_bytes(1 << i, b"\0") for i in range(32)]      # one zero byte
+    while n:
+        if n & 1:
+            result = [apply(step, c) for c in result]
+        step = [apply(step, c) for c in step]
+        n >>= 1
+    return result
+
+
+_LANE = 1024           # bytes each numpy lane feeds before the lanes are combined
+_SMALL = 16 << 10      # below this, the plain byte loop
+
+
+def crc32c(data) -> int:
+    """CRC-32C of `data`. Long inputs are split into 2**k lanes of about _LANE bytes fed side by side with
+    numpy (the register update is linear, so a lane starting from 0 contributes independently of the
+    others), then combined pairwise: (left shifted by len(right) zero bytes) ^ right."""
+    data = memoryview(data).cast("B")
+    if len(data) < _SMALL:
+        return _crc_bytes(0xFFFFFFFF, data) ^ 0xFFFFFFFF
+    import numpy as np
+    lanes = 1 << ((len(data) // _LANE).bit_length() - 1)
+    width = len(data) // lanes                 # _LANE .. 2 * _LANE - 1; fewer than `lanes` bytes left over
+    body = lanes * width
+    grid = np.frombuffer(data[:body], dtype=np.uint8).reshape(lanes, width).T.copy()
+    table = np.array(_CRC, dtype=np.uint32)
+    state = np.zeros(lanes, dtype=np.uint32)
+    state[0] = 0xFFFFFFFF
+    for row in grid:
+        state = table[(state ^ row) & 0xFF] ^ (state >> 8)
+    while len(state) > 1:
+        cols = _shift_columns(width)
+        left, right = state[0::2], state[1::2]
+        shifted = np.zeros_like(left)
+        for i in range(32):
+            shifted ^= np.where(left >> i & 1, np.uint32(cols[i]), np.uint32(0))
+        state = shifted ^ right
+        width *= 2
+    return _crc_bytes(int(state[0]), data[body:]) ^ 0xFFFFFFFF
 
 
 # --- Decoding ---------------------------------------------------------------------------------
@@ -230,6 +282,7 @@ class OcdbtStore:
         self._open = {}        # relative path -> storage file
         self._claimed = {}     # relative path -> [(offset, end)] of the nodes read from it
         self._key_bytes = 0
+        self._decoded = 0      # bytes of node bodies parsed so far
         self._entries = {}     # key -> Value
         self._order = []
         manifest = root / MANIFEST
@@ -242,7 +295,7 @@ class OcdbtStore:
         data = storage.read_bytes(manifest, "the OCDBT manifest", MANIFEST_MAX_BYTES)
         root_ref, height, stats = self._manifest(data, where)
         if root_ref is not None:
-            got = self._node(root_ref, height, b"", None, where + ": the latest version's root")
+            got = self._node(root_ref, height, b"", None, where + " (the latest version's root)")
             if got != stats:
                 raise BadInput(f"{where}: the latest version records {_said(stats)} but its tree holds {_said(got)}")
 
@@ -353,24 +406,27 @@ class OcdbtStore:
             p = self.root
             for part in parts:
                 p = p / part
-            if not storage.is_file(p):
-                raise BadInput(f"{p}: data file named by {where} is missing")
-            f = storage.open_file(confined(p, self.confine))
+            try:
+                if not storage.is_file(p):
+                    raise BadInput(f"{p}: data file named by {where} is missing")
+                f = storage.open_file(confined(p, self.confine))
+            except OSError as e:
+                raise BadInput(f"{p}: data file named by {where} cannot be opened: {e.strerror or e}") from None
             self._open[rel] = f
             self.files.append(f)
         return self._open[rel]
 
     def _claim(self, ref: _Ref, f, where: str):
-        """A node's bytes: inside its file, not read before, not overlapping another node's."""
-        f.check(ref.offset, ref.length, where)
-        spans = self._claimed.setdefault(ref.path, [])
+        """A node's bytes: not read before, not overlapping another node's."""
+        spans = self._claimed.setdefault(ref.path, [])   # sorted, disjoint (start, end)
         lo, hi = ref.offset, ref.offset + ref.length
-        for a, b in spans:      # a tree's nodes in one file: few (sorted insert would be O(log n))
-            if a < hi and lo < b:
+        i = bisect.bisect_left(spans, (lo, hi))
+        for a, b in spans[max(0, i - 1):i + 1]:           # only the neighbours can overlap
+            if a < hi and lo < b or (a, b) == (lo, hi):
                 again = "is read a second time (the tree loops or shares a node)" if (a, b) == (lo, hi) \
                     else f"overlaps the node at bytes {a}..{b}"
-                raise BadInput(f"{f.path}: {where}: node at bytes {lo}..{hi} {again}; refused")
-        spans.append((lo, hi))
+                raise BadInput(f"{f.path}: node at bytes {lo}..{hi} (named by {where}) {again}; refused")
+        spans.insert(i, (lo, hi))
 
     # -- the B+tree
 
@@ -379,11 +435,16 @@ class OcdbtStore:
         the first one >= `low` (the key its parent records for it); return what it holds."""
         f = self._file(ref.path, where)
         if ref.length > NODE_MAX_ENCODED:
-            raise BadInput(f"{f.path}: {where}: node of {ref.length} bytes exceeds {NODE_MAX_ENCODED}")
+            raise BadInput(f"{f.path}: node at offset {ref.offset} (named by {where}) has {ref.length} bytes, "
+                           f"more than {NODE_MAX_ENCODED}")
+        f.check(ref.offset, ref.length, f"the node named by {where}")
         self._claim(ref, f, where)
         here = f"{f.path} at offset {ref.offset}"
         data = storage.buffer(f, ref.offset, ref.length)
         r = _unwrap(data, _BTREE_MAGIC, "b-tree node", here, NODE_MAX_DECODED)
+        self._decoded += len(r.data)
+        if self._decoded > TREE_DECODED_LIMIT:
+            r.fail(f"the tree's nodes inflate to more than {TREE_DECODED_LIMIT} bytes together; refused")
         got = r.byte("the node height")
         if got != height:
             r.fail(f"node height {got}, but its parent says {height}")
@@ -406,7 +467,7 @@ class OcdbtStore:
         r.end()
         total = [0, ref.length, 0]
         for i in range(n):
-            sub = self._node(refs[i], height - 1, prefix + keys[i][:common[i]], prefix + keys[i], where)
+            sub = self._node(refs[i], height - 1, prefix + keys[i][:common[i]], prefix + keys[i], f"{here}: child {i}")
             if sub != stats[i]:
                 r.fail(f"child {i} is recorded with {_said(stats[i])} but holds {_said(sub)}")
             total[0] += sub.keys
