@@ -13,7 +13,7 @@ from ckptconv.errors import BadInput, UsageError
 from ckptconv.readers.ocdbt import MANIFEST, OcdbtStore, crc32c
 
 DATA = Path(__file__).parent.parent / "fixtures" / "data" / "ocdbt"
-STORES = ["small", "deep", "orbax", "orbax2", "orbax/ocdbt.process_0"]
+STORES = ["small", "empty", "deep", "orbax", "orbax2", "orbax/ocdbt.process_0"]
 
 
 def truth(path: Path) -> dict:
