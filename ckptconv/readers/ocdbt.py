@@ -170,23 +170,32 @@ class _Reader:
             self.fail(f"{self.left()} bytes after the last field (corrupt)")
 
 
+_ZSTD_MAX_RATIO = 32768   # the most one zstd block can inflate per input byte (4 bytes -> 128 KiB)
+
+
 def _inflate(body, where: str, limit: int):
+    """One zstd frame making up the whole of `body`, inflated to at most `limit` bytes. The input is
+    fed in pieces small enough that no piece can inflate past what is still allowed (by more than
+    64 x _ZSTD_MAX_RATIO), so a bomb is stopped after at most that much work; bytes after the frame,
+    or a frame cut short, are refused."""
     try:
         import zstandard
     except ImportError:
         raise UsageError(f"{where}: is zstd-compressed; install zstandard: pip install 'ckptconv[zstd]'") from None
-    out = bytearray()
+    out, pos, body = bytearray(), 0, bytes(body)
     try:
-        dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
-        with dctx.stream_reader(bytes(body), read_across_frames=False) as stream:
-            while True:
-                piece = stream.read(min(1 << 20, limit + 1 - len(out)))
-                if not piece:
-                    break
-                out += piece
-                if len(out) > limit:
-                    raise BadInput(f"{where}: zstd body inflates beyond {limit} bytes "
-                                   f"({NODE_MAX_RATIO} x its {len(body)} bytes, at most {NODE_MAX_DECODED}); refused")
+        d = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW).decompressobj(read_across_frames=False)
+        while pos < len(body) and not d.eof:
+            step = max(64, (limit - len(out)) // _ZSTD_MAX_RATIO)
+            out += d.decompress(body[pos:pos + step])
+            pos += step
+            if len(out) > limit:
+                raise BadInput(f"{where}: zstd body inflates beyond {limit} bytes "
+                               f"({NODE_MAX_RATIO} x its {len(body)} bytes, at most {NODE_MAX_DECODED}); refused")
+        if not d.eof:
+            raise BadInput(f"{where}: zstd body ends inside its frame (truncated or corrupt)")
+        if d.unused_data:
+            raise BadInput(f"{where}: {len(d.unused_data) + max(0, len(body) - pos)} bytes after the zstd frame")
     except zstandard.ZstdError as e:
         raise BadInput(f"{where}: corrupt zstd body: {e}") from None
     return bytes(out)

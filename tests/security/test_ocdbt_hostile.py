@@ -512,3 +512,14 @@ def test_fuzz_random_manifest_bodies(tmp_path_factory, body):
     d.mkdir(exist_ok=True)
     (d / MANIFEST).write_bytes(seal(MANIFEST_MAGIC, body))
     _only_bad_input(d)
+
+
+def test_zstd_frame_cut_short_or_followed(tmp_path):
+    import zstandard
+    frame = zstandard.ZstdCompressor().compress(leaf([(b"a", b"1")]))
+    for body, match in ((frame[:-3], "ends inside its frame"), (frame + b"junk", "4 bytes after the zstd frame")):
+        node = bytearray(seal(BTREE_MAGIC, body))
+        node[13] = 1
+        node = reseal(bytes(node))
+        d, _ = store(tmp_path, [node], stats=(1, len(node), 0))
+        refused(d, match)
