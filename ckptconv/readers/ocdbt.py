@@ -41,6 +41,7 @@ MAX_PATH_LENGTH = 65535           # tensorstore's kMaxPathLength (a data file's 
 MAX_HEIGHT = 32                   # B+tree height; real trees: arity in the thousands, height <= 4
 MAX_ARITY = 1 << 20               # tensorstore's kMaxNodeArity (entries of one node)
 MAX_DATA_FILES = 1 << 16          # data files one table may name
+TABLE_BYTES_LIMIT = 16 << 20      # the paths of one data file table, materialised (real: ~100 B)
 _ZSTD_MAX_WINDOW = 1 << 27
 
 _MANIFEST_MAGIC = 0x0CDB3A2A
@@ -241,8 +242,11 @@ def _data_file_table(r: _Reader, transitive: str):
     prefix = [0] + [r.varint(f"data file {i}'s path prefix length", 16) for i in range(1, n)]
     suffix = [r.varint(f"data file {i}'s path suffix length", 16) for i in range(n)]
     base = [r.varint(f"data file {i}'s base path length", 16) for i in range(n)]
-    out, prev = [], b""
+    out, prev, total = [], b"", 0
     for i in range(n):
+        total += prefix[i] + suffix[i] + len(transitive)
+        if total > TABLE_BYTES_LIMIT:
+            r.fail(f"data file table's paths add up to more than {TABLE_BYTES_LIMIT} bytes; refused")
         if prefix[i] > len(prev):
             r.fail(f"data file {i}'s path shares {prefix[i]} bytes with a previous path of {len(prev)}")
         path = prev[:prefix[i]] + bytes(r.take(suffix[i], f"data file {i}'s path"))

@@ -523,3 +523,17 @@ def test_zstd_frame_cut_short_or_followed(tmp_path):
         node = reseal(bytes(node))
         d, _ = store(tmp_path, [node], stats=(1, len(node), 0))
         refused(d, match)
+
+
+def test_data_file_table_bomb(tmp_path, monkeypatch):
+    """Prefix compression lets 3 bytes name a 64 KiB path; a table's paths together are bounded."""
+    monkeypatch.setattr(ocdbt, "TABLE_BYTES_LIMIT", 1 << 20)
+    n = 100
+    first = b"d/" + b"x" * 60000
+    tbl = varint(n) + b"".join(varint(len(first)) for _ in range(n - 1))
+    tbl += varint(len(first)) + b"".join(varint(0) for _ in range(n - 1)) + b"".join(varint(0) for _ in range(n))
+    tbl += first
+    body = bytes([0]) + tbl + varint(1) + keys_columns([b"a"]) + varint(1) + bytes(1) + b"1"
+    node = seal(BTREE_MAGIC, body)
+    d, _ = store(tmp_path, [node], stats=(1, len(node), 0))
+    refused(d, "paths add up to more than 1048576 bytes")
