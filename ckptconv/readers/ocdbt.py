@@ -35,6 +35,9 @@ NODE_MAX_DECODED = 128 << 20      # one node inflated; Orbax configures max_deco
 NODE_MAX_RATIO = 1024             # inflated bytes per stored byte of a zstd node (real nodes: < 20)
 NODE_MIN_DECODED = 64 << 10       # ...but a small node may always inflate to this much
 TREE_DECODED_LIMIT = 1 << 30     # all nodes of the tree together, inflated (each node is read once)
+MAX_KEYS = 1 << 24                # keys of a tree (each costs ~200 bytes of memory here)
+KEYS_FREE = 1 << 16               # ...and beyond this many, at most this many per stored byte of nodes
+KEYS_PER_STORED_BYTE = 1          # read (real trees: 3 to 30 stored bytes per key, see docs/security.md)
 KEY_BYTES_LIMIT = 256 << 20       # all keys of the tree, materialised (a key alone: <= MAX_KEY_LENGTH)
 MAX_KEY_LENGTH = 65535            # tensorstore's kMaxKeyLength
 MAX_PATH_LENGTH = 65535           # tensorstore's kMaxPathLength (a data file's full path)
@@ -296,6 +299,7 @@ class OcdbtStore:
         self._claimed = {}     # relative path -> [(offset, end)] of the nodes read from it
         self._key_bytes = 0
         self._decoded = 0      # bytes of node bodies parsed so far
+        self._stored = 0       # bytes of encoded nodes read so far
         self._entries = {}     # key -> Value
         self._order = []
         manifest = root / MANIFEST
@@ -456,6 +460,7 @@ class OcdbtStore:
         data = storage.buffer(f, ref.offset, ref.length)
         r = _unwrap(data, _BTREE_MAGIC, "b-tree node", here, NODE_MAX_DECODED)
         self._decoded += len(r.data)
+        self._stored += ref.length
         if self._decoded > TREE_DECODED_LIMIT:
             r.fail(f"the tree's nodes inflate to more than {TREE_DECODED_LIMIT} bytes together; refused")
         got = r.byte("the node height")
@@ -465,6 +470,11 @@ class OcdbtStore:
         n = r.varint("the entry count", 32)
         if n == 0 or n > MAX_ARITY or n > r.left():
             r.fail(f"node claims {n} entries ({min(MAX_ARITY, r.left())} at most fit; 0 is not allowed)")
+        if height == 0:
+            allowed = min(MAX_KEYS, max(KEYS_FREE, int(KEYS_PER_STORED_BYTE * self._stored)))
+            if len(self._order) + n > allowed:
+                r.fail(f"the tree holds more than {allowed} keys (beyond {KEYS_FREE}, at most "
+                       f"{KEYS_PER_STORED_BYTE} per stored byte of its nodes, and {MAX_KEYS} in all); refused")
         keys = self._keys(r, n, height > 0)
         if height == 0:
             return self._leaf(r, n, keys, table, prefix, low, here, ref.length)

@@ -537,3 +537,20 @@ def test_data_file_table_bomb(tmp_path, monkeypatch):
     node = seal(BTREE_MAGIC, body)
     d, _ = store(tmp_path, [node], stats=(1, len(node), 0))
     refused(d, "paths add up to more than 1048576 bytes")
+
+
+@pytest.mark.parametrize("bound", ["per stored byte", "in all"])
+def test_keys_bounded_by_stored_bytes(tmp_path, monkeypatch, bound):
+    """More keys than the bytes of the nodes that hold them justify (beyond KEYS_FREE), or than
+    MAX_KEYS, are refused before they are built (the ratio is lowered here: 3,000 distinct 2-byte
+    keys still take about 5 KB as a zstd leaf)."""
+    monkeypatch.setattr(ocdbt, "KEYS_FREE", 100)
+    if bound == "in all":
+        monkeypatch.setattr(ocdbt, "MAX_KEYS", 1000)
+    else:
+        monkeypatch.setattr(ocdbt, "KEYS_PER_STORED_BYTE", 0.1)
+    n = 3000
+    node = seal(BTREE_MAGIC, leaf([(i.to_bytes(2, "big"), b"") for i in range(1, n + 1)]), compression=1)
+    d, _ = store(tmp_path, [node], stats=(n, len(node), 0))
+    allowed = 1000 if bound == "in all" else len(node) // 10
+    refused(d, f"more than {allowed} keys")
