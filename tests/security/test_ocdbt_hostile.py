@@ -554,3 +554,20 @@ def test_keys_bounded_by_stored_bytes(tmp_path, monkeypatch, bound):
     d, _ = store(tmp_path, [node], stats=(n, len(node), 0))
     allowed = 1000 if bound == "in all" else len(node) // 10
     refused(d, f"more than {allowed} keys")
+
+
+def test_manifest_kind_and_version_nodes(tmp_path):
+    """A config-only (numbered) manifest is refused; so are more version tree node references than
+    there are heights, and a missing root that claims keys."""
+    node = seal(BTREE_MAGIC, leaf([(b"a", b"1")]))
+    d, _ = store(tmp_path, [node], stats=(1, len(node), 0))
+    m = bytearray(manifest((0, 0, len(node)), 0, (1, len(node), 0)))
+    m[14 + 16] = 1                                  # manifest_kind: numbered
+    (d / MANIFEST).write_bytes(reseal(bytes(m)))
+    refused(d, "config-only manifest")
+    m = manifest((0, 0, len(node)), 0, (1, len(node), 0))
+    body = m[14:-4]
+    (d / MANIFEST).write_bytes(seal(MANIFEST_MAGIC, body[:-1] + varint(65)))
+    refused(d, "65 version tree node references")
+    (d / MANIFEST).write_bytes(manifest((0, NONE, NONE), 0, (3, 0, 0)))
+    refused(d, "has no root but height 0 and 3 keys")
