@@ -416,10 +416,10 @@ class OcdbtStore:
     def _file(self, rel: str, where: str):
         if rel not in self._open:
             parts = rel.split("/")
-            if (not rel or rel.startswith("/") or "\\" in rel or "\x00" in rel
+            if (not rel or rel.startswith("/") or "\\" in rel or any(ord(c) < 0x20 or ord(c) == 0x7F for c in rel)
                     or any(p in ("", ".", "..") for p in parts)):
                 raise BadInput(f"{where}: data file path {rel[:300]!r} is not a plain relative path "
-                               "(absolute, empty, '.' or '..' parts); refused")
+                               "(absolute, empty, '.' or '..' parts, a backslash or a control character); refused")
             p = self.root
             for part in parts:
                 p = p / part

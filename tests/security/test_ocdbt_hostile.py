@@ -399,7 +399,8 @@ def test_tree_decoded_total(tmp_path, monkeypatch):
 
 # --- data file paths --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", ["../outside", "/etc/passwd", "d/../../x", "d//data", "./d/data", ""])
+@pytest.mark.parametrize("path", ["../outside", "/etc/passwd", "d/../../x", "d//data", "./d/data", "", "d/a\nb",
+                                  "d\\..\\x"])
 def test_path_escapes(tmp_path, path):
     node = seal(BTREE_MAGIC, leaf([(b"a", b"1")]))
     d, _ = store(tmp_path, [node], stats=(1, len(node), 0))
