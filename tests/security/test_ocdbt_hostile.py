@@ -572,3 +572,17 @@ def test_manifest_kind_and_version_nodes(tmp_path):
     refused(d, "65 version tree node references")
     (d / MANIFEST).write_bytes(manifest((0, NONE, NONE), 0, (3, 0, 0)))
     refused(d, "has no root but height 0 and 3 keys")
+
+
+def test_base_paths_carry_down_the_tree(tmp_path):
+    """A reference through ("sub/", "d/node") makes "sub/" the prefix of every path in the node it
+    leads to: its value ("", "d/val") is read from sub/d/val (tensorstore's transitive base path)."""
+    d = tmp_path / "s"
+    (d / "sub" / "d").mkdir(parents=True)
+    (d / "sub" / "d" / "val").write_bytes(b"hello")
+    node = seal(BTREE_MAGIC, leaf([(b"k", (0, 0, 5))], files=["d/val"]))
+    (d / "sub" / "d" / "node").write_bytes(node)
+    (d / MANIFEST).write_bytes(manifest((0, 0, len(node)), 0, (1, len(node), 5), files=[("sub/", "d/node")]))
+    s = OcdbtStore(d)
+    assert bytes(s.read("k")) == b"hello"
+    assert Path(s.get("k").file.path) == d / "sub" / "d" / "val"
