@@ -16,8 +16,13 @@ data file; every data file path relative, without `..`, resolving inside the che
 heights strictly decreasing from the manifest's root height (so the walk ends), each node read once
 and no two nodes sharing bytes; keys strictly increasing across the whole tree; the statistics a
 parent records about a child (keys, node bytes, indirect value bytes) equal to what the child holds;
-zstd-compressed nodes inflated to at most NODE_MAX_RATIO x their bytes and NODE_MAX_DECODED; all keys
-together at most KEY_BYTES_LIMIT bytes.
+zstd-compressed nodes one whole frame, inflated to at most NODE_MAX_RATIO x their bytes and
+NODE_MAX_DECODED, all nodes together TREE_DECODED_LIMIT; keys at most MAX_KEYS and, beyond KEYS_FREE,
+one per stored byte of the nodes read; all keys together at most KEY_BYTES_LIMIT bytes and one
+table's paths TABLE_BYTES_LIMIT (prefix compression lets a few bytes name 64 KiB).
+
+A directory with per-process stores (`ocdbt.process_N/`) but no root manifest is a save whose merge
+never ran (Orbax merges at commit): refused as unfinished, never pieced together from the parts.
 """
 import bisect
 from typing import NamedTuple
@@ -32,7 +37,7 @@ MANIFEST = "manifest.ocdbt"
 MANIFEST_MAX_BYTES = 16 << 20     # the manifest: a config and a few version references (Orbax's: ~100 B)
 NODE_MAX_ENCODED = 256 << 20      # one encoded node as stored (Orbax's nodes: up to ~100 MB, see below)
 NODE_MAX_DECODED = 128 << 20      # one node inflated; Orbax configures max_decoded_node_bytes = 100e6
-NODE_MAX_RATIO = 1024             # inflated bytes per stored byte of a zstd node (real nodes: < 20)
+NODE_MAX_RATIO = 1024             # inflated bytes per stored byte of a zstd node (Orbax, 16,500 keys: 14.7)
 NODE_MIN_DECODED = 64 << 10       # ...but a small node may always inflate to this much
 TREE_DECODED_LIMIT = 1 << 30     # all nodes of the tree together, inflated (each node is read once)
 MAX_KEYS = 1 << 24                # keys of a tree (each costs ~200 bytes of memory here)
