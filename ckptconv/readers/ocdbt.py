@@ -16,9 +16,15 @@ data file; every data file path relative, without `..`, resolving inside the che
 heights strictly decreasing from the manifest's root height (so the walk ends), each node read once
 and no two nodes sharing bytes; keys strictly increasing across the whole tree; the statistics a
 parent records about a child (keys, node bytes, indirect value bytes) equal to what the child holds;
-zstd-compressed nodes inflated to at most NODE_MAX_RATIO x their bytes and NODE_MAX_DECODED; all keys
-together at most KEY_BYTES_LIMIT bytes.
+zstd-compressed nodes one whole frame, inflated to at most NODE_MAX_RATIO x their bytes and
+NODE_MAX_DECODED, all nodes together TREE_DECODED_LIMIT; keys at most MAX_KEYS and, beyond KEYS_FREE,
+one per stored byte of the nodes read; all keys together at most KEY_BYTES_LIMIT bytes and one
+table's paths TABLE_BYTES_LIMIT (prefix compression lets a few bytes name 64 KiB).
+
+A directory with per-process stores (`ocdbt.process_N/`) but no root manifest is a save whose merge
+never ran (Orbax merges at commit): refused as unfinished, never pieced together from the parts.
 """
+import bisect
 from typing import NamedTuple
 
 from ..errors import BadInput, UsageError
@@ -31,14 +37,19 @@ MANIFEST = "manifest.ocdbt"
 MANIFEST_MAX_BYTES = 16 << 20     # the manifest: a config and a few version references (Orbax's: ~100 B)
 NODE_MAX_ENCODED = 256 << 20      # one encoded node as stored (Orbax's nodes: up to ~100 MB, see below)
 NODE_MAX_DECODED = 128 << 20      # one node inflated; Orbax configures max_decoded_node_bytes = 100e6
-NODE_MAX_RATIO = 1024             # inflated bytes per stored byte of a zstd node (real nodes: < 20)
+NODE_MAX_RATIO = 1024             # inflated bytes per stored byte of a zstd node (Orbax, 16,500 keys: 14.7)
 NODE_MIN_DECODED = 64 << 10       # ...but a small node may always inflate to this much
+TREE_DECODED_LIMIT = 1 << 30     # all nodes of the tree together, inflated (each node is read once)
+MAX_KEYS = 1 << 24                # keys of a tree (each costs ~200 bytes of memory here)
+KEYS_FREE = 1 << 16               # ...and beyond this many, at most this many per stored byte of nodes
+KEYS_PER_STORED_BYTE = 1          # read (real trees: 3 to 30 stored bytes per key, see docs/security.md)
 KEY_BYTES_LIMIT = 256 << 20       # all keys of the tree, materialised (a key alone: <= MAX_KEY_LENGTH)
 MAX_KEY_LENGTH = 65535            # tensorstore's kMaxKeyLength
 MAX_PATH_LENGTH = 65535           # tensorstore's kMaxPathLength (a data file's full path)
 MAX_HEIGHT = 32                   # B+tree height; real trees: arity in the thousands, height <= 4
 MAX_ARITY = 1 << 20               # tensorstore's kMaxNodeArity (entries of one node)
 MAX_DATA_FILES = 1 << 16          # data files one table may name
+TABLE_BYTES_LIMIT = 16 << 20      # the paths of one data file table, materialised (real: ~100 B)
 _ZSTD_MAX_WINDOW = 1 << 27
 
 _MANIFEST_MAGIC = 0x0CDB3A2A
@@ -60,11 +71,61 @@ def _crc_table():
 _CRC = _crc_table()
 
 
-def crc32c(data) -> int:
-    crc, table = 0xFFFFFFFF, _CRC
+def _crc_bytes(crc: int, data) -> int:
+    table = _CRC
     for b in bytes(data):
         crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
+    return crc
+
+
+def _shift_columns(n: int):
+    """The linear map "feed n zero bytes" on a CRC register, as the images of its 32 unit vectors."""
+    def apply(cols, v):
+        out = 0
+        for i in range(32):
+            if v >> i & 1:
+                out ^= cols[i]
+        return out
+    result = [1 << i for i in range(32)]                       # identity
+    step = [_crc_bytes(1 << i, b"\0") for i in range(32)]      # one zero byte
+    while n:
+        if n & 1:
+            result = [apply(step, c) for c in result]
+        step = [apply(step, c) for c in step]
+        n >>= 1
+    return result
+
+
+_LANE = 1024           # bytes each numpy lane feeds before the lanes are combined
+_SMALL = 16 << 10      # below this, the plain byte loop
+
+
+def crc32c(data) -> int:
+    """CRC-32C of `data`. Long inputs are split into 2**k lanes of about _LANE bytes fed side by side with
+    numpy (the register update is linear, so a lane starting from 0 contributes independently of the
+    others), then combined pairwise: (left shifted by len(right) zero bytes) ^ right."""
+    data = memoryview(data).cast("B")
+    if len(data) < _SMALL:
+        return _crc_bytes(0xFFFFFFFF, data) ^ 0xFFFFFFFF
+    import numpy as np
+    lanes = 1 << ((len(data) // _LANE).bit_length() - 1)
+    width = len(data) // lanes                 # _LANE .. 2 * _LANE - 1; fewer than `lanes` bytes left over
+    body = lanes * width
+    grid = np.frombuffer(data[:body], dtype=np.uint8).reshape(lanes, width).T.copy()
+    table = np.array(_CRC, dtype=np.uint32)
+    state = np.zeros(lanes, dtype=np.uint32)
+    state[0] = 0xFFFFFFFF
+    for row in grid:
+        state = table[(state ^ row) & 0xFF] ^ (state >> 8)
+    while len(state) > 1:
+        cols = _shift_columns(width)
+        left, right = state[0::2], state[1::2]
+        shifted = np.zeros_like(left)
+        for i in range(32):
+            shifted ^= np.where(left >> i & 1, np.uint32(cols[i]), np.uint32(0))
+        state = shifted ^ right
+        width *= 2
+    return _crc_bytes(int(state[0]), data[body:]) ^ 0xFFFFFFFF
 
 
 # --- Decoding ---------------------------------------------------------------------------------
@@ -118,23 +179,32 @@ class _Reader:
             self.fail(f"{self.left()} bytes after the last field (corrupt)")
 
 
+_ZSTD_MAX_RATIO = 32768   # the most one zstd block can inflate per input byte (4 bytes -> 128 KiB)
+
+
 def _inflate(body, where: str, limit: int):
+    """One zstd frame making up the whole of `body`, inflated to at most `limit` bytes. The input is
+    fed in pieces small enough that no piece can inflate past what is still allowed (by more than
+    64 x _ZSTD_MAX_RATIO), so a bomb is stopped after at most that much work; bytes after the frame,
+    or a frame cut short, are refused."""
     try:
         import zstandard
     except ImportError:
         raise UsageError(f"{where}: is zstd-compressed; install zstandard: pip install 'ckptconv[zstd]'") from None
-    out = bytearray()
+    out, pos, body = bytearray(), 0, bytes(body)
     try:
-        dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
-        with dctx.stream_reader(bytes(body), read_across_frames=False) as stream:
-            while True:
-                piece = stream.read(min(1 << 20, limit + 1 - len(out)))
-                if not piece:
-                    break
-                out += piece
-                if len(out) > limit:
-                    raise BadInput(f"{where}: zstd body inflates beyond {limit} bytes "
-                                   f"({NODE_MAX_RATIO} x its {len(body)} bytes, at most {NODE_MAX_DECODED}); refused")
+        d = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW).decompressobj(read_across_frames=False)
+        while pos < len(body) and not d.eof:
+            step = max(64, (limit - len(out)) // _ZSTD_MAX_RATIO)
+            out += d.decompress(body[pos:pos + step])
+            pos += step
+            if len(out) > limit:
+                raise BadInput(f"{where}: zstd body inflates beyond {limit} bytes "
+                               f"({NODE_MAX_RATIO} x its {len(body)} bytes, at most {NODE_MAX_DECODED}); refused")
+        if not d.eof:
+            raise BadInput(f"{where}: zstd body ends inside its frame (truncated or corrupt)")
+        if d.unused_data:
+            raise BadInput(f"{where}: {len(d.unused_data) + max(0, len(body) - pos)} bytes after the zstd frame")
     except zstandard.ZstdError as e:
         raise BadInput(f"{where}: corrupt zstd body: {e}") from None
     return bytes(out)
@@ -180,8 +250,11 @@ def _data_file_table(r: _Reader, transitive: str):
     prefix = [0] + [r.varint(f"data file {i}'s path prefix length", 16) for i in range(1, n)]
     suffix = [r.varint(f"data file {i}'s path suffix length", 16) for i in range(n)]
     base = [r.varint(f"data file {i}'s base path length", 16) for i in range(n)]
-    out, prev = [], b""
+    out, prev, total = [], b"", 0
     for i in range(n):
+        total += prefix[i] + suffix[i] + len(transitive)
+        if total > TABLE_BYTES_LIMIT:
+            r.fail(f"data file table's paths add up to more than {TABLE_BYTES_LIMIT} bytes; refused")
         if prefix[i] > len(prev):
             r.fail(f"data file {i}'s path shares {prefix[i]} bytes with a previous path of {len(prev)}")
         path = prev[:prefix[i]] + bytes(r.take(suffix[i], f"data file {i}'s path"))
@@ -230,6 +303,8 @@ class OcdbtStore:
         self._open = {}        # relative path -> storage file
         self._claimed = {}     # relative path -> [(offset, end)] of the nodes read from it
         self._key_bytes = 0
+        self._decoded = 0      # bytes of node bodies parsed so far
+        self._stored = 0       # bytes of encoded nodes read so far
         self._entries = {}     # key -> Value
         self._order = []
         manifest = root / MANIFEST
@@ -242,7 +317,7 @@ class OcdbtStore:
         data = storage.read_bytes(manifest, "the OCDBT manifest", MANIFEST_MAX_BYTES)
         root_ref, height, stats = self._manifest(data, where)
         if root_ref is not None:
-            got = self._node(root_ref, height, b"", None, where + ": the latest version's root")
+            got = self._node(root_ref, height, b"", None, where + " (the latest version's root)")
             if got != stats:
                 raise BadInput(f"{where}: the latest version records {_said(stats)} but its tree holds {_said(got)}")
 
@@ -346,31 +421,34 @@ class OcdbtStore:
     def _file(self, rel: str, where: str):
         if rel not in self._open:
             parts = rel.split("/")
-            if (not rel or rel.startswith("/") or "\\" in rel or "\x00" in rel
+            if (not rel or rel.startswith("/") or "\\" in rel or any(ord(c) < 0x20 or ord(c) == 0x7F for c in rel)
                     or any(p in ("", ".", "..") for p in parts)):
                 raise BadInput(f"{where}: data file path {rel[:300]!r} is not a plain relative path "
-                               "(absolute, empty, '.' or '..' parts); refused")
+                               "(absolute, empty, '.' or '..' parts, a backslash or a control character); refused")
             p = self.root
             for part in parts:
                 p = p / part
-            if not storage.is_file(p):
-                raise BadInput(f"{p}: data file named by {where} is missing")
-            f = storage.open_file(confined(p, self.confine))
+            try:
+                if not storage.is_file(p):
+                    raise BadInput(f"{p}: data file named by {where} is missing")
+                f = storage.open_file(confined(p, self.confine))
+            except OSError as e:
+                raise BadInput(f"{p}: data file named by {where} cannot be opened: {e.strerror or e}") from None
             self._open[rel] = f
             self.files.append(f)
         return self._open[rel]
 
     def _claim(self, ref: _Ref, f, where: str):
-        """A node's bytes: inside its file, not read before, not overlapping another node's."""
-        f.check(ref.offset, ref.length, where)
-        spans = self._claimed.setdefault(ref.path, [])
+        """A node's bytes: not read before, not overlapping another node's."""
+        spans = self._claimed.setdefault(ref.path, [])   # sorted, disjoint (start, end)
         lo, hi = ref.offset, ref.offset + ref.length
-        for a, b in spans:      # a tree's nodes in one file: few (sorted insert would be O(log n))
-            if a < hi and lo < b:
+        i = bisect.bisect_left(spans, (lo, hi))
+        for a, b in spans[max(0, i - 1):i + 1]:           # only the neighbours can overlap
+            if a < hi and lo < b or (a, b) == (lo, hi):
                 again = "is read a second time (the tree loops or shares a node)" if (a, b) == (lo, hi) \
                     else f"overlaps the node at bytes {a}..{b}"
-                raise BadInput(f"{f.path}: {where}: node at bytes {lo}..{hi} {again}; refused")
-        spans.append((lo, hi))
+                raise BadInput(f"{f.path}: node at bytes {lo}..{hi} (named by {where}) {again}; refused")
+        spans.insert(i, (lo, hi))
 
     # -- the B+tree
 
@@ -379,11 +457,17 @@ class OcdbtStore:
         the first one >= `low` (the key its parent records for it); return what it holds."""
         f = self._file(ref.path, where)
         if ref.length > NODE_MAX_ENCODED:
-            raise BadInput(f"{f.path}: {where}: node of {ref.length} bytes exceeds {NODE_MAX_ENCODED}")
+            raise BadInput(f"{f.path}: node at offset {ref.offset} (named by {where}) has {ref.length} bytes, "
+                           f"more than {NODE_MAX_ENCODED}")
+        f.check(ref.offset, ref.length, f"the node named by {where}")
         self._claim(ref, f, where)
         here = f"{f.path} at offset {ref.offset}"
         data = storage.buffer(f, ref.offset, ref.length)
         r = _unwrap(data, _BTREE_MAGIC, "b-tree node", here, NODE_MAX_DECODED)
+        self._decoded += len(r.data)
+        self._stored += ref.length
+        if self._decoded > TREE_DECODED_LIMIT:
+            r.fail(f"the tree's nodes inflate to more than {TREE_DECODED_LIMIT} bytes together; refused")
         got = r.byte("the node height")
         if got != height:
             r.fail(f"node height {got}, but its parent says {height}")
@@ -391,6 +475,11 @@ class OcdbtStore:
         n = r.varint("the entry count", 32)
         if n == 0 or n > MAX_ARITY or n > r.left():
             r.fail(f"node claims {n} entries ({min(MAX_ARITY, r.left())} at most fit; 0 is not allowed)")
+        if height == 0:
+            allowed = min(MAX_KEYS, max(KEYS_FREE, int(KEYS_PER_STORED_BYTE * self._stored)))
+            if len(self._order) + n > allowed:
+                r.fail(f"the tree holds more than {allowed} keys (beyond {KEYS_FREE}, at most "
+                       f"{KEYS_PER_STORED_BYTE} per stored byte of its nodes, and {MAX_KEYS} in all); refused")
         keys = self._keys(r, n, height > 0)
         if height == 0:
             return self._leaf(r, n, keys, table, prefix, low, here, ref.length)
@@ -406,7 +495,7 @@ class OcdbtStore:
         r.end()
         total = [0, ref.length, 0]
         for i in range(n):
-            sub = self._node(refs[i], height - 1, prefix + keys[i][:common[i]], prefix + keys[i], where)
+            sub = self._node(refs[i], height - 1, prefix + keys[i][:common[i]], prefix + keys[i], f"{here}: child {i}")
             if sub != stats[i]:
                 r.fail(f"child {i} is recorded with {_said(stats[i])} but holds {_said(sub)}")
             total[0] += sub.keys

@@ -14,11 +14,12 @@ KEY` writes another top-level entry, `none` everything.
 from pathlib import Path
 
 from .base import Reader, ReaderOption, register
-from ..errors import BadInput, UsageError
+from ..errors import BadInput
 from ..storage import files as storage
 from ..tensor import Checkpoint, SourceFacts
 from . import ReadOptions, confined, source_root, wanted, wrappers
 from . import orbax_steps as steps
+from .ocdbt import MANIFEST, OcdbtStore
 from .orbax_zarr import Counter, DirStore, array_source, read_meta
 
 NAME = "orbax"
@@ -32,14 +33,12 @@ def detect(path: Path) -> bool:
         return False
 
 
-def _store(item, ocdbt: bool):
+def _store(item):
     root = source_root(storage.place(item))
-    if ocdbt and storage.is_file(storage.join(item, "manifest.ocdbt")):
-        try:
-            from .ocdbt import OcdbtStore
-        except ImportError:
-            raise UsageError(f"{item}: an OCDBT checkpoint (manifest.ocdbt); this ckptconv reads Orbax's per-array "
-                             "zarr layout only (use_ocdbt=False)") from None
+    # OCDBT by what is there: the root's manifest, or per-process stores never merged into one (which
+    # OcdbtStore refuses, naming them)
+    if storage.is_file(storage.join(item, MANIFEST)) or \
+            any(e.is_dir and e.name.startswith("ocdbt.process_") for e in storage.entries(item)):
         return _Ocdbt(OcdbtStore(storage.place(item)), item)
     return DirStore(item, lambda p: confined(p, root))
 
@@ -83,8 +82,8 @@ def _kind(key: str) -> str:
 def load(path: Path, options: ReadOptions) -> Checkpoint:
     step_asked, item_asked = options.get("step"), options.get("item")
     item, step, item_name, skipped_steps = steps.choose(path, step_asked, item_asked)
-    leaves, ocdbt, _ = steps.tree(item)
-    store = _store(item, ocdbt)
+    leaves, _, _ = steps.tree(item)
+    store = _store(item)
     key = _unwrap(leaves, options.state_dict, storage.join(item, steps.METADATA))
     prefix = tuple(key.split(".")) if key else ()
     counter = Counter()

@@ -25,6 +25,7 @@ from ..storage import files as storage
 from ..tensor import MappedView, Strided, TensorSource, constant
 from .dcp_chunks import _Reading, _global
 from .dcp_metadata import ZSTD_MAX_RATIO, ZSTD_MAX_WINDOW, Grid
+from .ocdbt import crc32c
 
 # --- Limits (docs/security.md, "Orbax") ---------------------------------------------------------
 MAX_META_BYTES = 1 << 20        # one array's .zarray / zarr.json
@@ -293,28 +294,6 @@ def _check_shapes(shape, chunks, dt, where):
             raise BadInput(f"{where}: {what}: {problem}")
     if any(c == 0 and n for n, c in zip(shape, chunks)):
         raise BadInput(f"{where}: chunk shape {list(chunks)} has a zero size for a non-empty axis of {list(shape)}")
-
-
-# --- crc32c (Castagnoli), for shard indexes -----------------------------------------------------
-
-def _crc_table():
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-_CRC = _crc_table()
-
-
-def crc32c(data) -> int:
-    c = 0xFFFFFFFF
-    for b in bytes(data):
-        c = _CRC[(c ^ b) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
 
 
 # --- Chunks --------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from ckptconv.errors import BadInput, UsageError
 from ckptconv.readers.ocdbt import MANIFEST, OcdbtStore, crc32c
 
 DATA = Path(__file__).parent.parent / "fixtures" / "data" / "ocdbt"
-STORES = ["small", "deep", "orbax", "orbax2", "orbax/ocdbt.process_0"]
+STORES = ["small", "empty", "deep", "merged", "orbax", "orbax2", "orbax/ocdbt.process_0"]
 
 
 def truth(path: Path) -> dict:
@@ -88,3 +88,12 @@ def test_crc32c_known_answers():
     assert crc32c(b"123456789") == 0xE3069283
     assert crc32c(b"") == 0
     assert crc32c(bytes(32)) == 0x8A9136AA
+
+
+def test_merged_tree_reaches_the_processes_values():
+    """merged: Orbax's merge with 400-byte nodes: interior nodes in the root's own data file, values
+    in the processes' data files, named through base paths."""
+    store = OcdbtStore(DATA / "merged")
+    dirs = {str(Path(f.path).parent.relative_to(DATA / "merged")) for f in store.files}
+    assert dirs == {"d", "ocdbt.process_0/d", "ocdbt.process_1/d"}
+    assert len(store.keys()) == 240

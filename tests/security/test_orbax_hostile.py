@@ -229,3 +229,9 @@ def test_a_missing_chunk_is_the_fill_value_as_tensorstore_reads_it(tmp_path):
     got = load_file(str(next(out.glob("*.safetensors"))))["down.bias"]
     want = load_file(str(FIXTURES / "flax-raw.reference.safetensors"))["params.down.bias"]
     assert got[0] == 1.5 and got[1:].tobytes() == want[1:].tobytes()
+
+
+def test_per_process_stores_never_merged_are_refused(tmp_path):
+    src = copy(tmp_path, "flax-2proc")
+    (src / "manifest.ocdbt").unlink()
+    refused(src, tmp_path, "never merged", "ocdbt.process_0")
