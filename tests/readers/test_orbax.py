@@ -152,3 +152,29 @@ def test_leaves_that_are_not_arrays_are_extras_or_left_out(tmp_path):
     assert {d["name"] for d in manifest["source"]["dropped"]} == {"none", "empty"}
     ckpt = open_checkpoint(FIXTURES / "mixed", options=ReadOptions(state_dict="none"))
     assert ckpt.extras == {"name": "hello"}
+
+
+@pytest.mark.parametrize("name", ["manager", "flax-2proc-zarr"])
+def test_two_ckptconv_processes_write_what_one_does(name, tmp_path):
+    from tests.e2e.test_distributed import launch, same_tree, wait_all
+    results = wait_all(launch(["convert", FIXTURES / name, tmp_path / "two", "--max-shard-size", "1KB", "--quiet"]))
+    assert all(rc == 0 for rc, _, _ in results), results
+    r = run("convert", FIXTURES / name, tmp_path / "one", "--max-shard-size", "1KB", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    same_tree(tmp_path / "two", tmp_path / "one")
+    check(tmp_path / "one", reference(f"{name}.step2" if name == "manager" else name))
+
+
+def test_a_step_without_its_commit_marker_is_skipped_and_refused(tmp_path):
+    import shutil
+    src = tmp_path / "manager-zarr"
+    shutil.copytree(FIXTURES / "manager-zarr", src)
+    (src / "2" / "commit_success.txt").unlink()   # its siblings have theirs: the write of 2 did not commit
+    r = run("convert", src, tmp_path / "out", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    manifest = check(tmp_path / "out", reference("manager-zarr.step1"))
+    assert manifest["source"]["step"] == 1
+    assert {"name": "2", "reason": "it has no commit_success.txt, which Orbax writes when a save is committed"} \
+        in manifest["source"]["incomplete_steps"]
+    r = run("convert", src, tmp_path / "out2", "--step", "2")
+    assert r.exit_code == 2 and "commit_success.txt" in r.stderr
