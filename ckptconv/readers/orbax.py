@@ -61,7 +61,8 @@ class _Ocdbt:
 
 
 def _unwrap(leaves, how: str, where):
-    """(leaves written, their names, the top-level key unwrapped or None)."""
+    """The entry (a top-level key or a dotted path, `--state-dict`) whose arrays are written under names
+    relative to it, or None: every array under its full path. `auto`: `params` when the tree has it."""
     tops = list(dict.fromkeys(leaf.keys[0] for leaf in leaves))
     if how == "none":
         return None
@@ -73,6 +74,11 @@ def _unwrap(leaves, how: str, where):
         raise wrappers.NoSuchEntry(f"--state-dict {how!r}: {where} has no entry of arrays under that key or dotted path "
                                    f"(its top level: {', '.join(tops[:12])})")
     return how
+
+
+def _array(leaf) -> int:
+    """1 for a leaf read as a tensor, 0 for one that is not an array."""
+    return int(not leaf.skip and leaf.value_type in steps.ARRAY_TYPES)
 
 
 def _kind(key: str) -> str:
@@ -92,8 +98,10 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         mine = leaf.keys[:len(prefix)] == prefix and len(leaf.keys) > len(prefix)
         name = ".".join(leaf.keys[len(prefix):]) if prefix else leaf.name
         if not mine:
-            top = ".".join(leaf.keys[:len(prefix)]) if len(leaf.keys) > len(prefix) else leaf.name
-            rest[top] = rest.get(top, 0) + 1
+            # the sibling of the entry written, at the level where the leaf's path leaves it
+            at = next((i for i, (k, p) in enumerate(zip(leaf.keys, prefix)) if k != p), len(leaf.keys) - 1)
+            top = ".".join(leaf.keys[:at + 1])
+            rest[top] = rest.get(top, 0) + _array(leaf)
             continue
         if leaf.value_type == "string" and not leaf.skip:   # kept in _strings.json: an extra, as text
             if texts is None:
@@ -115,15 +123,16 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         tensors.append(array_source(store, leaf.name, name, meta, counter))
     layout = None
     if rest or key:
-        dropped += [{"name": k, "reason": "tensors outside the state dict"} for k in rest]
+        dropped += [{"name": k, "reason": "tensors outside the state dict"} for k, n in rest.items() if n]
         counts = {}
         for leaf in leaves:
-            counts[leaf.keys[0]] = counts.get(leaf.keys[0], 0) + 1
+            counts[leaf.keys[0]] = counts.get(leaf.keys[0], 0) + _array(leaf)
         chosen = key if key else None
         parts = [wrappers.Part(k, _kind(k), n) for k, n in counts.items()]
         if key and "." in key:
             parts = [wrappers.Part(key, wrappers.MODEL, len(tensors))] + [wrappers.Part(k, _kind(k), n)
-                                                                          for k, n in rest.items()]
+                                                                          for k, n in rest.items() if n]
+        parts = [p for p in parts if p.tensors or p.key == key]
         layout = wrappers.Layout(tuple(parts), chosen, options.state_dict)
     took = []
     if step is not None:
@@ -141,8 +150,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     if skipped_steps:
         more["incomplete_steps"] = [{"name": n, "reason": why} for n, why in skipped_steps]
     item_path = storage.place(item)
-    files = [str(item_path.relative_to(path)) if item_path != path else "."] if hasattr(item_path, "relative_to") \
-        else [str(item)]
+    files = [str(item_path.relative_to(path)) if item_path != path else "."]   # the item read, under SRC
     source = SourceFacts(format=NAME, path=str(path), files=files, dropped=dropped,
                          state_dict=key or ("none" if options.state_dict == "none" else None), more=more)
     return Checkpoint(tensors, extras, source, [], list(store.files), layout=layout)
