@@ -30,6 +30,7 @@ from .ocdbt import crc32c
 # --- Limits (docs/security.md, "Orbax") ---------------------------------------------------------
 MAX_META_BYTES = 1 << 20        # one array's .zarray / zarr.json
 MAX_CHUNKS = 1 << 20            # chunks of one array's grid (present or not), and of a whole checkpoint
+FILL_ALLOWANCE = 1 << 30        # bytes of chunks not stored (the fill value), beyond what stored chunks hold
 _PIECE = 1 << 20                # compressed bytes fed to a decompressor at a time (remote objects)
 _SKIP = 4 << 20                 # decompressed bytes skipped at a time
 
@@ -470,10 +471,13 @@ class Inflating(TensorSource):
 # --- One array -------------------------------------------------------------------------------------
 
 class Counter:
-    """Chunks made so far for one checkpoint (MAX_CHUNKS in all)."""
+    """Chunks made so far for one checkpoint (MAX_CHUNKS in all), and the bytes of those stored and of
+    those not (the fill value: at most FILL_ALLOWANCE more than the stored ones hold — Orbax stores
+    every chunk, store_array_data_equal_to_fill_value; a few bytes of metadata must not make ckptconv
+    write terabytes of fill)."""
 
     def __init__(self):
-        self.chunks = 0
+        self.chunks = self.stored = self.missing = 0
 
 
 def _shard_index(store, key, value, meta, shard, what):
@@ -555,6 +559,15 @@ def array_source(store, array: str, name: str, meta: ArrayMeta, counter: Counter
         (f, at), index, _ = held
         off, nb = index[inner]
         chunks.append(_Chunk(name, meta, unit, codecs, offsets, sizes, f, at + off, nb, cwhat))
+    for c in chunks:
+        if c.file is None:
+            counter.missing += c.numel * dt.itemsize
+        else:
+            counter.stored += c.nbytes
+    if counter.missing > FILL_ALLOWANCE + counter.stored:
+        raise BadInput(f"{store.where(array)}: {what}: the chunks not stored would be {counter.missing} bytes of fill "
+                       f"value in the checkpoint so far, more than the {FILL_ALLOWANCE} accepted beyond the "
+                       f"{counter.stored} bytes of chunks stored")
     cuts = [sorted({0, n, *range(0, n, c)}) for n, c in zip(shape, unit)]
     owner = np.arange(count, dtype=np.int64 if count >= 2**31 else np.int32).reshape(grid)
     for c in chunks:

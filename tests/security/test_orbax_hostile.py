@@ -235,3 +235,9 @@ def test_per_process_stores_never_merged_are_refused(tmp_path):
     src = copy(tmp_path, "flax-2proc")
     (src / "manifest.ocdbt").unlink()
     refused(src, tmp_path, "never merged", "ocdbt.process_0")
+
+
+def test_an_array_of_missing_chunks_cannot_ask_for_terabytes_of_fill(tmp_path):
+    src = copy(tmp_path)
+    edit_json(src / "params.down.bias" / ".zarray", lambda d: d.update(shape=[1 << 40], chunks=[1 << 20]))
+    refused(src, tmp_path, "params.down.bias", "bytes of fill value", "more than the 1073741824 accepted")
