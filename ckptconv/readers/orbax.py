@@ -88,11 +88,11 @@ def _kind(key: str) -> str:
 def load(path: Path, options: ReadOptions) -> Checkpoint:
     step_asked, item_asked = options.get("step"), options.get("item")
     item, step, item_name, skipped_steps = steps.choose(path, step_asked, item_asked)
-    leaves, _, _ = steps.tree(item)
+    leaves, every_chunk = steps.tree(item)
     store = _store(item)
     key = _unwrap(leaves, options.state_dict, storage.join(item, steps.METADATA))
     prefix = tuple(key.split(".")) if key else ()
-    counter = Counter()
+    counter = Counter(every_chunk)
     tensors, dropped, rest, extras, texts = [], [], {}, {}, None
     for leaf in leaves:
         mine = leaf.keys[:len(prefix)] == prefix and len(leaf.keys) > len(prefix)

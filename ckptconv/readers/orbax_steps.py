@@ -188,7 +188,7 @@ ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 
 
 def tree(item) -> tuple:
-    """(leaves in the file's order, use_ocdbt, use_zarr3) from the item's `_METADATA`."""
+    """(leaves in the file's order, whether every chunk is stored) from the item's `_METADATA`."""
     path = storage.join(item, METADATA)
     doc = storage.load_json(path, "Orbax PyTree metadata", MAX_TREE_BYTES)
     if not isinstance(doc, dict) or not isinstance(doc.get("tree_metadata"), dict):
@@ -214,7 +214,8 @@ def tree(item) -> tuple:
             raise BadInput(f"{path}: tree path {leaf.name[:100]!r} is not a name an array can have, or is listed twice")
         seen.add(leaf.name)
         leaves.append(leaf)
-    return leaves, doc.get("use_ocdbt") is not False, doc.get("use_zarr3") is True
+    # Orbax stores every chunk when it records this, and its restore then refuses a missing one
+    return leaves, doc.get("store_array_data_equal_to_fill_value") is True
 
 
 STRINGS = "_strings.json"

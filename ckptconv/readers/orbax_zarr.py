@@ -476,8 +476,9 @@ class Counter:
     every chunk, store_array_data_equal_to_fill_value; a few bytes of metadata must not make ckptconv
     write terabytes of fill)."""
 
-    def __init__(self):
+    def __init__(self, every_chunk: bool = False):
         self.chunks = self.stored = self.missing = 0
+        self.every_chunk = every_chunk   # _METADATA's store_array_data_equal_to_fill_value: a missing chunk is damage
 
 
 def _shard_index(store, key, value, meta, shard, what):
@@ -560,6 +561,10 @@ def array_source(store, array: str, name: str, meta: ArrayMeta, counter: Counter
         off, nb = index[inner]
         chunks.append(_Chunk(name, meta, unit, codecs, offsets, sizes, f, at + off, nb, cwhat))
     for c in chunks:
+        if c.file is None and counter.every_chunk:
+            raise BadInput(f"{store.where(array)}: {c.what} is missing; Orbax stored every chunk of this checkpoint "
+                           "(store_array_data_equal_to_fill_value) and its restore refuses it too (truncated or "
+                           "damaged copy?)")
         if c.file is None:
             counter.missing += c.numel * dt.itemsize
         else:

@@ -15,7 +15,8 @@ from ckptconv.readers.base import ReadOptions
 from tests.helpers import DATA, assert_same, load_output, run
 
 FIXTURES = Path(os.environ.get("CKPTCONV_ORBAX_FIXTURES") or DATA / "orbax")
-FLAX = ["flax-ocdbt", "flax-zarr2", "flax-zarr3", "flax-ocdbt-zarr3", "flax-raw", "flax-2proc", "flax-2proc-zarr"]
+FLAX = ["flax-ocdbt", "flax-zarr2", "flax-zarr3", "flax-ocdbt-zarr3", "flax-raw", "flax-2proc", "flax-2proc-zarr",
+        "zarr2-layouts", "zarr3-layouts"]
 
 
 def reference(name):

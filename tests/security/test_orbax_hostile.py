@@ -217,10 +217,13 @@ def test_a_manager_without_a_complete_step_is_refused(tmp_path):
     refused(src, tmp_path, "no complete Orbax checkpoint step")
 
 
-def test_a_missing_chunk_is_the_fill_value_as_tensorstore_reads_it(tmp_path):
-    """Not an attack: zarr's rule (a chunk not stored holds the fill value; tensorstore reads it so)."""
+def test_a_missing_chunk_is_refused_where_orbax_stored_every_chunk(tmp_path):
+    """As Orbax's own restore refuses it (store_array_data_equal_to_fill_value in _METADATA); where
+    _METADATA does not say so, a chunk not stored is the fill value (fixture zarr2-layouts)."""
     src = copy(tmp_path, "flax-raw")
     (src / "params.down.bias" / "0").unlink()
+    refused(src, tmp_path, "params.down.bias", "chunk [0]", "is missing", "store_array_data_equal_to_fill_value")
+    edit_json(src / "_METADATA", lambda d: d.update(store_array_data_equal_to_fill_value=False))
     edit_json(src / "params.down.bias" / ".zarray", lambda d: d.update(fill_value=1.5))
     out = tmp_path / "out"
     r = convert(src, out, "--quiet")
@@ -239,5 +242,6 @@ def test_per_process_stores_never_merged_are_refused(tmp_path):
 
 def test_an_array_of_missing_chunks_cannot_ask_for_terabytes_of_fill(tmp_path):
     src = copy(tmp_path)
+    edit_json(src / "_METADATA", lambda d: d.update(store_array_data_equal_to_fill_value=False))
     edit_json(src / "params.down.bias" / ".zarray", lambda d: d.update(shape=[1 << 40], chunks=[1 << 20]))
     refused(src, tmp_path, "params.down.bias", "bytes of fill value", "more than the 1073741824 accepted")
