@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-training training-fixtures test-cloud test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures demo bench fuzz clean
+.PHONY: setup test test-training training-fixtures test-cloud test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures test-orbax orbax-fixtures demo bench fuzz clean
 
 setup: $(VENV)/.installed
 
@@ -95,6 +95,27 @@ test-training: setup $(TRAINING_VENV)/.installed
 training-fixtures: $(TRAINING_VENV)/.installed
 	$(TRAINING_VENV)/bin/python -m tests.fixtures.training_dcp --committed
 
+# Orbax checkpoints made by the real Orbax (jax on 8 host CPU devices; a 2-process save with
+# jax.distributed on 127.0.0.1), every variant of tests/fixtures/orbax.py (OCDBT, per-array zarr v2
+# and v3, uncompressed, CheckpointManager steps and items), each compared bit for bit with Orbax's own
+# restore (not part of `make test`: the venv is about 1 GB; the fixtures take about 90 s).
+# `orbax-fixtures` remakes the small ones committed under tests/fixtures/data/orbax/. See
+# docs/formats.md#orbax.
+ORBAX_VENV ?= .venv-orbax
+ORBAX_FIXTURES ?= /tmp/ckptconv-orbax-fixtures
+$(ORBAX_VENV)/.installed:
+	python3 -m venv $(ORBAX_VENV)
+	$(ORBAX_VENV)/bin/python -m pip install --quiet jax==0.10.2 orbax-checkpoint==0.12.8 flax==0.12.8 tensorstore==0.1.86 optax==0.2.8 safetensors
+	touch $@
+
+test-orbax: setup $(ORBAX_VENV)/.installed
+	rm -rf $(ORBAX_FIXTURES)
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(ORBAX_VENV)/bin/python -m tests.fixtures.orbax $(ORBAX_FIXTURES)
+	CKPTCONV_ORBAX_FIXTURES=$(abspath $(ORBAX_FIXTURES)) $(PY) -m pytest tests/orbax -v
+
+orbax-fixtures: $(ORBAX_VENV)/.installed
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(ORBAX_VENV)/bin/python -m tests.fixtures.orbax --committed
+
 # Azure Blob Storage through Azurite, Microsoft's emulator (npm), on 127.0.0.1, and the client the tests
 # use to make containers (azure-storage-blob, installed beside it): az:// sources and outputs checked
 # like s3:// ones against moto in `make test` (not part of `make test`: npm and about 60 MB; the tests
@@ -123,4 +144,4 @@ fuzz: setup
 	$(PY) -m fuzz.fuzz_parsers fuzz/corpus -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(DS_VENV) $(MEGATRON_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(DS_VENV) $(MEGATRON_VENV) $(ORBAX_VENV) build *.egg-info

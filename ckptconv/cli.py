@@ -410,6 +410,8 @@ def inspect_cmd(path, list_formats, fmt, read, quiet, as_json):
                          **({"components": found.components} if found.components else {})})
         return
     say(f"{path}: {found.format}, {len(found.tensors)} tensors, {format_size(found.total_bytes)}")
+    if found.source.get("took"):   # which part of a source of several a reader read (Orbax: step, item)
+        say(f"read: {found.source['took']}")
     say("dtypes: " + ", ".join(f"{k} {format_size(v)}" for k, v in found.dtypes.items()))
     if found.components:
         say(f"components of {found.source.get('pipeline')}:")

@@ -1,7 +1,7 @@
 """Coverage-guided fuzzing of the parsers that face untrusted bytes (`make fuzz`, not in CI).
 
 Every input goes through the unpickler (torch, numpy and DCP allowlists), the torch zip reader, the
-safetensors header parser, and every registered reader, each loading the bytes placed where it reads
+safetensors header parser, the OCDBT manifest parser, and every registered reader, each loading the bytes placed where it reads
 them (`Reader.fuzz`: a minimal source; a new reader is fuzzed once it declares one). The only
 acceptable failure is the project's own CkptError; anything else is a bug, and atheris reports the
 input that caused it.
@@ -13,7 +13,7 @@ from pathlib import Path
 from ckptconv.readers.pickle import unpickler
 from ckptconv.errors import CkptError
 from ckptconv.io.mapped import MemoryFile
-from ckptconv.readers import ReadOptions, dcp, grok, readers, torch_pickle
+from ckptconv.readers import ReadOptions, dcp, grok, ocdbt, readers, torch_pickle
 from ckptconv.formats.safetensors import parse_header
 from ckptconv.readers.pickle.torch_globals import torch_globals
 
@@ -44,6 +44,13 @@ def parse_any(data: bytes):
             fn()
         except CkptError:
             pass
+    store = _DIR / "ocdbt"          # an OCDBT manifest (readers/ocdbt.py: a format, not a reader)
+    store.mkdir(exist_ok=True)
+    (store / ocdbt.MANIFEST).write_bytes(data)
+    try:
+        ocdbt.OcdbtStore(store)
+    except CkptError:
+        pass
     for reader in readers().values():
         try:
             ckpt = reader.load(_place(reader, data), ReadOptions())

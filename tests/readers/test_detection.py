@@ -13,8 +13,8 @@ from tests.helpers import ROOT, assert_same, load_output, run
 def test_the_detection_order_is_the_documented_one():
     table = re.findall(r"^\| (\d+) \| `(\w+)` \|", (ROOT / "docs" / "formats.md").read_text(), re.M)
     assert [(r.priority, r.name) for r in readers().values()] == [(int(p), n) for p, n in table]
-    assert list(readers())[:8] == ["diffusers", "mesh", "megatron", "dcp", "safetensors", "torchscript", "deepspeed",
-                                   "torch"]
+    assert list(readers())[:9] == ["diffusers", "mesh", "megatron", "dcp", "orbax", "safetensors", "torchscript",
+                                   "deepspeed", "torch"]
 
 
 def test_a_directory_saved_both_ways_reads_the_safetensors_and_says_so(tmp_path):

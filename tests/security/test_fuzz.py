@@ -2,6 +2,7 @@
 header parser only ever raise the project's own error (never another exception, never a hang).
 The long coverage-guided run is `make fuzz` (atheris, fuzz/fuzz_parsers.py)."""
 import io
+from pathlib import Path
 import pickle
 
 import numpy as np
@@ -54,6 +55,8 @@ SEEDS = {
     "safetensors": _safetensors_bytes(),
     "npz": _npz_bytes(),
     "torch-legacy": attacks.torch_legacy(pickle.dumps({"x": 1.5, "y": [1, 2]}, protocol=2)),
+    # an OCDBT manifest of a real tensorstore store (parse_any puts it where readers/ocdbt.py reads it)
+    "ocdbt-manifest": (Path(__file__).parent.parent / "fixtures" / "data" / "ocdbt" / "small" / "manifest.ocdbt").read_bytes(),
     "grok": grok_fixtures.dumps(grok_fixtures.QuantizedWeight8bit(np.ones((4, 4), np.int8),
                                                                   np.ones((1, 4), ml_dtypes.bfloat16))),
 }

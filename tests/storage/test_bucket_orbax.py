@@ -1,0 +1,29 @@
+"""Orbax checkpoints in a bucket (moto's S3 API on 127.0.0.1) read as the same files on a local disk
+do: convert and `reshard --tp 2` write byte-identical outputs, for the per-array zarr layouts, OCDBT and
+a CheckpointManager directory (its latest complete step found from the listing)."""
+import pytest
+
+from tests.helpers import DATA, run
+from tests.storage.test_bucket_sources import same_tree, upload
+
+FIXTURES = DATA / "orbax"
+
+
+def both(s3, local, tmp_path, command, *args):
+    url = upload(s3, local, f"runs/{local.name}")
+    r = run(command, url, tmp_path / "remote", "--quiet", "--endpoint-url", s3.endpoint, *args)
+    assert r.exit_code == 0, r.stderr
+    r = run(command, local, tmp_path / "local", "--quiet", *args)
+    assert r.exit_code == 0, r.stderr
+    return tmp_path / "remote", tmp_path / "local"
+
+
+@pytest.mark.parametrize("name", ["flax-zarr2", "flax-zarr3", "flax-raw", "flax-ocdbt", "manager", "manager-zarr"])
+def test_an_orbax_checkpoint_converts_from_a_bucket_as_locally(s3, tmp_path, name):
+    same_tree(*both(s3, FIXTURES / name, tmp_path, "convert"))
+
+
+def test_an_orbax_checkpoint_reshards_from_a_bucket_as_locally(s3, tmp_path):
+    rules = tmp_path / "rules.toml"
+    rules.write_text('layout = "jax"\n[[rule]]\npattern = ".*(kernel|embedding)"\naxis = 1\n')
+    same_tree(*both(s3, FIXTURES / "flax-zarr2", tmp_path, "reshard", "--tp", "2", "--rules", rules))
