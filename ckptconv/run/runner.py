@@ -48,9 +48,10 @@ def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, 
     process's units. `progress(total)` gives a context manager yielding an update(nbytes) callable.
     With `job` (tasks.Job: how any process re-derives this run) and an `executor` that runs tasks
     side by side (executors.py), every unit is a task: see `run_tasks`."""
+    tasked = cluster is None   # (--distributed, even of one process, shares out as before)
     cluster = cluster or Solo()
     units = writer.plan(tensors)
-    if job is not None and executor is not None and cluster.num_processes == 1 and not options.resume \
+    if tasked and job is not None and executor is not None and not options.resume \
             and not is_url(os.fspath(out)) and executor.parallel(_tasks.tasks_of(job, units)):
         return run_tasks(writer, units, out, options, inputs, check_unchanged, progress, job, executor)
     mine = shares(units, cluster)

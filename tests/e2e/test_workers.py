@@ -143,3 +143,24 @@ def test_sigterm_mid_run_ends_the_workers_and_leaves_nothing(big_pt, tmp_path):
     assert workers and not [w for w in workers if Path(f"/proc/{w}").exists()
                             and "Z" not in Path(f"/proc/{w}/stat").read_text().rsplit(")", 1)[1].split()[0]]
     _nothing_left(out)
+
+
+def test_one_progress_bar_fed_by_every_task(hf_llama, tmp_path):
+    """The driver's one bar: the same total and the same bytes counted as a run of one process."""
+    import contextlib
+    from ckptconv import api
+    seen = {}
+
+    def progress_of(w):
+        @contextlib.contextmanager
+        def progress(total):
+            seen[w] = [total, 0]
+
+            def update(n):
+                seen[w][1] += n
+            yield update
+        return progress
+
+    for w in (1, 2):
+        api.convert(hf_llama["dir"], tmp_path / f"out{w}", max_shard_size="60KB", workers=w, progress=progress_of(w))
+    assert seen[1] == seen[2] and seen[2][1] > 0
