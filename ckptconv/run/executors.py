@@ -137,7 +137,7 @@ class LocalExecutor(Executor):
         workers = []
         found = {}
         try:
-            with _quiet_children():
+            with _quiet_children(), _no_main():
                 for _ in range(n):
                     p = ctx.Process(target=_worker, args=(todo, answers, os.getpid()), daemon=True)
                     p.start()
@@ -197,6 +197,21 @@ def _quiet_children():
         yield
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+@contextlib.contextmanager
+def _no_main():
+    """Start workers without the driver's __main__: multiprocessing's spawn would re-import the script
+    that called us in each worker (a program using the API at its top level, without a
+    `if __name__ == "__main__"` guard, would run again there). A worker needs none of it: what it runs
+    is named by module (ckptconv's, or a job's prepare function)."""
+    import types
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _die_with(parent: int):

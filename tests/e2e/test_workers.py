@@ -164,3 +164,16 @@ def test_one_progress_bar_fed_by_every_task(hf_llama, tmp_path):
     for w in (1, 2):
         api.convert(hf_llama["dir"], tmp_path / f"out{w}", max_shard_size="60KB", workers=w, progress=progress_of(w))
     assert seen[1] == seen[2] and seen[2][1] > 0
+
+
+def test_a_script_using_the_api_without_a_main_guard_runs_once(hf_llama, tmp_path):
+    """Workers are spawned without the caller's __main__: the script is not run again in each."""
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nfrom ckptconv import api\nprint('top level ran')\n"
+                      "api.convert(sys.argv[1], sys.argv[2], max_shard_size='60KB', workers=2)\n")
+    r = subprocess.run([sys.executable, str(script), str(hf_llama["dir"]), str(tmp_path / "out")], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("top level ran") == 1
+    assert run("convert", hf_llama["dir"], tmp_path / "one", *SHARDS, "--workers", 1).exit_code == 0
+    same_tree(tmp_path / "out", tmp_path / "one")
