@@ -120,9 +120,10 @@ def _children(pid: int) -> list:
         if entry.isdigit():
             try:
                 stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:   # (not the resource tracker)
                 found.append(int(entry))
     return found
 
