@@ -20,7 +20,7 @@ import sys
 import time
 
 from .. import signals
-from ..errors import CkptError, OutputError
+from ..errors import CkptError, OutputError, UsageError
 from . import tasks as _tasks
 
 EXECUTORS = {}
@@ -91,7 +91,7 @@ class LocalExecutor(Executor):
         super().__init__(workers)
         self.kind = kind or os.environ.get("CKPTCONV_LOCAL_WORKERS", "process")
         if self.kind not in ("process", "thread"):
-            raise OutputError(f"CKPTCONV_LOCAL_WORKERS={self.kind!r}: process or thread")
+            raise UsageError(f"CKPTCONV_LOCAL_WORKERS={self.kind!r}: process or thread")
 
     def run(self, tasks, tmp, progress=None) -> list:
         if not tasks:
