@@ -19,6 +19,7 @@ from ..formats import not_ours, published
 from ..storage.targets import bucket_output
 from ..storage.urls import is_url, redact
 from ..layouts.base import ResultError, RunFacts
+from ..layouts.files import check_space
 from .share import owners
 from . import tasks as _tasks
 from ..io.output import Inputs, temp_path
@@ -108,6 +109,7 @@ def run_tasks(writer, units, out, options, inputs, check_unchanged, progress, jo
 
     def publish(tmp):
         nonlocal facts
+        check_space(tmp, sum(u.size for u in units))   # (each task checks only its own unit's room)
         with (progress or _no_progress)(sum(u.size for u in units)) as update:
             answers = executor.run(todo, tmp, update)
         check_unchanged()
