@@ -574,6 +574,37 @@ def bench_distributed(layers):
     sys.stdout.flush()
 
 
+def bench_workers(layers):
+    """The local executor (--workers N tasks in flight: worker processes; the threads variant beside
+    it, CKPTCONV_LOCAL_WORKERS=thread) against --workers 1, for convert (500 MB shards) and reshard
+    --tp 8 of the same source, warm cache, interleaved: wall time, its ratio to --workers 1 per round
+    (median (range)), CPU s/GB (the driver and its workers), peak RSS of the largest process."""
+    src = llama_src(layers)
+    scratch = scratch_dir()
+    warm(src)
+    n = src.stat().st_size
+    cli = [PY, "-m", "ckptconv.cli"]
+    threads = ["env", "CKPTCONV_LOCAL_WORKERS=thread"]
+    jobs = {"convert": ["convert", src, scratch / "out", "--max-shard-size", "500MB", "--quiet"],
+            "reshard --tp 8": ["reshard", src, scratch / "out", "--tp", "8", "--heads", "16", "--kv-heads", "16",
+                               "--head-dim", "128", "--quiet"]}
+    cores = len(os.sched_getaffinity(0))
+    counts = sorted({1, 2, cores})
+    print(f"\nworkers on this {cores}-core machine, {n / 1e9:.3f} GB .pt, warm cache, {REPEAT} rounds")
+    print("| job | --workers | median wall s | x --workers 1 | CPU s / GB | peak RSS MiB |\n|---|---|---:|---:|---:|---:|")
+    for job, args in jobs.items():
+        rows = [(f"{w} (processes)", [*cli, *map(str, args), "--workers", str(w)], scratch / "out") for w in counts]
+        rows += [(f"{w} (threads)", [*threads, *cli, *map(str, args), "--workers", str(w)], scratch / "out")
+                 for w in counts if w > 1]
+        measured = measure_all(rows)
+        base = measured[0][1]
+        for name, ts, rss in measured:
+            cpu = statistics.median(CPU_S[name][-len(ts):]) / (n / 1e9)
+            print(f"| {job} | {name} | {statistics.median(ts):.2f} | {paired(ts, base)} | {cpu:.2f} | {rss:.0f} |")
+            del CPU_S[name]
+        sys.stdout.flush()
+
+
 def split_all_rules(scratch) -> Path:
     """A rules file that splits every tensor on its first axis (an optimizer state has no model type)."""
     rules = scratch / "split-all.toml"
@@ -1083,6 +1114,7 @@ def _clean_outputs(s3, scratch):
 SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20),
              "dcp": lambda: bench_dcp(18), "reshard": lambda: (bench_reshard(18), bench_reshard(36)),
              "verify": lambda: bench_verify(18), "distributed": lambda: bench_distributed(18),
+             "workers": lambda: bench_workers(18),
              "vllm": lambda: bench_vllm(18), "cold": lambda: bench_cold(18), "many": bench_many, "plan": bench_plan,
              "scale": bench_scale, "deepspeed": bench_deepspeed, "megatron": bench_megatron, "s3": bench_s3}
 

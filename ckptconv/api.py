@@ -52,7 +52,7 @@ def _source(src, format, only, allow_globals, state_dict, skip_unsupported, work
 @_ours
 def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", state_dict="auto",
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name=None, overwrite=False,
-            resume=False, fsync=False, buffered_io=False, copy_extras=True, with_files=(), workers=2,
+            resume=False, fsync=False, buffered_io=False, copy_extras=True, with_files=(), workers=None,
             reader_options=None, max_extra_size="256MB", one_shard=False, max_extras="1MB",
             progress=None) -> _convert.ConvertResult:
     """`ckptconv convert SRC OUT` (docs/convert.md): OUT ending in .safetensors is one file, anything
@@ -75,7 +75,7 @@ def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", 
 def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads=None, head_dim=None,
             pad_vocab=False, dry_run=False, format=None, only=(), strip_prefix=None, state_dict="auto",
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name=None, overwrite=False,
-            fsync=False, buffered_io=False, workers=2, reader_options=None, max_extra_size="256MB", progress=None,
+            fsync=False, buffered_io=False, workers=None, reader_options=None, max_extra_size="256MB", progress=None,
             target="mesh",
             dtype="keep", allow_replicate=(), with_files=(), one_shard=False, max_extras="1MB") -> _reshard.ReshardResult:
     """`ckptconv reshard SRC OUT --tp N` (docs/reshard.md); with `dry_run`, the plan only (OUT may
@@ -96,7 +96,7 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
 
 @_ours
 def verify(path, against=None, *, device=None, allow_fewer_devices=False, format=None, allow_globals=(),
-           state_dict="auto", workers=2, reader_options=None, max_extra_size="256MB", progress=None,
+           state_dict="auto", workers=None, reader_options=None, max_extra_size="256MB", progress=None,
            expect=None) -> _verify.Report:
     """`ckptconv verify PATH [--against SRC] [--device ...]` (docs/verify.md). The report lists every
     problem (`report.problems`: `Problem`s with a kind, file, tensor and detail; `str()` of one is the
@@ -150,7 +150,7 @@ def _tensor_row(fact) -> dict:
 
 
 @_ours
-def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=2,
+def inspect(path, *, format=None, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=None,
             reader_options=None, max_extra_size="256MB", one_shard=False) -> Inspection:
     """`ckptconv inspect PATH` (docs/inspect.md): reads headers and pickles, never tensor data."""
     return inspection(_source(path, format, only, allow_globals, state_dict, skip_unsupported, workers,

@@ -359,7 +359,7 @@ def plan_cmd(src, mesh, hosts, disk_gbps, network_gbps, out, max_shard_size, fmt
     """
     ckpt = open_source(Source(src, fmt, read))
     result = plan_run(ckpt, hosts, disk_gbps, mesh, requests.write_options(max_shard_size=max_shard_size, spell=requests.flag_name),
-                      network_gbps, out)
+                      network_gbps, out, read.workers or 1)
     if as_json:
         emit("plan", result.to_json())
         return
@@ -368,9 +368,11 @@ def plan_cmd(src, mesh, hosts, disk_gbps, network_gbps, out, max_shard_size, fmt
     job = f"reshard --tp {tp}" + (f" --ep {ep}" if ep > 1 else "") + f" ({result.rules} rules)" if tp else "convert"
     net = f", network {network_gbps} GB/s" if result.networked else ""
     say(f"{src}: {result.format}, {result.tensors} tensors, {format_size(result.source_bytes)}; "
-        f"{job} on {hosts} host(s) at {disk_gbps} GB/s each{net}")
+        f"{job} on {hosts} host(s) at {disk_gbps} GB/s each{net}"
+        + (f", {result.workers} workers each" if result.workers > 1 else ""))
     for u in result.units:
-        say(f"  {u.name:<36} {format_size(u.bytes):>12}  process {u.process}")
+        say(f"  {u.name:<36} {format_size(u.bytes):>12}  process {u.process}"
+            + (f", worker {u.worker}" if result.workers > 1 else ""))
     unit = "rank dirs" if tp else "files"
     for p in result.processes:
         say(f"process {p.process}: {len(p.units)} {unit}, reads {format_size(p.bytes_read)}"

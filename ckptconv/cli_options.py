@@ -149,8 +149,12 @@ def read_options(fn=None, *, leave_out=()):
             "--max-extra-size", default="256MB", show_default=True, metavar="SIZE",
             help="Largest model file (config, tokenizer, README ...) carried into OUT; larger ones are skipped "
             "and listed.")),
-        ("workers", click.option("--workers", type=click.IntRange(1, requests.MAX_WORKERS), default=2,
-                                 show_default=True, help="Files parsed in parallel.")),
+        ("workers", click.option("--workers", type=click.IntRange(1, requests.MAX_WORKERS), default=None,
+                                 help="convert, reshard: tasks in flight on this host, each an output file (a rank "
+                                 "directory for reshard) written by a worker process with its own digests; 1 "
+                                 "writes one file at a time.  [default: half the cores this process may use, for "
+                                 "an output of 256 MB or more; else 1]  Other commands: source files parsed at once "
+                                 "(plan: the workers a run would use, default 1).")),
         ("state_dict", click.option(
             "--state-dict", default="auto", show_default=True, metavar="auto|KEY|none",
             help="Training checkpoints: auto writes the model's tensors under their bare names when it finds "
@@ -170,7 +174,7 @@ def read_options(fn=None, *, leave_out=()):
                               "items.")),
         ("fmt", click.option("--from", "fmt", type=click.Choice(sorted(readers())), help="Force the input format.")),
     ]
-    defaults = {"only": (), "allow_global": (), "skip_unsupported": False, "state_dict": "auto", "workers": 2,
+    defaults = {"only": (), "allow_global": (), "skip_unsupported": False, "state_dict": "auto", "workers": None,
                 "max_extra_size": "256MB", "one_shard": False}
 
     @functools.wraps(fn)

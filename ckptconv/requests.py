@@ -91,7 +91,7 @@ def optional_text(value, what):
     return value
 
 
-def read_options(*, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=2,
+def read_options(*, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=None,
                  reader_options=None, max_extra_size="256MB", one_shard=False, spell=python_name) -> ReadOptions:
     """How to read a source (every command); `reader_options`: the values of the options readers
     declare, by dest ({"dequantize": "bf16"}), None for those not given."""
@@ -99,7 +99,7 @@ def read_options(*, only=(), allow_globals=(), state_dict="auto", skip_unsupport
         raise UsageError(f"{spell('state_dict')}: expected a string, not {type(state_dict).__name__}")
     if not isinstance(reader_options, (dict, type(None))):
         raise UsageError(f"reader_options: expected a dict, not {type(reader_options).__name__}")
-    if type(workers) is not int or not 1 <= workers <= MAX_WORKERS:
+    if workers is not None and (type(workers) is not int or not 1 <= workers <= MAX_WORKERS):
         raise UsageError(f"{spell('workers')}: expected a number from 1 to {MAX_WORKERS}, not {workers!r}")
     return ReadOptions(allow_globals=texts(allow_globals, spell("allow_globals")),
                        skip_unsupported=flag(skip_unsupported, spell("skip_unsupported")),

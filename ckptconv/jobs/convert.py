@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .. import dtypes, transforms
-from ..run import runner
+from ..run import executors, runner, tasks
 from ..errors import BadInput, UsageError
 from ..recipe import Recipe
 from ..formats.identity import identity
@@ -144,6 +144,33 @@ def _parts_writer(ckpt, src, out, options: ConvertOptions, write: WriteOptions, 
     return layout(ckpt.output)(write, content, out), tensors, content, summarised
 
 
+def _opened(source: Source, out, options: ConvertOptions, write: WriteOptions) -> tuple:
+    """(the checkpoint, the writer, its tensors, what the output holds besides them, the extras
+    groups summarised) of a convert of `source` into `out`: what the driver and every task derive
+    alike from the same request."""
+    ckpt = open_source(source)
+    src = source.path
+    if not readers()[ckpt.format].holds_data:
+        raise UsageError(f"{src}: a {ckpt.format} description holds no tensor data; use `ckptconv plan` with it")
+    if not ckpt.tensors:
+        raise BadInput(f"{src}: no tensors to convert" + (" (after --only)" if source.options.only else ""))
+    one_file = single_file(out)
+    if options.with_files and one_file:
+        raise UsageError(f"{out}: --with writes files into an output directory; one .safetensors file holds none")
+    if ckpt.parts:
+        writer, tensors, content, summarised = _parts_writer(ckpt, src, out, options, write, source.options)
+    else:
+        tensors, content, summarised = _content(ckpt, src, options, one_file, source.options, write.max_extras)
+        writer = layout("single" if one_file else "sharded")(named_after(write, ckpt, src), content, out)
+    return ckpt, writer, tensors, content, summarised
+
+
+def prepared(source: Source, out, options: ConvertOptions, write: WriteOptions) -> tasks.Prepared:
+    """A convert's writer as a task re-derives it (run/tasks.py): from the request alone."""
+    ckpt, writer, tensors, _, _ = _opened(source, out, options, write)
+    return tasks.Prepared(writer, tensors, ckpt.reads(source.path), ckpt.check_unchanged)
+
+
 def convert(source: Source, out, options: ConvertOptions = None, write: WriteOptions = None, cluster=None,
             progress=None) -> ConvertResult:
     """Convert `source` into `out`. `progress(total_bytes)` gives a context manager yielding an
@@ -152,25 +179,14 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
         parse(out)   # (a URL OUT that can never be written is refused before anything is read)
     options, write = options or ConvertOptions(), write or WriteOptions()
     started = time.perf_counter()
-    ckpt = open_source(source)
-    src = source.path
-    if not readers()[ckpt.format].holds_data:
-        raise UsageError(f"{src}: a {ckpt.format} description holds no tensor data; use `ckptconv plan` with it")
-    if not ckpt.tensors:
-        raise BadInput(f"{src}: no tensors to convert" + (" (after --only)" if source.options.only else ""))
-    one_file = single_file(out)
-    if one_file and write.resume:
+    if write.resume and single_file(out):
         raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
     if write.resume and cluster is not None and cluster.num_processes > 1:
         raise UsageError("--resume applies to a run of one process (each process would need its own journal)")
-    if options.with_files and one_file:
-        raise UsageError(f"{out}: --with writes files into an output directory; one .safetensors file holds none")
-    if ckpt.parts:
-        writer, tensors, content, summarised = _parts_writer(ckpt, src, out, options, write, source.options)
-    else:
-        tensors, content, summarised = _content(ckpt, src, options, one_file, source.options, write.max_extras)
-        writer = layout("single" if one_file else "sharded")(named_after(write, ckpt, src), content, out)
-    facts = runner.run(writer, tensors, out, write, ckpt.reads(src), ckpt.check_unchanged, cluster, progress)
+    ckpt, writer, tensors, content, summarised = _opened(source, out, options, write)
+    job = tasks.Job(prepared, (tasks.with_read_workers(source, 1), out, options, write))
+    facts = runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, cluster, progress,
+                       job, executors.make("local", workers=source.options.workers))
     seconds = time.perf_counter() - started
     total = sum(t.nbytes for t in tensors)
     result = ConvertResult(str(out), ckpt.format, len(tensors), total, facts.files, round(seconds, 3),

@@ -33,6 +33,7 @@ CPU_GBPS = {"convert": 0.8,    # read, hash (file and tensor digests) and write,
 # in bulk (hashing.SMALL), a reshard's rank pieces one by one through the hash threads
 PER_TENSOR_SECONDS = {"convert": 115e-6, "reshard": 110e-6}
 NETWORK_GBPS = 1.25            # --network-gbps by default: a 10 Gbit/s link, in GB/s as --disk-gbps is
+WORKER_START_S = 1.0           # --workers N > 1: starting the worker processes (spawned: interpreter, imports)
 
 
 def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
@@ -54,14 +55,16 @@ def units(ckpt, mesh: MeshSpec | None = None, write: WriteOptions = None):
 
 @dataclass
 class UnitPlan:
-    """One output file (convert) or rank directory (reshard): its bytes and the process that writes it."""
+    """One output file (convert) or rank directory (reshard): its bytes, the process (host) that
+    writes it, and which of that host's --workers lanes (a task in flight at a time) it falls to."""
 
     name: str
     bytes: int
     process: int
+    worker: int = 0
 
     def to_json(self) -> dict:
-        return {"name": self.name, "bytes": self.bytes, "process": self.process}
+        return {"name": self.name, "bytes": self.bytes, "process": self.process, "worker": self.worker}
 
 
 @dataclass
@@ -108,12 +111,13 @@ class PlanReport:
     time_model: str
     network_gbps: float = NETWORK_GBPS
     out: str | None = None      # where the run would write (a URL: over the network), when given
+    workers: int = 1            # tasks in flight on each host (--workers)
 
     def to_json(self) -> dict:
         """The `--json` document (docs/json.md), less its schema tag."""
         return {"source": self.source, "format": self.format, "tensor_count": self.tensors,
                 "source_bytes": self.source_bytes, "job": self.job, "tp": self.tp, "ep": self.ep, "rules": self.rules,
-                "hosts": self.hosts, "disk_gbps": self.disk_gbps, "network_gbps": self.network_gbps,
+                "hosts": self.hosts, "workers": self.workers, "disk_gbps": self.disk_gbps, "network_gbps": self.network_gbps,
                 **({"out": self.out} if self.out is not None else {}), "units": [u.to_json() for u in self.units],
                 "processes": [p.to_json() for p in self.processes], "seconds": self.seconds,
                 "time_model": self.time_model}
@@ -125,9 +129,12 @@ class PlanReport:
 
 
 def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: WriteOptions = None,
-             network_gbps=NETWORK_GBPS, out=None) -> PlanReport:
-    """The plan of a run over `ckpt` on `hosts` processes; `out` (optional) is where it would write,
-    which only matters as a local path or an object-store URL (written over the network)."""
+             network_gbps=NETWORK_GBPS, out=None, workers=1) -> PlanReport:
+    """The plan of a run over `ckpt` on `hosts` processes (hosts), each with `workers` tasks in flight
+    (one output file or rank directory each: run/executors.py); `out` (optional) is where it would
+    write, which only matters as a local path or an object-store URL (written over the network).
+    A host's disk and network are shared by its workers; its CPU work is split over them, each
+    lane's units balanced by bytes as the host's are."""
     if out is not None and is_url(out):
         parse(out)   # (a URL that names no bucket is refused here as the run would refuse it)
     src_remote, out_remote = is_url(ckpt.source.path), out is not None and is_url(out)
@@ -137,20 +144,38 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
     job = "reshard" if mesh else "convert"
     total, cpu_gbps, per_tensor, per_tensor_rss = (sum(b for _, b in work) or 1, CPU_GBPS[job],
                                                    PER_TENSOR_SECONDS[job], PER_TENSOR_RSS[job])
+    lane = [0] * len(work)
+
+    def pieces_of(units_, written):
+        # tensors written: every tensor in each of its rank directories, or its share of a convert's
+        return len(ckpt.tensors) * len(units_) if mesh else round(len(ckpt.tensors) * written / total)
+
+    def rss(units_, written):
+        pieces = pieces_of(units_, written)
+        return BASE_RSS + min(IN_FLIGHT, written) + (per_tensor_rss * len(ckpt.tensors) + PER_PIECE_RSS * pieces
+                                                     if mesh else per_tensor_rss * pieces)
+
     for p in range(hosts):
-        mine = [(n, b) for (n, b), o in zip(work, owner) if o == p]
+        at = [i for i, o in enumerate(owner) if o == p]
+        mine = [work[i] for i in at]
         written = read = sum(b for _, b in mine)
-        # tensors this process writes: every tensor in each of its rank directories, or its share of a convert's
-        pieces = len(ckpt.tensors) * len(mine) if mesh else round(len(ckpt.tensors) * written / total)
+        pieces = pieces_of(mine, written)
         net_read, net_written = read if src_remote else 0, written if out_remote else 0
         disk = read + written - net_read - net_written
-        processes.append(ProcessPlan(p, [n for n, _ in mine], read, written, pieces,
-                                     BASE_RSS + min(IN_FLIGHT, written)
-                                     + (per_tensor_rss * len(ckpt.tensors) + PER_PIECE_RSS * pieces if mesh
-                                        else per_tensor_rss * pieces),
-                                     max(disk / (disk_gbps * 1e9), (net_read + net_written) / (network_gbps * 1e9),
-                                         written / (cpu_gbps * 1e9))
-                                     + per_tensor * pieces, net_read, net_written))
+        lanes = min(workers, len(mine)) or 1
+        for i, w in zip(at, assign([work[i][1] for i in at], lanes)):
+            lane[i] = w
+        by_lane = [[work[i] for i in at if lane[i] == w] for w in range(lanes)]
+        sums = [sum(b for _, b in u) for u in by_lane]
+        cpu = max(s / (cpu_gbps * 1e9) for s in sums)
+        overhead = max(per_tensor * pieces_of(u, s) for u, s in zip(by_lane, sums))
+        memory = rss(mine, written) if lanes == 1 else \
+            BASE_RSS + per_tensor_rss * len(ckpt.tensors) + sum(rss(u, s) for u, s in zip(by_lane, sums))
+        processes.append(ProcessPlan(p, [n for n, _ in mine], read, written, pieces, memory,
+                                     max(disk / (disk_gbps * 1e9), (net_read + net_written) / (network_gbps * 1e9), cpu)
+                                     + overhead + (WORKER_START_S if lanes > 1 else 0), net_read, net_written))
+    lanes_note = (f"; with --workers {workers}, the CPU part is the busiest of its workers' and a worker's start "
+                  f"({WORKER_START_S:g} s) is added" if workers > 1 else "")
     if src_remote or out_remote:
         where = {(True, True): "reads from and writes to", (True, False): "reads from",
                  (False, True): "writes to"}[src_remote, out_remote]
@@ -163,5 +188,5 @@ def plan_run(ckpt, hosts=1, disk_gbps=2.0, mesh: MeshSpec | None = None, write: 
     return PlanReport(ckpt.source.path, ckpt.format, len(ckpt.tensors),
                       sum(math.prod(t.shape) * t.dtype.itemsize for t in ckpt.tensors), job,
                       mesh.tp if mesh else None, mesh.ep if mesh else 1, rules.name if rules else None, hosts,
-                      disk_gbps, [UnitPlan(n, b, o) for (n, b), o in zip(work, owner)], processes,
-                      max(p.seconds for p in processes), model, network_gbps, out)
+                      disk_gbps, [UnitPlan(n, b, o, w) for (n, b), o, w in zip(work, owner, lane)], processes,
+                      max(p.seconds for p in processes), model + lanes_note, network_gbps, out, workers)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from .. import dtypes, transforms
-from ..run import runner
+from ..run import executors, runner, tasks
 from ..errors import UsageError
 from ..recipe import Recipe
 from ..formats.identity import identity
@@ -76,8 +76,32 @@ def reshard(source: Source, out, mesh: MeshSpec, options: ReshardOptions = None,
     if is_url(out):
         parse(out)   # (a URL OUT that can never be written is refused before anything is read)
     options, write = options or ReshardOptions(), write or WriteOptions()
-    strip_prefix, target, dtype, with_files = options.strip_prefix, options.target, options.dtype, options.with_files
     started = time.perf_counter()
+    ckpt, result, writer, tensors, plans = _opened(source, out, mesh, options, write, dry_run)
+    if dry_run:
+        return result
+    total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
+    job = tasks.Job(prepared, (tasks.with_read_workers(source, 1), out, mesh, options, write))
+    runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, cluster, progress,
+               job, executors.make("local", workers=source.options.workers))
+    seconds = time.perf_counter() - started
+    result.out, result.seconds, result.bytes_written = str(out), round(seconds, 3), total
+    if cluster is None or cluster.is_main:
+        result.identity = identity(out)
+    result.gb_per_s = round(total / seconds / 1e9, 3) if seconds else None
+    return result
+
+
+def prepared(source: Source, out, mesh: MeshSpec, options: ReshardOptions, write: WriteOptions) -> tasks.Prepared:
+    """A reshard's writer as a task re-derives it (run/tasks.py): from the request alone."""
+    ckpt, _, writer, tensors, _ = _opened(source, out, mesh, options, write, False)
+    return tasks.Prepared(writer, tensors, ckpt.reads(source.path), ckpt.check_unchanged)
+
+
+def _opened(source: Source, out, mesh: MeshSpec, options: ReshardOptions, write: WriteOptions, dry_run) -> tuple:
+    """(the checkpoint, the plan's summary, the writer (None for a dry run), the tensors, their
+    TensorPlans): what the driver and every task derive alike from the same request."""
+    strip_prefix, target, dtype, with_files = options.strip_prefix, options.target, options.dtype, options.with_files
     ckpt = open_source(source).whole(source.path, "reshard")
     cast_to = None if dtype == "keep" else dtypes.CAST_TARGETS[dtype]
     written = layout(target)
@@ -97,7 +121,7 @@ def reshard(source: Source, out, mesh: MeshSpec, options: ReshardOptions = None,
     if result.unasked:
         result.refusal = f"{source.path}: {replication_refusal(result.unasked, rules)}"
     if dry_run:
-        return result
+        return ckpt, result, None, tensors, plans
     if result.refusal:
         raise UsageError(result.refusal)
     if not readers()[ckpt.format].holds_data:
@@ -113,14 +137,7 @@ def reshard(source: Source, out, mesh: MeshSpec, options: ReshardOptions = None,
                                                            described))
     writer = written(named_after(write, ckpt, source.path), content, out,
                      MeshPlan(plans, rules, mesh.tp, mesh.ep, list(tensors)))   # (plans' order)
-    total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
-    runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, cluster, progress)
-    seconds = time.perf_counter() - started
-    result.out, result.seconds, result.bytes_written = str(out), round(seconds, 3), total
-    if cluster is None or cluster.is_main:
-        result.identity = identity(out)
-    result.gb_per_s = round(total / seconds / 1e9, 3) if seconds else None
-    return result
+    return ckpt, result, writer, tensors, plans
 
 
 def replication_refusal(unasked, rules) -> str:

@@ -31,7 +31,7 @@ class ReadOptions:
     allow_globals: list = field(default_factory=list)   # --allow-global MODULE.NAME
     skip_unsupported: bool = False
     only: list = field(default_factory=list)            # name prefixes to keep (items skipped unread)
-    workers: int = 2
+    workers: int | None = None                          # --workers: tasks in flight (None: auto, run/executors.py)
     max_extra_size: int = 256 * 10**6                   # model files larger than this are not carried
     state_dict: str = "auto"                            # --state-dict auto|KEY|none (training wrappers)
     one_shard: bool = False                             # --one-shard: SRC is one shard of an indexed set, alone

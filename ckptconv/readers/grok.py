@@ -187,7 +187,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     keep = [i for i in range(len(files)) if layout or wanted(names[i].replace("/", "."), options.only)]
     allow = allowlist(options.allow_globals)
     jobs = [(i, h, files[i][h]) for i in keep for h in sorted(files[i])]
-    pool = ThreadPoolExecutor(max(1, options.workers))
+    pool = ThreadPoolExecutor(max(1, options.workers or 2))
     parsed = {}
     try:
         for (i, h, _), tree in zip(jobs, pool.map(lambda j: _parse(j[2], allow), jobs)):

@@ -2,7 +2,10 @@
 gather the results, and process 0 finishes inside the atomic output; for verify, its stages in
 order (`run_stages`). A single process is a cluster of one (`cluster.Solo`), so there is one path,
 and the plan `ckptconv plan` prints is the plan run. An OUT in an object store is written by one
-process into a bucket output (storage/targets.bucket_output: claimed, published pointer last)."""
+process into a bucket output (storage/targets.bucket_output: claimed, published pointer last).
+Given a job (tasks.Job) and an executor that runs tasks side by side (executors.py: --workers N on
+this host), this process is the driver instead: every unit is a task, the answers are checked and
+the driver finishes and publishes (`run_tasks`)."""
 import contextlib
 import dataclasses
 import hashlib
@@ -16,7 +19,9 @@ from ..formats import not_ours, published
 from ..storage.targets import bucket_output
 from ..storage.urls import is_url, redact
 from ..layouts.base import ResultError, RunFacts
+from ..layouts.files import check_space
 from .share import owners
+from . import tasks as _tasks
 from ..io.output import Inputs, temp_path
 
 # what the manifest's "source" records of the options that made it, as the user spells them
@@ -42,11 +47,17 @@ def run_stages(stages, clean, merge):
 
 
 def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, cluster=None,
-        progress=None) -> RunFacts:
+        progress=None, job=None, executor=None) -> RunFacts:
     """Write `tensors` to `out` with `writer`; returns the writer's facts (process 0) and this
-    process's units. `progress(total)` gives a context manager yielding an update(nbytes) callable."""
+    process's units. `progress(total)` gives a context manager yielding an update(nbytes) callable.
+    With `job` (tasks.Job: how any process re-derives this run) and an `executor` that runs tasks
+    side by side (executors.py), every unit is a task: see `run_tasks`."""
+    tasked = cluster is None   # (--distributed, even of one process, shares out as before)
     cluster = cluster or Solo()
     units = writer.plan(tensors)
+    if tasked and job is not None and executor is not None and not options.resume \
+            and not is_url(os.fspath(out)) and executor.parallel(_tasks.tasks_of(job, units)):
+        return run_tasks(writer, units, out, options, inputs, check_unchanged, progress, job, executor)
     mine = shares(units, cluster)
     share = (cluster.process_id, cluster.num_processes)
     facts, own = RunFacts(), []
@@ -84,6 +95,28 @@ def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, 
         job = job_of(writer, tensors, units, inputs) if cluster.num_processes > 1 else None
         on_cluster(cluster, out, options.overwrite, publish, contribute, inputs, options.resume, writer.single_file, job)
     return dataclasses.replace(facts, units=[u.name for u in mine], unit_bytes=sum(u.size for u in mine))
+
+
+def run_tasks(writer, units, out, options, inputs, check_unchanged, progress, job, executor) -> RunFacts:
+    """Every unit a task (tasks.py) run by `executor`; this process is the driver: it holds the lock and
+    the temporary output, feeds one progress bar from every task's bytes, checks each answer (the
+    inputs the task read are those planned with, its result fits its unit), writes the metadata
+    (`writer.finish`) and publishes. A failing task stops the run (its error, as raised there); a
+    signal ends the workers and removes the temporary output (io/output.atomic_output)."""
+    planned = _tasks.identity(inputs)
+    todo = _tasks.tasks_of(job, units)
+    facts = RunFacts()
+
+    def publish(tmp):
+        nonlocal facts
+        check_space(tmp, sum(u.size for u in units))   # (each task checks only its own unit's room)
+        with (progress or _no_progress)(sum(u.size for u in units)) as update:
+            answers = executor.run(todo, tmp, update)
+        check_unchanged()
+        facts = writer.finish(tmp, _tasks.accept(writer, units, todo, answers, tmp, planned))
+
+    on_cluster(Solo(), out, options.overwrite, publish, None, inputs, options.resume, writer.single_file)
+    return dataclasses.replace(facts, units=[u.name for u in units], unit_bytes=sum(u.size for u in units))
 
 
 def job_of(writer, tensors, units, inputs) -> dict:

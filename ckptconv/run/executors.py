@@ -1,0 +1,269 @@
+"""Executors: what runs a run's tasks (tasks.py), registered by name like readers. `local` (the
+default) keeps `--workers N` tasks in flight on this host, each in a worker process of its own.
+
+An executor's `run(tasks, tmp, progress)` returns every task's `tasks.Answer` in task (plan) order,
+or raises: the first task that fails stops the run at once (the others are cancelled, the workers
+ended), with the task's own error (a BadInput stays a BadInput: exit 2, its one line). The driver
+(runner.py) checks the answers and finishes the output; nothing is published unless every task
+answered. `progress(nbytes)` is the driver's one bar, fed by every task's bytes.
+
+Why processes and not threads (measured, docs/benchmarks.md#workers): a task is CPU work in
+Python between the C parts (the write pipeline, SHA-256), and a thread cannot be stopped when the
+driver is told to stop; a process is killed, and its files go with the temporary output. Workers are
+spawned, not forked: a task must run in a process that shares nothing with the driver (as on a
+cluster), and the driver holds threads and mappings a fork would copy in an unknown state."""
+import contextlib
+import os
+import queue
+import signal
+import sys
+import time
+
+from .. import signals
+from ..errors import CkptError, OutputError, UsageError
+from . import tasks as _tasks
+
+EXECUTORS = {}
+POLL_S = 0.1          # how often the driver looks at its workers while it waits for answers
+PROGRESS_BYTES = 16 << 20   # a worker reports its bytes to the driver's bar in steps of this
+
+
+def register(name: str):
+    """Class decorator: the executor `name` (run/executors.py's registry; the Ray executor adds "ray")."""
+    def add(cls):
+        cls.name = name
+        EXECUTORS[name] = cls
+        return cls
+    return add
+
+
+def make(name: str = "local", **options):
+    """The executor registered as `name`, made with `options`."""
+    return EXECUTORS[name](**options)
+
+
+CORES_PER_TASK = 2   # a task's writer and its two SHA-256 streams keep about 1.6 cores busy (benchmarks.md)
+
+
+def default_workers() -> int:
+    """Tasks in flight by default: one per CORES_PER_TASK of the cores this process may use (1 on
+    two cores, where a second task measured slower; 8 on 16)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // CORES_PER_TASK)
+
+
+AUTO_MIN_BYTES = 256 * 10**6   # without --workers, a run smaller than this is one task at a time
+
+
+class Executor:
+    """Runs tasks; `workers`: how many in flight (None: auto, `default_workers()` for a run of at least
+    AUTO_MIN_BYTES, where starting workers pays). See the module docstring for `run`."""
+
+    name = "?"
+
+    def __init__(self, workers: int | None = None):
+        self.auto = workers is None
+        self.workers = default_workers() if workers is None else workers
+
+    def parallel(self, tasks) -> bool:
+        """Whether it would run `tasks` anywhere but in this process one after another."""
+        return self.workers > 1 and len(tasks) > 1 and (not self.auto or sum(t.size for t in tasks) >= AUTO_MIN_BYTES)
+
+    def run(self, tasks, tmp, progress=None) -> list:
+        raise NotImplementedError
+
+
+_ERRORS = {}
+
+
+def _error_type(name: str):
+    """The CkptError subclass called `name` (a task's error crosses as its class name and line)."""
+    from .. import errors
+    found = getattr(errors, name, None)
+    return found if isinstance(found, type) and issubclass(found, CkptError) else OutputError
+
+
+@register("local")
+class LocalExecutor(Executor):
+    """`workers` tasks in flight on this host: worker processes (spawned) pull tasks in plan order and
+    answer; with `kind="thread"`, threads of this process instead (kept for measurement: bench.py's
+    workers scenario)."""
+
+    def __init__(self, workers: int | None = None, kind: str | None = None):
+        super().__init__(workers)
+        self.kind = kind or os.environ.get("CKPTCONV_LOCAL_WORKERS", "process")
+        if self.kind not in ("process", "thread"):
+            raise UsageError(f"CKPTCONV_LOCAL_WORKERS={self.kind!r}: process or thread")
+
+    def run(self, tasks, tmp, progress=None) -> list:
+        if not tasks:
+            return []
+        if not self.parallel(tasks):   # one at a time, in this process: as a run always was
+            return [_tasks.run_task(t, tmp, progress) for t in tasks]
+        if self.kind == "thread":
+            return self._threads(tasks, tmp, progress)
+        return self._processes(tasks, tmp, progress)
+
+    def _threads(self, tasks, tmp, progress):
+        from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+        import threading
+        lock = threading.Lock()
+
+        def update(n):
+            if progress is not None:
+                with lock:
+                    progress(n)
+
+        pool = ThreadPoolExecutor(min(self.workers, len(tasks)))
+        try:
+            futures = [pool.submit(_tasks.run_task, t, tmp, update) for t in tasks]
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, POLL_S, FIRST_EXCEPTION)
+                for f in done:
+                    f.result()   # (the first failure, raised)
+                signals.check()
+            return [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _processes(self, tasks, tmp, progress):
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        todo, answers = ctx.Queue(), ctx.Queue()
+        for t in tasks:
+            todo.put((t.index, t, os.fspath(tmp)))
+        n = min(self.workers, len(tasks))
+        for _ in range(n):
+            todo.put(None)
+        workers = []
+        found = {}
+        try:
+            with _quiet_children(), _no_main():
+                for _ in range(n):
+                    p = ctx.Process(target=_worker, args=(todo, answers, os.getpid()), daemon=True)
+                    p.start()
+                    workers.append(p)
+            while len(found) < len(tasks):
+                try:
+                    message = answers.get(timeout=POLL_S)
+                except queue.Empty:
+                    signals.check()
+                    lost = next((p for p in workers if p.exitcode not in (None, 0)), None)
+                    if lost is not None:
+                        raise OutputError(f"a worker process ended ({_how(lost.exitcode)}) before its task answered; "
+                                          "nothing was published")
+                    continue
+                kind = message[0]
+                if kind == "bytes":
+                    if progress is not None:
+                        progress(message[1])
+                elif kind == "done":
+                    found[message[1]] = _tasks.Answer(**message[2])
+                else:   # ("error", index, type name, line)
+                    _, index, name, line = message
+                    raise _error_type(name)(line)
+                signals.check()
+            return [found[t.index] for t in tasks]
+        finally:
+            with signals.deferred():
+                for p in workers:
+                    if p.is_alive():
+                        p.kill()
+                for p in workers:
+                    p.join()
+                for q in (todo, answers):
+                    q.cancel_join_thread()
+                    q.close()
+
+
+def _how(code) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+@contextlib.contextmanager
+def _quiet_children():
+    """Spawned workers ignore Ctrl-C (the terminal sends it to the whole group: the driver decides and
+    ends them); the disposition is inherited at spawn, and restored here at once."""
+    try:
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:   # (not the main thread)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+@contextlib.contextmanager
+def _no_main():
+    """Start workers without the driver's __main__: multiprocessing's spawn would re-import the script
+    that called us in each worker (a program using the API at its top level, without a
+    `if __name__ == "__main__"` guard, would run again there). A worker needs none of it: what it runs
+    is named by module (ckptconv's, or a job's prepare function)."""
+    import types
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def _die_with(parent: int):
+    """End this worker when the driver ends, however it ends (Linux: the parent-death signal)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:   # (it ended before the signal was asked for)
+        os._exit(1)
+
+
+def _worker(todo, answers, parent: int):
+    """A worker process: tasks from `todo` until None, each answered on `answers`: ("done", index,
+    Answer fields), ("error", index, the CkptError's class name, its line); its bytes as ("bytes", n)."""
+    _die_with(parent)
+    pending = [0]
+
+    def update(n):
+        pending[0] += n
+        if pending[0] >= PROGRESS_BYTES:
+            answers.put(("bytes", pending[0]))
+            pending[0] = 0
+
+    while True:
+        item = todo.get()
+        if item is None:
+            break
+        index, task, tmp = item
+        try:
+            answer = _tasks.run_task(task, tmp, update)
+            if pending[0]:
+                answers.put(("bytes", pending[0]))
+                pending[0] = 0
+            answers.put(("done", index, {"result": answer.result, "inputs": answer.inputs}))
+        except CkptError as e:
+            answers.put(("error", index, type(e).__name__, str(e)))
+            break
+        except OSError as e:
+            answers.put(("error", index, "OutputError", f"{e.filename or ''}: {e.strerror or e}"))
+            break
+        except BaseException as e:   # (a bug: its type and line, not a traceback the driver cannot show)
+            answers.put(("error", index, "OutputError", f"task {index} failed: {type(e).__name__}: {e}"))
+            break
+    _tasks.forget()
+    answers.close()
+    answers.join_thread()
+    sys.exit(0)

@@ -1,0 +1,180 @@
+"""A run's units as tasks: the one piece of work an executor (executors.py) runs anywhere.
+
+A task is a pure function of (plan unit, source description, options) -> its result: `run_task`
+re-opens the source from the typed request the command was given (a `Job`: a module-level
+`prepare` function of the job and its arguments, both picklable by reference, so a process that
+did not fork from the driver — a spawned worker, a Ray worker on another host — can run it),
+re-derives the writer and its plan (metadata only), writes exactly its units into the driver's
+temporary output directory, and returns plain data: the writer's result as it crosses processes
+(`Result.to_json()`), and the identity of the inputs it read (sizes and modification times, an
+object's ETag). Writing a task twice gives the same bytes, so a retried task is harmless.
+
+The driver (runner.py) checks every answer before it finishes the output (`accept`): the task
+planned the same units the driver did (names and sizes), read the same inputs (identity), and its
+result fits its units (`Layout.received`: every file on disk with its planned size, a digest per
+tensor)."""
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from ..errors import OutputError, brief
+from ..io.output import Inputs
+from ..layouts.base import ResultError
+from ..storage import files as storage
+from ..storage.urls import is_url
+
+
+@dataclass
+class Prepared:
+    """What a job's `prepare` gives back: the writer (its plan not yet made), the tensors it plans,
+    the inputs it reads (io.output.Inputs or paths) and the check that they did not change."""
+
+    writer: object
+    tensors: list
+    inputs: object = ()
+    check_unchanged: object = lambda: None
+
+
+@dataclass(frozen=True)
+class Job:
+    """How any process re-derives a run: `prepare(*args) -> Prepared`. `prepare` is a module-level
+    function (jobs/convert.prepared, jobs/reshard.prepared) and `args` its typed request
+    (readers.Source, the command's options, WriteOptions, MeshSpec): both cross processes by pickle."""
+
+    prepare: object
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of a run: the plan's units it writes, as (name, bytes) (the task re-plans and must
+    find exactly these), and its share, (index, count), as the layouts' `write` takes it (which of
+    the work no unit names is this task's: a reshard's global digests)."""
+
+    job: Job
+    index: int
+    units: tuple
+    share: tuple
+
+    @property
+    def size(self) -> int:
+        return sum(size for _, size in self.units)
+
+    @property
+    def name(self) -> str:
+        return self.units[0][0] if len(self.units) == 1 else f"{self.units[0][0]} (+{len(self.units) - 1} more)"
+
+
+@dataclass
+class Answer:
+    """What a task gives back, as plain data: the writer's result (to_json), the identity of the
+    inputs it read (`identity`), and how many times it was run (an executor that retries says so)."""
+
+    result: dict
+    inputs: dict
+    attempts: int = 1
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"result": self.result, "inputs": self.inputs, "attempts": self.attempts, **self.extra}
+
+
+def tasks_of(job: Job, units) -> list:
+    """One task per unit of the plan (an output file, a rank directory), in plan order: the units an
+    executor balances and, on a cluster, retries one by one."""
+    n = len(units)
+    return [Task(job, i, ((u.name, u.size),), (i, n)) for i, u in enumerate(units)]
+
+
+_CACHE = []   # per process: the last job prepared and its plan (a worker runs many tasks of one job)
+
+
+def prepared(job: Job) -> tuple:
+    """(Prepared, the plan's units) of `job` in this process; the last job's is kept, so a worker
+    that runs several tasks of one run opens the source once."""
+    if _CACHE and _CACHE[0][0] == job:
+        return _CACHE[0][1]
+    _CACHE.clear()
+    made = job.prepare(*job.args)
+    units = made.writer.plan(made.tensors)
+    _CACHE.append((job, (made, units)))
+    return made, units
+
+
+def forget():
+    """Drop the job this process keeps (its mapped inputs with it)."""
+    _CACHE.clear()
+
+
+def run_task(task: Task, tmp, progress=None) -> Answer:
+    """Run `task`: re-derive the writer and its plan, write exactly the task's units into `tmp` (the
+    driver's temporary output directory), check the inputs did not change, and answer in plain data.
+    A unit the task's own plan does not have (another source, other options) is refused (OutputError)."""
+    made, units = prepared(task.job)
+    by_name = {u.name: u for u in units}
+    mine = []
+    for name, size in task.units:
+        unit = by_name.get(name)
+        if unit is None or unit.size != size:
+            found = "not in its plan" if unit is None else f"of {unit.size} bytes in its plan"
+            raise OutputError(f"task {task.index} ({brief(name, 100)}): the unit the driver planned with {size} bytes "
+                              f"is {found}; its source or options differ from the driver's")
+        mine.append(unit)
+    result = made.writer.write(mine, tmp, progress, task.share)
+    made.check_unchanged()
+    return Answer(result.to_json(), identity(made.inputs))
+
+
+def identity(inputs) -> dict:
+    """{name inside the source: "size bytes, modified at mtime_ns"} of every input file (a local
+    path; the directory a source is read from is no input of its own), or "etag:size" of an object:
+    what must be the same wherever a task reads the source. Host-specific parts (device, inode)
+    are left out: a shared file system shows other numbers on other hosts."""
+    inputs = inputs if isinstance(inputs, Inputs) else Inputs(tuple(inputs))
+    roots = [r if is_url(os.fspath(r)) else os.path.realpath(r) for r in inputs.roots]
+    found = {}
+    for p in inputs.files:
+        p = os.fspath(p)
+        if is_url(p):
+            root = next((r for r in roots if p.startswith(r.rstrip("/") + "/")), None)
+            found[p[len(root.rstrip("/")) + 1:] if root else p.rsplit("/", 1)[-1]] = storage.fingerprint(p)
+            continue
+        real = os.path.realpath(p)
+        root = next((r for r in roots if real.startswith(r + os.sep)), None)
+        st = os.stat(real)
+        found[os.path.relpath(real, root) if root else os.path.basename(real)] = \
+            f"{st.st_size} bytes, modified at {st.st_mtime_ns}" if not os.path.isdir(real) else "a directory"
+    return dict(sorted(found.items()))
+
+
+def difference(planned: dict, read: dict) -> str | None:
+    """The first input whose identity differs between the driver's plan and a task's read, in words."""
+    for name in sorted(set(planned) | set(read)):
+        if planned.get(name) != read.get(name):
+            return (f"{brief(name, 200)} is {brief(read.get(name, 'absent'), 80)} there, "
+                    f"{brief(planned.get(name, 'absent'), 80)} to the driver")
+    return None
+
+
+def accept(writer, units, tasks, answers, tmp, planned_inputs: dict) -> list:
+    """The writer's results of every task, in plan order, each read back and checked: the inputs the
+    task read are those the driver planned with, and its result fits its units (Layout.received).
+    OutputError naming the unit otherwise; nothing is published then."""
+    by_name = {u.name: u for u in units}
+    results = []
+    for task, answer in zip(tasks, answers):
+        why = difference(planned_inputs, answer.inputs)
+        if why:
+            raise OutputError(f"{task.name}: its task read other inputs than the run planned with ({why}); "
+                              "every host must see the same SRC; nothing was published")
+        try:
+            results.append(writer.received(answer.result, [by_name[n] for n, _ in task.units], tmp))
+        except ResultError as e:
+            raise OutputError(f"{task.name}: its task's result does not fit the unit: {e}") from None
+    return results
+
+
+def with_read_workers(source, workers: int):
+    """`source` (readers.Source) read with `workers` parse threads: a task parses with one, as
+    several tasks are already in flight."""
+    return dataclasses.replace(source, options=dataclasses.replace(source.options, workers=workers))

@@ -1,0 +1,180 @@
+"""The local executor (run/executors.py): --workers N tasks in flight, one output file or rank
+directory each, in worker processes. The same bytes as --workers 1; a task's bad input stops the run
+at once; a signal to the driver ends the workers and leaves nothing; a task that read other inputs
+than the plan is refused."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptconv.errors import BadInput, OutputError
+from ckptconv.jobs import convert as convert_job
+from ckptconv.layouts.base import WriteOptions
+from ckptconv.readers import ReadOptions, Source
+from ckptconv.run import executors, runner, tasks
+from tests.helpers import ROOT, run
+
+SHARDS = ("--max-shard-size", "60KB", "--quiet")
+
+
+def same_tree(a: Path, b: Path):
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+def test_convert_reshard_and_verify_at_one_and_two_workers_are_byte_identical(hf_llama, tmp_path):
+    outputs = {}
+    for w in (1, 2):
+        for job, args in (("convert", ["convert", hf_llama["dir"]]), ("reshard", ["reshard", hf_llama["dir"]]),
+                          ("vllm", ["reshard", hf_llama["dir"]])):
+            out = tmp_path / f"{job}-{w}"
+            extra = {"convert": [], "reshard": ["--tp", "2"], "vllm": ["--tp", "2", "--target", "vllm"]}[job]
+            r = run(*args, out, *extra, *SHARDS, "--workers", w)
+            assert r.exit_code == 0, r.stderr
+            outputs[job, w] = out
+    assert len(list(outputs["convert", 2].glob("*.safetensors"))) > 2   # (several tasks)
+    for job in ("convert", "reshard", "vllm"):
+        same_tree(outputs[job, 1], outputs[job, 2])
+        # verify's findings the same at either count, clean and (a shard changed) not
+        clean = [run("verify", outputs[job, 1], "--workers", w) for w in (1, 2)]
+        assert clean[0].exit_code == clean[1].exit_code == 0 and clean[0].stdout == clean[1].stdout
+    shard = sorted(outputs["convert", 2].glob("*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 1
+    shard.write_bytes(bytes(data))
+    broken = [run("verify", outputs["convert", 2], "--workers", w) for w in (1, 2)]
+    assert broken[0].exit_code == broken[1].exit_code == 1 and broken[0].stdout == broken[1].stdout
+    assert f"{shard}: sha256 differs" in broken[0].stdout
+
+
+# -- faults, through the executor with a planted task (a module-level function: workers import it) --
+
+def planted(kind, source, out, options, write):
+    """convert's task as jobs/convert.prepared makes it, with its write replaced: the first unit
+    fails (`kind`), every other one waits for good (a run that waited for them would never end)."""
+    made = convert_job.prepared(source, out, options, write)
+    first = made.writer.plan(made.tensors)[0].name
+
+    def write_(units, tmp, progress=None, share=(0, 1)):
+        if units[0].name == first:
+            if kind == "bad":
+                raise BadInput(f"{units[0].name}: planted bad input")
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)
+    made.writer.write = write_
+    return made
+
+
+def other_inputs(source, out, options, write):
+    """convert's task, reading a file the driver did not (another copy of SRC, as a task sees it)."""
+    made = convert_job.prepared(source, out, options, write)
+    made.inputs = [*made.inputs.files, __file__]
+    return made
+
+
+def _run(prepare_args, src, out, workers=2):
+    source = Source(str(src), None, ReadOptions())
+    options, write = convert_job.ConvertOptions(), WriteOptions(max_shard_size=60_000)
+    ckpt, writer, tensors, _, _ = convert_job._opened(source, out, options, write)
+    prepare, *first = prepare_args
+    job = tasks.Job(prepare, (*first, tasks.with_read_workers(source, 1), out, options, write))
+    return runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, None, None, job,
+                      executors.make("local", workers=workers))
+
+
+def _nothing_left(out: Path):
+    assert not out.exists()
+    assert not [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}")]
+
+
+def test_a_task_with_bad_input_stops_the_run_at_once(hf_llama, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(BadInput, match="planted bad input"):
+        _run((planted, "bad"), hf_llama["dir"], out)   # (the other tasks never end: they were ended)
+    _nothing_left(out)
+
+
+def test_a_worker_that_dies_stops_the_run(hf_llama, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(OutputError, match="worker process ended .killed by SIGKILL"):
+        _run((planted, "killed"), hf_llama["dir"], out)
+    _nothing_left(out)
+
+
+def test_a_task_that_read_other_inputs_is_refused(hf_llama, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(OutputError, match="its task read other inputs than the run planned with .'test_workers.py' is"):
+        _run((other_inputs,), hf_llama["dir"], out)
+    _nothing_left(out)
+
+
+def _children(pid: int) -> list:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:   # (not the resource tracker)
+                found.append(int(entry))
+    return found
+
+
+def test_sigterm_mid_run_ends_the_workers_and_leaves_nothing(big_pt, tmp_path):
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "ckptconv.cli", "convert", str(big_pt), str(out), "--max-shard-size",
+                          "8MiB", "--workers", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tmp = tmp_path / ".out.ckptconv-tmp"
+    deadline = time.monotonic() + 120
+    while not (tmp.exists() and any(tmp.glob("*.safetensors"))) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.005)
+    workers = _children(p.pid)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by SIGTERM" in err and err.count("\n") == 1, err
+    assert workers and not [w for w in workers if Path(f"/proc/{w}").exists()
+                            and "Z" not in Path(f"/proc/{w}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    _nothing_left(out)
+
+
+def test_one_progress_bar_fed_by_every_task(hf_llama, tmp_path):
+    """The driver's one bar: the same total and the same bytes counted as a run of one process."""
+    import contextlib
+    from ckptconv import api
+    seen = {}
+
+    def progress_of(w):
+        @contextlib.contextmanager
+        def progress(total):
+            seen[w] = [total, 0]
+
+            def update(n):
+                seen[w][1] += n
+            yield update
+        return progress
+
+    for w in (1, 2):
+        api.convert(hf_llama["dir"], tmp_path / f"out{w}", max_shard_size="60KB", workers=w, progress=progress_of(w))
+    assert seen[1] == seen[2] and seen[2][1] > 0
+
+
+def test_a_script_using_the_api_without_a_main_guard_runs_once(hf_llama, tmp_path):
+    """Workers are spawned without the caller's __main__: the script is not run again in each."""
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nfrom ckptconv import api\nprint('top level ran')\n"
+                      "api.convert(sys.argv[1], sys.argv[2], max_shard_size='60KB', workers=2)\n")
+    r = subprocess.run([sys.executable, str(script), str(hf_llama["dir"]), str(tmp_path / "out")], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("top level ran") == 1
+    assert run("convert", hf_llama["dir"], tmp_path / "one", *SHARDS, "--workers", 1).exit_code == 0
+    same_tree(tmp_path / "out", tmp_path / "one")
