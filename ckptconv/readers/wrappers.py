@@ -33,6 +33,7 @@ _TRAINING = {
     **dict.fromkeys(("rng_state", "rng_states", "cuda_rng_state", "torch_rng_state"), "random number generator state"),
     **dict.fromkeys(("callbacks", "loops"), "Lightning training state"),
     "frozen_param_fragments": "DeepSpeed's copies of frozen parameters",
+    **dict.fromkeys(("train_state", "dataloader", "data_loader"), "training loop state"),   # torchtitan
 }
 SHOWN = 8   # entries of other kinds named one by one
 TOP = "."   # --state-dict for the tensors at a state's top level (a DCP save that flattens the model: torchtitan)
