@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-cloud test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures test-orbax orbax-fixtures demo bench fuzz clean
+.PHONY: setup test test-training training-fixtures test-cloud test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures test-orbax orbax-fixtures demo bench fuzz clean
 
 setup: $(VENV)/.installed
 
@@ -30,8 +30,8 @@ test-vllm: setup $(VLLM_VENV)/.installed
 	CKPTCONV_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest tests/vllm -v
 
 # DeepSpeed ZeRO checkpoints made by the real DeepSpeed (CPU, 2 processes with gloo), every variant of
-# tests/fixtures/deepspeed.py, compared bit for bit with DeepSpeed's own merge (not part of `make
-# test`: the venv is about 1 GB; the fixtures take about 20 s). `deepspeed-fixtures` remakes the small
+# tests/fixtures/deepspeed.py, compared bit for bit with DeepSpeed's own merge, pipelines with its own
+# load_checkpoint (not part of `make test`: the venv is about 1 GB; the fixtures take about 70 s). `deepspeed-fixtures` remakes the small
 # ones committed under tests/fixtures/data/deepspeed/. See docs/formats.md#deepspeed.
 DS_VENV ?= .venv-deepspeed
 DS_FIXTURES ?= /tmp/ckptconv-deepspeed-fixtures
@@ -54,20 +54,46 @@ deepspeed-fixtures: $(DS_VENV)/.installed
 # from, and `--to hf` with Megatron's own logits (not part of `make test`: the venv is about 1 GB; the
 # fixtures take about 6 minutes on two CPUs). `megatron-fixtures` remakes the small ones committed under
 # tests/fixtures/data/megatron/. See docs/formats.md#megatron.
-MEGATRON_VENV ?= .venv-megatron
+# MEGATRON_CORE picks another release (0.13.1-0.15.3 tried: docs/formats.md#megatron), in its own venv;
+# MEGATRON_VARIANTS a subset of the fixtures' variants (default: all), the tests then run on those only.
+MEGATRON_CORE ?= 0.16.1
+MEGATRON_VARIANTS ?=
+MEGATRON_VENV ?= .venv-megatron$(if $(filter 0.16.1,$(MEGATRON_CORE)),,-$(MEGATRON_CORE))
 MEGATRON_FIXTURES ?= /tmp/ckptconv-megatron-fixtures
 $(MEGATRON_VENV)/.installed:
 	python3 -m venv $(MEGATRON_VENV)
-	$(MEGATRON_VENV)/bin/python -m pip install --quiet torch==2.13.0 megatron-core==0.16.1 psutil transformers safetensors
+	$(MEGATRON_VENV)/bin/python -m pip install --quiet torch==2.13.0 megatron-core==$(MEGATRON_CORE) psutil transformers safetensors
 	touch $@
 
 test-megatron: setup $(MEGATRON_VENV)/.installed
 	rm -rf $(MEGATRON_FIXTURES)
-	$(MEGATRON_VENV)/bin/python -m tests.fixtures.megatron $(MEGATRON_FIXTURES)
-	CKPTCONV_MEGATRON_FIXTURES=$(abspath $(MEGATRON_FIXTURES)) $(PY) -m pytest tests/megatron -v
+	$(MEGATRON_VENV)/bin/python -m tests.fixtures.megatron $(MEGATRON_FIXTURES) $(MEGATRON_VARIANTS)
+	CKPTCONV_MEGATRON_FIXTURES=$(abspath $(MEGATRON_FIXTURES)) $(PY) -m pytest tests/megatron -v \
+		$(if $(MEGATRON_VARIANTS),-k "$(subst $() , or ,$(strip $(MEGATRON_VARIANTS)))")
 
 megatron-fixtures: $(MEGATRON_VENV)/.installed
 	$(MEGATRON_VENV)/bin/python -m tests.fixtures.megatron --committed
+
+# Training states saved through torch DCP by the real stacks (FSDP1, Lightning's FSDP strategy, a
+# torchtitan step directory, Accelerate's pytorch_model_fsdp_0; CPU, 2 processes with gloo), each
+# compared bit for bit with the stack's own consolidation (not part of `make test`: the venv is about
+# 1.5 GB with torchtitan's dependencies; the fixtures take about a minute). `training-fixtures`
+# remakes the small ones committed under tests/fixtures/data/training_dcp/. See docs/dcp.md#training-states.
+TRAINING_VENV ?= .venv-training
+TRAINING_FIXTURES ?= /tmp/ckptconv-training-dcp-fixtures
+$(TRAINING_VENV)/.installed:
+	python3 -m venv $(TRAINING_VENV)
+	$(TRAINING_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(TRAINING_VENV)/bin/python -m pip install --quiet lightning==2.6.6 accelerate==1.15.0 torchtitan==0.3.0 safetensors
+	touch $@
+
+test-training: setup $(TRAINING_VENV)/.installed
+	rm -rf $(TRAINING_FIXTURES)
+	$(TRAINING_VENV)/bin/python -m tests.fixtures.training_dcp $(TRAINING_FIXTURES)
+	CKPTCONV_TRAINING_DCP_FIXTURES=$(abspath $(TRAINING_FIXTURES)) $(PY) -m pytest tests/readers/test_dcp_training.py -v
+
+training-fixtures: $(TRAINING_VENV)/.installed
+	$(TRAINING_VENV)/bin/python -m tests.fixtures.training_dcp --committed
 
 # Orbax checkpoints made by the real Orbax (jax on 8 host CPU devices; a 2-process save with
 # jax.distributed on 127.0.0.1), every variant of tests/fixtures/orbax.py (OCDBT, per-array zarr v2

@@ -27,7 +27,7 @@ from ..tensor import Checkpoint, SourceFacts
 from .pickle import unpickler
 from .pickle.torch_globals import TORCH_OWNED, flatten, torch_globals
 from .pickle.unpickler import Function, InertClass
-from . import ReadOptions, confined, model_files, source_root, wanted
+from . import ReadOptions, confined, dcp_training, model_files, source_root, wanted
 from .dcp_chunks import _ZIP, DCPReader, _global
 from .dcp_metadata import Loc, _check_coverage, _field, _found, _read_tensor, _record, _storage_index
 from .torch_pickle import load_zip
@@ -38,6 +38,7 @@ _DCP_CLASSES = ["Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "Ch
                 "MetadataIndex", "TensorProperties", "StorageMeta"]
 _MODULES = ["torch.distributed.checkpoint.metadata", "torch.distributed._shard.checkpoint.metadata"]
 _PLANNER = "torch.distributed.checkpoint.planner"
+_MCORE_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch"
 
 
 def _posix_path(ctx, *parts):
@@ -65,6 +66,10 @@ def allowlist(extra=(), base=None) -> dict:
     # structure again faster): records, never used here
     for cls in ("SavePlan", "WriteItem", "TensorWriteData"):
         allow[(_PLANNER, cls)] = InertClass(cls)
+    # Megatron-Core 0.13-0.15 pickle their planner's own SavePlan subclass there, and 0.15 its Metadata
+    # subclass as the whole file (both: the same fields plus per-tensor `mcore_data`, never used here)
+    allow[(_MCORE_STRATEGY, "MCoreSavePlan")] = InertClass("MCoreSavePlan")
+    allow[(_MCORE_STRATEGY, "MCoreMetadata")] = InertClass("MCoreMetadata")
     allow[(_PLANNER, "WriteItemType")] = _enum("WriteItemType")
     allow[("pathlib", "PosixPath")] = Function("pathlib.PosixPath", _posix_path)
     allow[("pathlib", "WindowsPath")] = Function("pathlib.WindowsPath", _posix_path)
@@ -78,23 +83,34 @@ def detect(path: Path) -> bool:
 
 
 def load(path: Path, options: ReadOptions) -> Checkpoint:
-    return read(path, options, allowlist(options.allow_globals), lambda fqn: wanted(fqn, options.only))
+    return read(path, options, allowlist(options.allow_globals))
 
 
-def read(path: Path, options: ReadOptions, allow, keep) -> Checkpoint:
+def read(path: Path, options: ReadOptions, allow, keep=None) -> Checkpoint:
     """The items of the DCP checkpoint in `path` whose name `keep(fqn)` accepts (the others are checked
     as records, never read), unpickled with `allow` (DCP's records plus a format's own: the megatron
-    reader's torch_dist directories)."""
+    reader's torch_dist directories). Without `keep` (the dcp reader), a training state's model is
+    unwrapped as --state-dict says (dcp_training.py) and --only selects among the names written."""
     meta_path = path / ".metadata"
     meta = storage.open_file(confined(meta_path, source_root(path)))
-    md = _record(unpickler.load(storage.buffer(meta, 0, meta.size), allow, meta_path), ("Metadata",), "the pickle",
-                 meta_path)
+    md = _record(unpickler.load(storage.buffer(meta, 0, meta.size), allow, meta_path), ("Metadata", "MCoreMetadata"),
+                 "the pickle", meta_path)
     sdm = _field(md, "state_dict_metadata", meta_path)
     storage_data = _field(md, "storage_data", meta_path)
     if not isinstance(sdm, dict) or not isinstance(storage_data, dict):
         raise BadInput(f"{meta_path}: Metadata.state_dict_metadata/storage_data are not dicts")
     where_by_key = _storage_index(storage_data, meta_path)
     reader = DCPReader(path, allow)
+    unwrapped = None
+    if keep is None:
+        kinds = {fqn: _record(item, ("TensorStorageMetadata", "BytesStorageMetadata"), f"item {fqn!r}", meta_path)
+                 .qualname == "TensorStorageMetadata" for fqn, item in sdm.items() if isinstance(fqn, str)}
+        unwrapped = dcp_training.unwrap(kinds, _field(md, "planner_data", meta_path, None), options.state_dict,
+                                        meta_path)
+        names = unwrapped.names if unwrapped is not None else {}
+        keep = (lambda fqn: fqn in names and wanted(names[fqn], options.only)) if unwrapped is not None else \
+            (lambda fqn: wanted(fqn, options.only))
+    name_of = (lambda fqn: unwrapped.names[fqn]) if unwrapped is not None else (lambda fqn: fqn)
 
     # 1. Check every wanted item's records and layout before reading any bytes.
     items, chunked = [], []
@@ -123,22 +139,25 @@ def read(path: Path, options: ReadOptions, allow, keep) -> Checkpoint:
     tensors, extras, skipped = [], {}, []
     for fqn, x in items:
         if isinstance(x, Loc):
-            _bytes_item(reader, fqn, x, tensors, extras, skipped)
+            _bytes_item(reader, fqn, name_of(fqn), x, tensors, extras, skipped)
             continue
         dt, shape, chunks, grid = x
         for c in chunks:
             if c.numel and not c.transformed:
                 c.source()
-        tensors.append(_global(fqn, dt, shape, chunks, grid))
+        tensors.append(_global(name_of(fqn), dt, shape, chunks, grid))
     source = SourceFacts(format=NAME, path=str(path), files=sorted(p.name for p in path.glob("*.distcp")),
-                         skipped=[s for s, _ in skipped])
+                         skipped=[s for s, _ in skipped],
+                         **({"state_dict": unwrapped.chosen, "dropped": unwrapped.dropped}
+                            if unwrapped is not None else {"state_dict": "none"} if options.state_dict == "none" else {}))
     return Checkpoint(tensors, extras, source, model_files(path), [meta] + list(reader.files.values()),
+                      layout=unwrapped.layout if unwrapped is not None else None,
                       unsupported=(f"{skipped[0][1]}: tensor {skipped[0][0]['name']!r} has dtype {skipped[0][0]['reason']}, "
                                    "which safetensors cannot store", "--skip-unsupported leaves it out")
                       if skipped else None)
 
 
-def _bytes_item(reader, fqn, loc, tensors, extras, skipped):
+def _bytes_item(reader, fqn, name, loc, tensors, extras, skipped):
     m, offset, length = reader.item_bytes(loc)
     budget = Budget(m.path)
     head = bytes(storage.buffer(m, offset, 4))
@@ -153,9 +172,9 @@ def _bytes_item(reader, fqn, loc, tensors, extras, skipped):
         except UnsafePickle:
             raise
         except BadInput:
-            extras[fqn] = {"__opaque__": length, "sha256": hashlib.sha256(raw).hexdigest()}
+            extras[name] = {"__opaque__": length, "sha256": hashlib.sha256(raw).hexdigest()}
             return
-    t, e, s = flatten(value, m.path, prefix=fqn, budget=budget)
+    t, e, s = flatten(value, m.path, prefix=name, budget=budget)
     skipped += [(x, m.path) for x in s]
     tensors.extend(t.values())
     extras.update(unpickler.extras_json(e, budget))

@@ -27,6 +27,13 @@ file name, count and size is checked against the others, and every file must be 
 save (readers.one_save: what each records of it, deepspeed_files.saved_facts), before any tensor is
 handed out.
 
+A pipeline checkpoint (DeepSpeed's PipelineModule: `layer_NN[-model_00]-model_states.pt` per
+layer, per stage S `mp_rank_SS_model_states.pt` and `[bf16_]zero_pp_rank_R_mp_rank_SS_optim_states.pt`)
+is each stage's masters merged as above, named as DeepSpeed's own load_checkpoint names them
+(`N.param`, `tied_modules.KEY.param` once), buffers from the layer files, every layer file checked
+against the stages' names and shapes (_pipeline; docs/formats.md#pipeline-checkpoints-deepspeeds-
+pipelinemodule). Tensor-parallel pipelines are refused.
+
 What one file says and the tag directory's rank files are deepspeed_files.py's, the joins of the
 partitions deepspeed_tensors.py's; this module is the reader. Files are reached through
 storage/files.py: in an object store each rank file's zip directory and pickle are read by ranged
@@ -36,13 +43,14 @@ from pathlib import Path
 
 from .base import Reader, register
 from .. import dtypes
-from ..errors import BadInput, printable
+from ..errors import BadInput, brief, printable
 from ..io.mapped import SEQUENTIAL
 from ..storage import files as storage
 from ..tensor import Checkpoint, SourceFacts, MappedView, TensorSource, cast
 from . import (DEEPSPEED_RANK_FILE, ReadOptions, confined, deepspeed_tag_directory, model_files, one_save,
                source_root, wanted)
-from .deepspeed_files import Layout, ModelStates, OptimRank, _found, _layout, _model_files, read_model, read_optim
+from .deepspeed_files import (Layout, ModelStates, OptimRank, _found, _layout, _model_files, read_layer, read_model,
+                              read_optim)
 from .deepspeed_tensors import _check_names, _frozen, _stage12, _stage3
 from .pickle import unpickler
 from .pickle.deepspeed_globals import deepspeed_globals
@@ -113,17 +121,50 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     root = source_root(path)
     directory, tag, carry = _tag_directory(path, root)
     layout = _layout(directory)
-    world = len(layout.optim)
     mapped = []
+    if layout.stages is not None:
+        tensors, first, s0, by_name, dropped = _pipeline(layout, root, allow, mapped)
+    else:
+        tensors, first, s0, (_, tops), saves = _one_stage(layout, root, allow, mapped)
+        one_save(saves)   # (all ranks save together)
+        _parallelism(tops[0], s0.path)
+        by_name = {t.name: t for t in tensors}
+        dropped = None
+    kept = [t for t in tensors if wanted(t.name, options.only)]
+    advised = set()
+    for t in kept:   # what is read: ahead of where it is touched, never behind (where the moments lie)
+        _advise_sequential(t, advised)
+    source = _facts(path, layout, tag, first, s0, by_name, dropped)
+    files_beside = model_files(carry, [directory]) if carry.is_dir() else []
+    return Checkpoint(kept, {}, source, files_beside, mapped)
+
+
+def _one_stage(layout: Layout, root: str, allow, mapped: list) -> tuple:
+    """The fp32 masters of one model-parallel rank's files (the whole model, or a pipeline stage's
+    parameters): (tensors, its first OptimRank, its first ModelStates, (states, tops), the files'
+    facts of their save for one_save)."""
+    return _masters(layout, *_read_stage(layout, root, allow, mapped))
+
+
+def _read_stage(layout: Layout, root: str, allow, mapped: list) -> tuple:
+    """One model-parallel rank's files read and checked: (ranks, states, tops, their facts of the save)."""
     ranks = _optim_ranks(layout, root, allow, mapped)
     first = ranks[0]
-    stage = first.stage
-    states, tops = _model_states(layout, stage, root, allow, mapped, first)
-    one_save([(s.path, f"rank {r}", s.saved) for r, s in enumerate(states)]
-             + [(rec.path, f"rank {rec.rank}", rec.saved) for rec in ranks])   # (all ranks save together)
-    s0 = states[0]
-    _parallelism(tops[0], s0.path)
-    tensors = _buffers(s0)
+    pipeline = layout.layers is not None
+    if pipeline and first.stage == 3:
+        raise BadInput(f"{first.path}: ZeRO stage 3 in a pipeline checkpoint (DeepSpeed runs pipelines at stages "
+                       "0-1 only); refused")
+    states, tops = _model_states(layout, first.stage, root, allow, mapped, first, pipeline)
+    saves = ([(s.path, f"rank {r}", s.saved) for r, s in enumerate(states)]
+             + [(rec.path, f"rank {rec.rank}", rec.saved) for rec in ranks])
+    return ranks, states, tops, saves
+
+
+def _masters(layout: Layout, ranks: list, states: list, tops: list, saves: list) -> tuple:
+    """The tensors of one model-parallel rank's files, read by _read_stage."""
+    world, first, s0 = len(layout.optim), ranks[0], states[0]
+    stage, pipeline = first.stage, layout.layers is not None
+    tensors = [] if pipeline else _buffers(s0)
     tensors += _frozen(states, stage, world)
     tensors += _stage12(ranks, s0, first.paddings) if stage < 3 else _stage3(ranks, states)
     _check_names(tensors, s0.shared, s0.path)
@@ -132,13 +173,128 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         if name in by_name:
             by_name[alias] = by_name[name].renamed(alias)
             tensors.append(by_name[alias])
-    kept = [t for t in tensors if wanted(t.name, options.only)]
-    advised = set()
-    for t in kept:   # what is read: ahead of where it is touched, never behind (where the moments lie)
-        _advise_sequential(t, advised)
-    source = _facts(path, layout, tag, first, s0, by_name)
-    files_beside = model_files(carry, [directory]) if carry.is_dir() else []
-    return Checkpoint(kept, {}, source, files_beside, mapped)
+    return tensors, first, s0, (states, tops), saves
+
+
+def _pipeline(layout: Layout, root: str, allow, mapped: list) -> tuple:
+    """A PipelineModule's checkpoint as DeepSpeed's own load_checkpoint gives it: every stage's fp32
+    masters under the module's names (`N.param` for the layer of global index N,
+    `tied_modules.KEY.param` for a TiedLayerSpec's module, taken from the first stage that holds it,
+    as DeepSpeed broadcasts tied weights from there), and the buffers each stage lists from the layer
+    files (as saved). Every trained parameter and buffer `N.key` must be in layer N's file, of the
+    shape param_shapes says; a layer file holding tensors no stage names is refused.
+    (tensors, stage 0's first OptimRank, its ModelStates, by name, what is left out)."""
+    tensors, by_name, owner, saves, dropped = [], {}, {}, [], []
+    names_by_layer = {}     # layer index -> {key: (stage, shape or None for a buffer)}
+    tied = {}               # tied module KEY -> {key: shape (None: a buffer)}
+    stages = layout.stages
+    read = [_read_stage(layout_s, root, allow, mapped) for layout_s in stages]
+    for layout_s, (_, states, tops, sv) in zip(stages, read):
+        saves += [(p, f"stage {layout_s.mp} {label}", facts) for p, label, facts in sv]
+        _pipeline_parallelism(tops[0], states[0].path, len(stages))
+    one_save(saves)   # (all stages and ranks save together)
+    first, s0 = read[0][0][0], read[0][1][0]
+    for layout_s, r in zip(stages, read):
+        st, _, m0, _, _ = _masters(layout_s, *r)
+        if m0.frozen_shapes:
+            raise BadInput(f"{m0.path}: frozen_param_shapes in a pipeline stage's file (a ZeRO stage 2 pipeline, which "
+                           "DeepSpeed does not run); refused")
+        for t in st:
+            if t.name.startswith("tied_modules."):
+                if t.name in by_name:
+                    if tuple(by_name[t.name].shape) != tuple(t.shape):
+                        raise BadInput(f"{m0.path}: tied {t.name!r} is {list(t.shape)} here, "
+                                       f"{list(by_name[t.name].shape)} in pipeline stage {owner[t.name]}'s files; refused")
+                    continue
+                _, key, sub = t.name.split(".", 2) if t.name.count(".") >= 2 else (None, t.name, "")
+                tied.setdefault(key, {})[sub] = tuple(t.shape)
+            elif t.name in by_name:
+                raise BadInput(f"{m0.path}: {t.name!r} is a parameter of pipeline stage {layout_s.mp} and of stage "
+                               f"{owner[t.name]}: two stages claim one layer; refused")
+            else:
+                _layer_key(t.name, layout_s.mp, tuple(t.shape), names_by_layer, m0.path)
+            owner[t.name] = layout_s.mp
+            by_name[t.name] = t
+            tensors.append(t)
+        for b in m0.buffer_names:
+            if b.startswith("tied_modules."):
+                if b.count(".") >= 2:
+                    _, key, sub = b.split(".", 2)
+                    tied.setdefault(key, {})[sub] = None
+                dropped.append({"name": b, "reason": "a buffer of a tied module (TiedLayerSpec): which layer files hold "
+                                                     "it is not recorded; not read"})
+                continue
+            if b in by_name:
+                raise BadInput(f"{m0.path}: buffer {b!r} is listed by pipeline stage {layout_s.mp} and stage "
+                               f"{owner[b]}; refused")
+            _layer_key(b, layout_s.mp, None, names_by_layer, m0.path)
+            owner[b] = layout_s.mp
+    tensors = _layer_buffers(layout, root, allow, mapped, names_by_layer, tied, dropped) + tensors
+    by_name = {t.name: t for t in tensors}
+    return tensors, first, s0, by_name, dropped
+
+
+def _layer_key(name: str, stage: int, shape, names_by_layer: dict, path):
+    """Note `N.key` (a parameter with its shape, or a buffer: None) as layer N's, of `stage`."""
+    head, _, key = name.partition(".")
+    if not (head.isascii() and head.isdigit() and len(head) <= 9 and key):
+        raise BadInput(f"{path}: {printable(repr(name), 120)} is not a PipelineModule name (N.key, N the layer's "
+                       "global index, or tied_modules.KEY.key); refused")
+    names_by_layer.setdefault(int(head), {})[key] = (stage, shape)
+
+
+def _layer_buffers(layout: Layout, root: str, allow, mapped: list, names_by_layer: dict, tied: dict,
+                   dropped: list) -> list:
+    """Each layer file read and checked against what the stages name: every name `N.key` held by
+    layer N's file (a trained parameter with the shape param_shapes gives it; the 16-bit copy is never
+    read, the master is), the buffers handed out as saved; a file of a layer no stage names holding
+    tensors is refused unless its keys are a tied module's."""
+    buffers = []
+    last = max(names_by_layer, default=0)
+    for index in sorted(names_by_layer):
+        if index not in layout.layers:
+            stage = next(iter(names_by_layer[index].values()))[0]
+            raise BadInput(f"{layout.directory}: the layer file of layer {index} (layer_{index:02d}-model_states.pt), "
+                           f"whose parameters pipeline stage {stage} lists, is missing; refused")
+    for index in sorted(layout.layers):
+        p = layout.layers[index]
+        if index > last + len(layout.layers):   # (a number from a name: compared, never counted to)
+            raise BadInput(f"{p}: layer index {index} is past the last layer the pipeline stages name ({last}) by more "
+                           f"than the directory's {len(layout.layers)} layer files could be; refused")
+        m = storage.open_file(confined(p, root))
+        mapped.append(m)
+        held = read_layer(m, allow)
+        named = names_by_layer.get(index)
+        if named is None:
+            if held and not _a_tied_module(held, tied):
+                raise BadInput(f"{p}: holds tensors ({brief(list(held), 60)}) of layer {index}, which no pipeline "
+                               "stage's param_shapes or buffer_names names: a file of another model; refused")
+            continue
+        for key, (stage, shape) in named.items():
+            t = held.get(key)
+            if t is None:
+                raise BadInput(f"{p}: holds no {key!r}, which pipeline stage {stage} lists as {index}.{key}; refused")
+            if shape is not None and tuple(t.shape) != tuple(shape):
+                raise BadInput(f"{p}: {key!r} is {list(t.shape)}, pipeline stage {stage}'s param_shapes says "
+                               f"{list(shape)} for {index}.{key}; refused")
+            if shape is None:
+                if t.unsupported:
+                    raise BadInput(f"{p}: buffer {key!r} has dtype {t.unsupported}, which safetensors cannot store")
+                buffers.append(t.source(f"{index}.{key}"))
+        for key in held:
+            if key not in named:
+                dropped.append({"name": f"{index}.{key}", "reason": "saved only in its layer file, not among the fp32 "
+                                                                    "masters or listed buffers (a frozen parameter): "
+                                                                    "not read"})
+    return buffers
+
+
+def _a_tied_module(held: dict, tied: dict) -> bool:
+    """A layer file no stage names by index is a TiedLayerSpec's module saved at its index (its
+    parameters read from the masters under tied_modules.KEY.): every key one tied module's, of its
+    shape."""
+    return any(all(k in members and (members[k] is None or members[k] == tuple(t.shape)) for k, t in held.items())
+               for members in tied.values())
 
 
 def _optim_ranks(layout: Layout, root: str, allow, mapped: list) -> list:
@@ -167,7 +323,8 @@ def _optim_ranks(layout: Layout, root: str, allow, mapped: list) -> list:
     return ranks
 
 
-def _model_states(layout: Layout, stage: int, root: str, allow, mapped: list, first: OptimRank) -> tuple:
+def _model_states(layout: Layout, stage: int, root: str, allow, mapped: list, first: OptimRank,
+                  pipeline=False) -> tuple:
     """(the ModelStates of the model-state file(s), their top-level dicts), checked against the
     optimizer state and each other; their files mapped into `mapped`."""
     world = len(layout.optim)
@@ -175,7 +332,7 @@ def _model_states(layout: Layout, stage: int, root: str, allow, mapped: list, fi
     for p in _model_files(layout, stage):
         m = storage.open_file(confined(p, root))
         mapped.append(m)
-        s, top = read_model(m, allow)
+        s, top = read_model(m, allow, pipeline)
         states.append(s)
         tops.append(top)
     s0 = states[0]
@@ -202,13 +359,20 @@ def _buffers(s0: ModelStates) -> list:
     return tensors
 
 
-def _facts(path: Path, layout: Layout, tag: str, first: OptimRank, s0: ModelStates, by_name: dict) -> SourceFacts:
+def _facts(path: Path, layout: Layout, tag: str, first: OptimRank, s0: ModelStates, by_name: dict,
+           dropped=None) -> SourceFacts:
     """What the source description says: the files read, the run's numbers, what DeepSpeed leaves out."""
     stage, world = first.stage, len(layout.optim)
-    files = [str(p.relative_to(path)) for p in layout.optim + _model_files(layout, stage)]
+    read = [p for st in (layout.stages or [layout]) for p in st.optim + _model_files(st, stage)]
+    read += [layout.layers[i] for i in sorted(layout.layers or {})]
+    files = [str(p.relative_to(path)) for p in read]
     source = SourceFacts(format=NAME, path=str(path), files=files, more={
         "tag": tag, "zero_stage": stage, "world_size": world, "ds_version": first.ds_version,
         "master_dtype": first.groups[0].dtype.code})
+    if layout.stages is not None:
+        source.more["pipeline_stages"] = len(layout.stages)
+        source.dropped = dropped[:1000]
+        return source
     left = [n for n in s0.module_params if n not in by_name]
     if left:   # ZeRO-1 does not save frozen parameters among the fp32 state: DeepSpeed's merge leaves them out
         source.dropped = [{"name": n, "reason": "a parameter saved only in the 16-bit module state (a frozen one, "
@@ -243,8 +407,22 @@ def _parallelism(top, path):
                            "ranks hold different parts of each layer; merging them is not supported; refused")
 
 
-READER = register(Reader(NAME, "DeepSpeed ZeRO checkpoint directories (latest + global_stepN/, stages 1-3): the fp32 "
-                               "master weights", detect, load, priority=38, parses_pickles=True, suffixes=(".pt",),
+def _pipeline_parallelism(top, path, stages: int):
+    """A pipeline stage's file: pp_degree the number of stages the directory holds, tensor
+    parallelism 1 (mp_world_size, the stages times the tensor-parallel ranks, equal to pp_degree)."""
+    dims = top.get("checkpoint_parallel_dimensions")
+    dims = dims if isinstance(dims, dict) else {}
+    for what, value, want in (("pp_degree", dims.get("pp_degree"), stages),
+                              ("mp_world_size", top.get("mp_world_size"), stages), ("tp_degree", dims.get("tp_degree"), 1)):
+        if value is not None and (type(value) is not int or value != want):
+            tp = " and no tensor parallelism (merging it is not supported)" if what == "tp_degree" else ""
+            raise BadInput(f"{path}: {what} is {_found(value)}, the directory holds {stages} pipeline stages' files{tp}; "
+                           "refused")
+
+
+READER = register(Reader(NAME, "DeepSpeed ZeRO checkpoint directories (latest + global_stepN/, stages 1-3; "
+                               "PipelineModule layer files merged): the fp32 master weights", detect, load,
+                               priority=38, parses_pickles=True, suffixes=(".pt",),
                                fuzz=(("latest", b"global_step1"), ("global_step1/mp_rank_00_model_states.pt", None),
                                      ("global_step1/zero_pp_rank_0_mp_rank_00_optim_states.pt", None)),
                                looks_for="a directory holding latest, or *_optim_states.pt and *_model_states.pt rank "

@@ -18,8 +18,10 @@ from .torch_pickle import justified, load_zip
 
 OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d{1,9})_mp_rank_(\d{1,9})_optim_states\.pt")
 MODEL = re.compile(r"(?:zero_pp_rank_(\d{1,9})_)?mp_rank_(\d{1,9})_model_states\.pt")
-# DeepSpeed files this reader does not merge: pipeline layers, MoE experts and their optimizer state
-PIPELINE = re.compile(r"layer_\d+(-model_\d+)?-model_states\.pt")
+# DeepSpeed's PipelineModule: one file per layer NN (its global index) holding that layer's state
+# dict, `-model_XX` the tensor-parallel rank when the topology has a model axis (Megatron-DeepSpeed)
+LAYER = re.compile(r"layer_(\d{1,9})(?:-model_(\d{1,9}))?-model_states\.pt")
+# DeepSpeed files this reader does not merge: MoE experts and their optimizer state
 EXPERT = re.compile(r"(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt|expp_rank_\d+_mp_rank_\d+_optim_states\.pt")
 
 
@@ -53,15 +55,20 @@ class ModelStates:
     ds_version: str | None
     dp_world: int | None
     saved: dict | None = None         # what it records of its save (readers.one_save): saved_facts
+    buffer_names: list | None = None  # `buffer_names` as listed (a pipeline's buffers are in its layer files)
 
 
 @dataclass
 class Layout:
-    """The tag directory's files, by rank, checked by name."""
+    """The tag directory's files, by rank, checked by name (a pipeline's: one Layout per stage in
+    `stages`, each with its stage's optimizer- and model-state files, `layers` the layer files)."""
 
     directory: Path
     optim: list                       # rank -> Path
     model: dict                       # (rank or None, mp rank) -> Path, as named
+    mp: int = 0                       # the model-parallel rank these files are of (a pipeline's stage)
+    layers: dict | None = None        # a pipeline's: global layer index -> Path
+    stages: list | None = None        # a pipeline's: stage -> Layout
 
 
 def _field(obj, key, path, kinds, what=None, default=KeyError):
@@ -207,15 +214,20 @@ def read_optim(m: MappedFile, rank: int, allow) -> OptimRank:
     return rec
 
 
-def read_model(m: MappedFile, allow) -> tuple:
-    """(ModelStates, the file's top-level dict)."""
+def read_model(m: MappedFile, allow, pipeline=False) -> tuple:
+    """(ModelStates, the file's top-level dict). A pipeline stage's file holds no `module` (None:
+    its layers are in the layer files)."""
     path = storage.place(m.path)
     top = _load(m, allow)
     if not isinstance(top, dict):
         raise BadInput(f"{path}: not a DeepSpeed model-state file (its pickle is {_found(top)})")
-    module = _field(top, "module", path, dict)
+    if pipeline and isinstance(top.get("module"), dict) and top["module"]:
+        raise BadInput(f"{path}: holds a module state beside the pipeline's layer files: not a PipelineModule's "
+                       "stage file; refused")
+    module = {} if pipeline and top.get("module", {}) is None else _field(top, "module", path, dict)
     names = _field(top, "buffer_names", path, (list, tuple))
-    buffer_names = {_name(n, "a buffer name", path) for n in names}
+    listed_buffers = [_name(n, "a buffer name", path) for n in names]
+    buffer_names = set(listed_buffers)
     groups = _field(top, "param_shapes", path, (list, tuple))
     shapes = []
     for i, g in enumerate(groups):
@@ -247,7 +259,22 @@ def read_model(m: MappedFile, allow) -> tuple:
     justified(m, [t for _, t in buffers] + [t for n, t in frozen.items() if n in dict(frozen_list)])
     dp = top.get("dp_world_size")
     return ModelStates(path, shapes, frozen_list, frozen, buffers, shared, others, _version(top, path),
-                       dp if type(dp) is int else None, saved_facts(top, None, path)), top
+                       dp if type(dp) is int else None, saved_facts(top, None, path), listed_buffers), top
+
+
+def read_layer(m: MappedFile, allow) -> dict:
+    """A pipeline layer file: the layer's state dict, {key: TorchTensor} (an empty one for a layer
+    without parameters or buffers)."""
+    path = storage.place(m.path)
+    top = _load(m, allow)
+    if not isinstance(top, dict):
+        raise BadInput(f"{path}: not a DeepSpeed pipeline layer file (its pickle is {_found(top)}, not a state dict)")
+    for k, v in top.items():
+        _name(k, "a key", path)
+        if not isinstance(v, TorchTensor):
+            raise BadInput(f"{path}: {printable(repr(k), 80)} is {_found(v)}, not a tensor")
+    justified(m, list(top.values()))
+    return top
 
 
 # --- The tag directory ---------------------------------------------------------------------------
@@ -258,12 +285,15 @@ def _layout(directory: Path) -> Layout:
         names = storage.listdir(directory)
     except OSError as e:
         raise BadInput(f"{directory}: cannot list: {e.strerror}") from None
-    optim, model, mp = {}, {}, {}
+    optim, model, mp, layers = {}, {}, {}, {}
     for n in names:
-        o, md = OPTIM.fullmatch(n), MODEL.fullmatch(n)
-        if PIPELINE.fullmatch(n):
-            raise BadInput(f"{directory / n}: a pipeline-parallel layer file (DeepSpeed's PipelineModule): each "
-                           "pipeline stage's files hold other layers, and merging them is not supported; refused")
+        o, md, ly = OPTIM.fullmatch(n), MODEL.fullmatch(n), LAYER.fullmatch(n)
+        if ly:
+            _layer_file(directory, n, ly, layers)
+            continue
+        if n.startswith("layer_") and n.endswith("model_states.pt"):   # (never silently left out)
+            raise BadInput(f"{directory / n}: a layer file whose name does not spell its layer as DeepSpeed does "
+                           "(layer_NN[-model_XX]-model_states.pt, numbers of at most 9 digits); refused")
         if EXPERT.fullmatch(n):
             raise BadInput(f"{directory / n}: a mixture-of-experts file; ZeRO checkpoints with expert parallelism "
                            "are not supported; refused")
@@ -286,6 +316,8 @@ def _layout(directory: Path) -> Layout:
     if not optim:
         raise BadInput(f"{directory}: holds no ZeRO optimizer-state files (*_optim_states.pt): not a DeepSpeed "
                        "ZeRO checkpoint, or one saved without its optimizer state")
+    if layers:
+        return _pipeline_layout(directory, optim, model, mp, layers)
     if set(mp) != {0}:
         shown = ", ".join(sorted({f"mp_rank_{k:02d}" for k in mp})[:6])
         raise BadInput(f"{directory}: holds files of {len(mp)} model-parallel ranks ({shown}): a tensor- or "
@@ -300,17 +332,62 @@ def _layout(directory: Path) -> Layout:
     return Layout(directory, [optim[(r, 0)] for r in range(world)], model)
 
 
+def _layer_file(directory: Path, n: str, match, layers: dict):
+    """A layer file by name: tensor-parallel rank 0 only (or none named), each layer once."""
+    index, tp = int(match.group(1)), match.group(2)
+    if tp is not None and int(tp) != 0:
+        raise BadInput(f"{directory / n}: a layer file of tensor-parallel rank {int(tp)} (a pipeline with tensor "
+                       "parallelism, as Megatron-DeepSpeed writes): its ranks hold different parts of each layer, "
+                       "split by rules of the model the files do not record; merging them is not supported "
+                       "(Megatron-DeepSpeed's tools/convert_checkpoint or ds_to_universal.py merge them); refused")
+    if index in layers:
+        raise BadInput(f"{directory / n}: holds layer {index}, as {layers[index].name} does: two files claim one "
+                       "layer; refused")
+    layers[index] = directory / n
+
+
+def _pipeline_layout(directory: Path, optim: dict, model: dict, mp: dict, layers: dict) -> Layout:
+    """A PipelineModule's tag directory: per stage S (its model-parallel rank, tensor parallelism
+    being 1) the optimizer state of every data-parallel rank R (zero_pp_rank_R_mp_rank_SS_...) and
+    one mp_rank_SS_model_states.pt; stages 0..P-1 all present, each with the same rank count."""
+    stages_named = max(mp) + 1
+    missing = first_missing(mp, stages_named)
+    if missing is not None:
+        raise BadInput(f"{directory}: the files of pipeline stage {missing} (mp_rank_{missing:02d}) are missing "
+                       f"beside those of stages up to {stages_named - 1}; refused")
+    by_stage = [{r: p for (r, m), p in optim.items() if m == s} for s in range(stages_named)]
+    world = max(max(ranks) + 1 if ranks else 0 for ranks in by_stage)   # (every stage has as many ranks)
+    stages = []
+    for s, ranks in enumerate(by_stage):
+        if not ranks:
+            raise BadInput(f"{directory}: pipeline stage {s} has no optimizer-state file "
+                           f"(zero_pp_rank_0_mp_rank_{s:02d}_optim_states.pt); refused")
+        miss = first_missing(ranks, world)
+        if miss is not None:
+            prefix = "bf16_" if next(iter(ranks.values())).name.startswith("bf16_") else ""
+            raise BadInput(f"{directory}: the optimizer state of rank {miss} of pipeline stage {s} is missing "
+                           f"({prefix}zero_pp_rank_{miss}_mp_rank_{s:02d}_optim_states.pt; {len(ranks)} rank files of "
+                           f"the stage, {world} data-parallel ranks in the directory); refused")
+        files = {k: p for k, p in model.items() if k[1] == s}
+        stages.append(Layout(directory, [ranks[r] for r in range(world)], files, mp=s, layers=layers))
+    first = stages[0]
+    return Layout(directory, first.optim, model, layers=layers, stages=stages)
+
+
 def _model_files(layout: Layout, stage: int) -> list:
-    d, model = layout.directory, layout.model
+    d, model, mp = layout.directory, layout.model, layout.mp
     world = len(layout.optim)
     if stage < 3:
-        if (None, 0) not in model:
-            raise BadInput(f"{d}: mp_rank_00_model_states.pt (names and shapes of the parameters) is missing")
-        extra = sorted(p.name for k, p in model.items() if k != (None, 0))
+        if (None, mp) not in model:
+            raise BadInput(f"{d}: mp_rank_{mp:02d}_model_states.pt (names and shapes of the parameters) is missing")
+        extra = sorted(p.name for k, p in model.items() if k != (None, mp))
         if extra:
             raise BadInput(f"{d / extra[0]}: a ZeRO stage-3 model-state file beside the stage-{stage} files; "
                            "two runs' files in one directory; refused")
-        return [model[(None, 0)]]
+        return [model[(None, mp)]]
+    if layout.layers is not None or mp:
+        raise BadInput(f"{layout.optim[0]}: ZeRO stage 3 in a pipeline checkpoint (DeepSpeed runs pipelines at "
+                       "stages 0-1 only); refused")
     if (None, 0) in model:
         raise BadInput(f"{d}/mp_rank_00_model_states.pt: a ZeRO stage-1/2 model-state file beside the stage-3 "
                        "files; two runs' files in one directory; refused")

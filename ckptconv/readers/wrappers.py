@@ -35,6 +35,7 @@ _TRAINING = {
     "frozen_param_fragments": "DeepSpeed's copies of frozen parameters",
 }
 SHOWN = 8   # entries of other kinds named one by one
+TOP = "."   # --state-dict for the tensors at a state's top level (a DCP save that flattens the model: torchtitan)
 
 
 _KINDS = {**_TRAINING, **dict.fromkeys(_EMA_KEYS, EMA), **dict.fromkeys(_MODEL_KEYS, MODEL)}
@@ -241,7 +242,8 @@ class Layout:
 
     def found(self) -> str:
         """`model weights under model_state_dict: 226 tensors; optimizer state under ...: 381 tensors`."""
-        text = "; ".join(f"{p.kind} under {p.key}: {_tensors(p.tensors)}" for p in self.parts)
+        text = "; ".join(f"{p.kind} {'at the top level' if p.key == TOP else 'under ' + p.key}: "
+                         f"{_tensors(p.tensors)}" for p in self.parts)
         if self.more[0]:
             text += f"; {self.more[0]} more entries: {_tensors(self.more[1])}"
         return text
@@ -252,7 +254,8 @@ class Layout:
         candidates = [p.key for p in self.parts if p.kind in (MODEL, EMA)]
         if self.chosen is not None:
             how = "picked by --state-dict auto" if self.asked == "auto" else f"--state-dict {self.asked}"
-            return f"the tensors of {self.chosen!r} under their own names ({how}; --state-dict none keeps everything)"
+            what = "the top-level tensors" if self.chosen == TOP else f"the tensors of {self.chosen!r}"
+            return f"{what} under their own names ({how}; --state-dict none keeps everything)"
         flags = " or ".join(f"--state-dict {k}" for k in candidates[:4]) or "--state-dict KEY"
         if self.asked == "none":
             return f"every tensor under its flattened name (--state-dict none; {flags} writes one part)"

@@ -2,9 +2,10 @@
 fp16 and bf16 runs; frozen and tied parameters, odd sizes, several parameter groups, a torch
 optimizer passed in, round-robin gradients, tiny Llamas with config.json) converts bit for bit to
 what DeepSpeed's get_fp32_state_dict_from_zero_checkpoint returns for the same files, also cast to
-bf16, also from the tag directory; verify --against the ZeRO directory passes; Llamas reshard.
+bf16, also from the tag directory; verify --against the ZeRO directory passes; Llamas reshard;
+pipeline checkpoints (PipelineModule, tied layers) to what DeepSpeed's own load_checkpoint gives.
 
-Run by `make test-deepspeed`, which makes DeepSpeed's venv and the fixtures (about 20 s on two CPUs)
+Run by `make test-deepspeed`, which makes DeepSpeed's venv and the fixtures (about 70 s on two CPUs)
 and points CKPTCONV_DEEPSPEED_FIXTURES at them; skipped otherwise."""
 import json
 import os
@@ -77,9 +78,16 @@ def test_llamas_reshard_and_verify(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", variants(pipeline=True))
-def test_pipeline_stages_are_refused(name, tmp_path):
-    r = run("convert", ROOT / name, tmp_path / "out")
-    assert r.exit_code == 2 and "pipeline-parallel" in r.stderr and not (tmp_path / "out").exists()
+def test_pipelines_are_what_deepspeeds_own_load_gives(name, tmp_path):
+    """PipelineModule checkpoints (ZeRO-1; fp32 and bf16; a TiedLayerSpec on both stages): bit for bit
+    what a fresh engine's load_checkpoint gives (the masters; the loaded module's state dict once
+    cast), from the directory and the tag directory."""
+    from tests.readers.test_deepspeed import check_pipeline
+    for src in (ROOT / name, ROOT / name / (ROOT / name / "latest").read_text().strip()):
+        out = tmp_path / src.name
+        r = run("convert", src, out, "--quiet")
+        assert r.exit_code == 0, r.stderr
+        check_pipeline(src, out, name, ROOT)
 
 
 def test_the_matrix_is_what_the_fixture_script_makes():

@@ -37,17 +37,21 @@ def flat(obj, prefix=""):
     return out
 
 
-def reference(dcp_dirs, name):
-    return flat(torch.load(dcp_dirs / f"{name}.pt", weights_only=False))
+def reference(dcp_dirs, name, key=None):
+    state = torch.load(dcp_dirs / f"{name}.pt", weights_only=False)
+    return flat(state[key] if key else state)
 
 
-@pytest.mark.parametrize("name, ref", [("single", "single"), ("zstd", "zstd"), ("safetensors", "single"),
-                                       ("dtensor", "dtensor"), ("fsdp2", "fsdp2")])
-def test_converts_bit_exact(dcp_dirs, tmp_path, name, ref):
-    r = run("convert", dcp_dirs / name, tmp_path / "out", "--quiet")
+@pytest.mark.parametrize("name, ref, flags, key", [
+    ("single", "single", (), None), ("zstd", "zstd", (), None), ("safetensors", "single", (), None),
+    ("dtensor", "dtensor", (), None),
+    # an FSDP2 {model, optim} save: the model's entry under its own names (--state-dict auto), or everything
+    ("fsdp2", "fsdp2", (), "model"), ("fsdp2", "fsdp2", ("--state-dict", "none"), None)])
+def test_converts_bit_exact(dcp_dirs, tmp_path, name, ref, flags, key):
+    r = run("convert", dcp_dirs / name, tmp_path / "out", "--quiet", *flags)
     assert r.exit_code == 0, r.stderr
     got = load_output(tmp_path / "out")
-    want = reference(dcp_dirs, ref)
+    want = reference(dcp_dirs, ref, key)
     tensors = {k: v for k, v in want.items() if isinstance(v, torch.Tensor)}
     assert set(got) == set(tensors)
     for k, v in tensors.items():

@@ -23,6 +23,8 @@ from tests.helpers import DATA, ROOT, assert_same, load_output, run
 FIXTURES = DATA / "deepspeed"
 COMMITTED = ["z1-fp32-mlp", "z2-fp32-mlp", "z3-bf16-frozen-tied", "z3-bf16-llama-tied", "z3-fp32-saves", "z2-bf16-saves"]
 SAVED_TWICE = ["z3-fp32-saves", "z2-bf16-saves"]   # global_step1/ and global_step2/ of one run
+PIPELINES = ["z1-fp32-pipeline", "z1-bf16-pipe-tied", "z1-bf16-pipe-dp2"]   # PipelineModule, two stages (dp2: of
+#                                                                         two data-parallel ranks each)
 
 
 def reference(name, root=FIXTURES):
@@ -53,6 +55,47 @@ def test_the_fp32_masters_are_deepspeeds_bit_for_bit(name, tmp_path):
     assert [t.name for t in open_checkpoint(FIXTURES / name).tensors] == reference(name)[1]["names"]
     assert src["format"] == "deepspeed" and src["tag"] == "global_step2" and src["world_size"] == 2
     assert src["zero_stage"] == int(name[1]) and src["ds_version"] == "0.19.8"
+
+
+def check_pipeline(src: Path, out: Path, name, root=FIXTURES):
+    """A pipeline checkpoint's output: what a fresh engine's load_checkpoint gives (the fp32 masters,
+    the buffers as saved: VARIANT.reference.safetensors), and cast to the dtype of each tensor of the
+    loaded module's state dict, exactly that state dict (the layer files' weights: 16-bit in a bf16
+    run, DeepSpeed's own rounding of the masters)."""
+    manifest = check_output(out, name, root)
+    got = load_output(out)
+    module = load_file(root / f"{name}.module.safetensors")
+    assert sorted(module) == sorted(got)
+    for k, v in module.items():
+        assert_same(got[k].to(v.dtype), v, k)
+    src_facts = manifest["source"]
+    assert src_facts["pipeline_stages"] == 2 and src_facts["zero_stage"] == 1 and src_facts["master_dtype"] == "F32"
+    assert sum(f.split("/")[-1].startswith("layer_") for f in src_facts["files"]) >= 3
+    r = run("verify", out, "--against", src)
+    assert r.exit_code == 0 and "matches the source" in r.stdout, r.stdout + r.stderr
+    return manifest
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_pipeline_checkpoints_are_what_deepspeeds_own_load_gives(name, tmp_path):
+    """Names by global layer index (`1.weight`), a TiedLayerSpec's module once (`tied_modules.embed.
+    weight`, held by both stages), buffers from the layer files; DeepSpeed's zero_to_fp32 cannot read
+    these (recorded by the fixture script)."""
+    for src in (FIXTURES / name, FIXTURES / name / "global_step2"):
+        out = tmp_path / src.name
+        r = run("convert", src, out, "--quiet")
+        assert r.exit_code == 0, r.stderr
+        check_pipeline(src, out, name)
+    facts = reference(name)[1]
+    assert "Error" in facts["zero_to_fp32"] and facts["tied_same_on_every_stage"]
+    if "tied" in name:
+        assert "tied_modules.embed.weight" in facts["names"] and "2.scale" in facts["names"]
+        assert "torch.bfloat16" in facts["module_dtypes"]
+        r = run("convert", FIXTURES / name, tmp_path / "bf16", "--dtype", "bf16", "--quiet")
+        assert r.exit_code == 0, r.stderr   # the masters rounded as DeepSpeed rounds them into the model
+        module = load_file(FIXTURES / f"{name}.module.safetensors")
+        got = load_output(tmp_path / "bf16")
+        assert all(torch.equal(got[k], v) for k, v in module.items() if v.dtype == torch.bfloat16)
 
 
 def test_a_tag_directory_reads_the_same_and_carries_the_parents_model_files(tmp_path):

@@ -341,3 +341,20 @@ def test_a_class_of_no_allowlist_in_args_is_recorded_as_data_naming_it(tmp_path)
     assert manifest["extras"]["args"]["tokenizer"]["__class__"] == "tests.readers.test_megatron.Unknown"
     assert manifest["source"]["placeholders"] == [{"global": "tests.readers.test_megatron.Unknown", "count": 1}]
 
+
+
+@pytest.mark.parametrize("version", ["0.13.1", "0.15.3"])
+def test_megatron_core_0_13_to_0_15_torch_dist_reads_without_allow_global(tmp_path, version):
+    """Megatron-Core 0.13-0.15 pickle their planner's MCoreSavePlan into .metadata (planner_data), and
+    0.15 its MCoreMetadata as the whole file: inert records, as torch's SavePlan and Metadata are. The
+    same model saved by 0.13.1 and 0.15.3 (committed beside 0.16.1's) merges to the same TP 1 weights,
+    and --to hf gives the same files as from 0.16.1's save."""
+    name = f"dist-tied-tp2-pp2-mcore{version}"
+    out, hf, hf16 = tmp_path / "out", tmp_path / "hf", tmp_path / "hf16"
+    r = run("convert", FIXTURES / name, out)
+    assert r.exit_code == 0, r.stderr
+    check_merged(out, name)
+    assert run("convert", FIXTURES / name, hf, "--to", "hf", "--quiet").exit_code == 0
+    assert run("convert", FIXTURES / "dist-tied-tp2-pp2", hf16, "--to", "hf", "--quiet").exit_code == 0
+    assert load_file(hf / "model.safetensors").keys() == load_file(hf16 / "model.safetensors").keys()
+    assert (hf / "model.safetensors").read_bytes() == (hf16 / "model.safetensors").read_bytes()

@@ -2,6 +2,8 @@
 producers: torch.save of PyTorch Lightning and Stable Diffusion style checkpoints with real OmegaConf
 hyper-parameters and a callback object. Every tensor written is compared bit for bit with torch.load."""
 import collections
+import hashlib
+import io
 import json
 import os
 import typing
@@ -190,6 +192,32 @@ def test_code_entry_points_are_refused_even_in_state_that_is_dropped(tmp_path, t
     assert_refused(cli("convert", src, out, "--allow-global", "posix.*", "--allow-global", "builtins.*"), out,
                    "--allow-global 'posix.*'", "can run code")
     assert not canary.exists()
+
+
+def test_in_memory_files_are_inert_records_and_the_rest_of_io_is_refused(tmp_path):
+    # torchtitan's older TrainState keeps its loss lists as io.BytesIO (a torch.save inside)
+    losses = io.BytesIO()
+    torch.save([1.5, 2.25], losses)
+    src = tmp_path / "titan.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "train_state": {"step": 3, "global_avg_losses": losses,
+                                                               "log": io.StringIO("x")}}, src)
+    out = tmp_path / "out"
+    r = run("convert", src, out)
+    assert r.exit_code == 0, r.stderr
+    extras = manifest(out)["extras"]
+    held = extras["train_state.global_avg_losses"]
+    assert held["__class__"] == "_io.BytesIO"
+    assert held["__state__"][0] == {"__bytes__": len(losses.getvalue()),
+                                    "sha256": hashlib.sha256(losses.getvalue()).hexdigest()}
+    assert extras["train_state.log"]["__class__"] == "_io.StringIO"
+    assert_same(load_file(out / "model.safetensors")["w"], torch.ones(2))
+    # every other name of io still reaches the system: refused wherever it is, whatever --allow-global says
+    for target in (io.open, io.FileIO):
+        evil = tmp_path / "evil.pt"
+        torch.save({"model": {"w": torch.ones(2)}, "x": Reduce(target, (str(tmp_path / "canary"), "w"))}, evil)
+        assert_refused(cli("convert", evil, out), out, "is not on the allowlist", "can run code")
+        assert not (tmp_path / "canary").exists()
+    assert_refused(cli("convert", src, out, "--allow-global", "io.*"), out, "--allow-global 'io.*'", "can run code")
 
 
 def test_python2_spellings_and_plain_containers_are_emulated(tmp_path):

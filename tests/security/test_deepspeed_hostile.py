@@ -1,6 +1,7 @@
 """Hostile and inconsistent DeepSpeed ZeRO checkpoints: the real DeepSpeed files committed under
 tests/fixtures/data/deepspeed/, with a rank missing or twice, files of another run, a lying shape, a
-truncated file, a `latest` leading elsewhere, pipeline or expert files, or a pickle that would run
+truncated file, a `latest` leading elsewhere, pipeline layer files missing, twice, of a huge index,
+of other shapes or of tensor-parallel ranks, expert files, or a pickle that would run
 code. Each must be refused with exit 2 and one line naming the file and what is wrong, nothing
 written. Attacks (code, links leading out, a truncated file, classes off the allowlist) run the real
 CLI in a fresh process under a memory cap and a timeout, with every file it opens recorded;
@@ -180,18 +181,82 @@ def test_a_tag_directory_leading_outside_is_refused(tmp_path):
     refused(src, tmp_path, "leads outside the checkpoint")
 
 
-def test_a_real_pipeline_parallel_checkpoint_is_refused(tmp_path):
-    """DeepSpeed's PipelineModule, two stages: layer_NN-model_states.pt, mp_rank_00 and mp_rank_01."""
-    src = FIXTURES / "z1-fp32-pipeline"
-    for s in (src, src / "global_step2"):
-        r, out = convert(s, tmp_path)
-        assert_refused(r, out, "layer_00-model_states.pt", "pipeline-parallel", "not supported")
+PIPE = "z1-bf16-pipe-tied"   # DeepSpeed's PipelineModule, two stages: layer_NN-model_states.pt, mp_rank_00/01
+
+
+def test_a_pipeline_layer_file_missing_is_refused(tmp_path):
+    src, tag = copy(PIPE, tmp_path)
+    (tag / "layer_01-model_states.pt").unlink()
+    refused_here(src, tmp_path, "layer file of layer 1", "layer_01-model_states.pt", "pipeline stage 0", "is missing")
+
+
+def test_two_files_claiming_one_layer_are_refused(tmp_path):
+    src, tag = copy(PIPE, tmp_path)
+    shutil.copy(tag / "layer_01-model_states.pt", tag / "layer_01-model_00-model_states.pt")
+    refused_here(src, tmp_path, "holds layer 1, as", "two files claim one layer")
+
+
+def test_a_huge_layer_index_is_refused(tmp_path):
+    src, tag = copy(PIPE, tmp_path)
+    shutil.copy(tag / "layer_01-model_states.pt", tag / "layer_999999999-model_states.pt")
+    refused(src, tmp_path, "layer_999999999-model_states.pt", "layer index 999999999 is past the last layer")
+    (tag / "layer_999999999-model_states.pt").rename(tag / "layer_07-model_states.pt")   # (within the bound)
+    refused_here(src, tmp_path, "layer_07-model_states.pt", "of layer 7, which no pipeline stage", "names")
+    (tag / "layer_07-model_states.pt").unlink()
+    shutil.copy(tag / "layer_01-model_states.pt", tag / "layer_0000000001-model_states.pt")   # 10 digits
+    refused_here(src, tmp_path, "layer_0000000001-model_states.pt", "does not spell its layer")
+
+
+def test_a_tensor_parallel_pipeline_is_refused(tmp_path):
+    """Megatron-DeepSpeed's layer_NN-model_XX files of tensor-parallel rank XX: refused, pointing at its tools."""
+    src, tag = copy(PIPE, tmp_path)
+    for f in list(tag.glob("layer_*")):
+        f.rename(tag / f.name.replace("-model_states", "-model_00-model_states"))
+    r = run("convert", src, tmp_path / "plain")   # (rank 00 alone, named the Megatron-DeepSpeed way: read)
+    assert r.exit_code == 0, r.stderr
+    shutil.copy(tag / "layer_01-model_00-model_states.pt", tag / "layer_01-model_01-model_states.pt")
+    refused_here(src, tmp_path, "layer_01-model_01-model_states.pt", "tensor-parallel rank 1", "not supported",
+                 "ds_to_universal")
+    (tag / "layer_01-model_01-model_states.pt").unlink()
+    state = torch.load(tag / "mp_rank_01_model_states.pt", weights_only=False)   # (plain data: no DeepSpeed class)
+    state["checkpoint_parallel_dimensions"]["tp_degree"] = 2
+    torch.save(state, tag / "mp_rank_01_model_states.pt")
+    refused_here(src, tmp_path, "mp_rank_01_model_states.pt", "tp_degree is 2", "no tensor parallelism")
+
+
+def test_a_layer_file_of_other_shapes_is_refused(tmp_path):
+    src, tag = copy(PIPE, tmp_path)
+    shutil.copy(tag / "layer_01-model_states.pt", tag / "layer_03-model_states.pt")   # 1.weight [7, 6] as layer 3
+    refused_here(src, tmp_path, "layer_03-model_states.pt", "'weight' is [7, 6]", "param_shapes says [6, 7]")
+
+
+def test_a_data_parallel_rank_of_one_stage_missing_is_refused(tmp_path):
+    src, tag = copy("z1-bf16-pipe-dp2", tmp_path)   # two stages of two data-parallel ranks
+    (tag / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink()
+    refused_here(src, tmp_path, "optimizer state of rank 0 of pipeline stage 1 is missing")
+    shutil.copy(FIXTURES / "z1-bf16-pipe-dp2" / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt", tag)
+    (tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    refused_here(src, tmp_path, "rank 1 of pipeline stage 0 is missing", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+
+
+def test_a_pipeline_stage_missing_or_of_another_run_is_refused(tmp_path):
+    src, tag = copy(PIPE, tmp_path)
+    (tag / "mp_rank_01_model_states.pt").unlink()
+    refused_here(src, tmp_path, "mp_rank_01_model_states.pt", "is missing")
+    shutil.copy(FIXTURES / PIPE / "global_step2" / "mp_rank_01_model_states.pt", tag)
+    bf16 = "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    (tag / bf16).rename(tag / "bf16_zero_pp_rank_0_mp_rank_02_optim_states.pt")
+    refused_here(src, tmp_path, "pipeline stage 1", "no optimizer-state file")
+    (tag / "bf16_zero_pp_rank_0_mp_rank_02_optim_states.pt").rename(tag / bf16)
+    other = FIXTURES / "z1-fp32-pipeline" / "global_step2"   # stage 1 of another run: its own names
+    shutil.copy(other / "mp_rank_01_model_states.pt", tag / "mp_rank_01_model_states.pt")
+    refused_here(src, tmp_path, "mp_rank_01_model_states.pt", "files of different")
 
 
 @pytest.mark.parametrize("extra, fragment", [
     ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "2 model-parallel ranks"),
     ("mp_rank_01_model_states.pt", "2 model-parallel ranks"),
-    ("layer_01-model_00-model_states.pt", "pipeline-parallel"),
+    ("layer_01-model_00-model_states.pt", "a module state beside the pipeline's layer files"),
     ("expp_rank_0_mp_rank_00_optim_states.pt", "mixture-of-experts"),
 ])
 def test_pipeline_tensor_and_expert_parallel_files_are_refused(tmp_path, extra, fragment):

@@ -45,6 +45,7 @@ def both(s3, local, tmp_path, command, *args):
     ("grok", ("--layout", "mixtral")),   # dequantized, transposed, split into experts: regions, not spans
     pytest.param("deepspeed/z2-fp32-mlp", ()),
     pytest.param("deepspeed/z3-bf16-frozen-tied", ("--max-shard-size", "4KB")),
+    pytest.param("deepspeed/z1-bf16-pipe-tied", ()),   # (a pipeline: layer files and two stages)
     pytest.param("megatron/legacy-moe-tp2-pp1-ep2", ()),
     pytest.param("megatron/dist-tied-tp2-pp2", ("--to", "hf")),
 ])

@@ -43,6 +43,9 @@ CODE_LAST = {n for _, n in CODE_NAMES if n != "call"} | {
     "load_library", "_forward_from_src", "reduce_graph_module"}
 SAFE_BUILTINS = {"set", "frozenset", "bytearray", "object", "list", "dict", "tuple", "int", "long", "float", "str",
                  "unicode", "bytes", "bool"}
+# In-memory files of io: plain containers of bytes or text, read as inert records (standins.BENIGN);
+# every other name of io and _io (open, FileIO, ...) reaches the system.
+SAFE_IO = {(m, n) for m in ("io", "_io") for n in ("BytesIO", "StringIO")}
 _CODE_BARE = {_p.strip("_").lower() for _p in CODE_PARTS}
 _LAST_BARE = {_p.strip("_").lower() for _p in CODE_LAST}
 
@@ -56,6 +59,8 @@ def _bare(part: str) -> str:
 def runs_code(module: str, name: str) -> bool:
     """Whether `module.name` can run code or reach the system, in any spelling: Python 2's names,
     C twins, a dotted path through a module attribute (`pathlib.os.system`)."""
+    if (module, name) in SAFE_IO:
+        return False
     if (module, name) in CODE_NAMES or any(module == m or module.startswith(m + ".") for m in CODE_MODULES):
         return True
     parts = [_bare(p) for p in f"{module}.{name}".split(".")]

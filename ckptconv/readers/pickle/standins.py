@@ -298,4 +298,7 @@ BENIGN = {
     ("copyreg", "_reconstructor"): Function("copyreg._reconstructor", _reconstructor),
     ("copy_reg", "_reconstructor"): Function("copyreg._reconstructor", _reconstructor),
     ("argparse", "Namespace"): InertClass("argparse.Namespace"),
+    # In-memory files (torchtitan's older train state keeps its loss lists in one): their pickled state
+    # is (contents, position, attributes), kept on an inert record as data; nothing of io runs.
+    **{(m, n): InertClass(f"_io.{n}") for m in ("_io", "io") for n in ("BytesIO", "StringIO")},
 }
