@@ -159,7 +159,8 @@ def read_options(fn=None, *, leave_out=()):
             "--state-dict", default="auto", show_default=True, metavar="auto|KEY|none",
             help="Training checkpoints: auto writes the model's tensors under their bare names when it finds "
             "them (a top-level 'state_dict', or the one of model, model_state_dict, module, net, ema ... beside "
-            "optimizer, scheduler and scaler state; inspect says which); KEY or a dotted path (model.state_dict) "
+            "optimizer, scheduler and scaler state; an Orbax train state's params; inspect says which); KEY or a "
+            "dotted path (model.state_dict) "
             "unwraps that entry; none keeps every tensor under its flattened name.")),
         ("skip_unsupported", click.option(
             "--skip-unsupported", is_flag=True,

@@ -45,8 +45,9 @@ def _subdirs(path) -> list:
 
 
 def items_of(step) -> list:
-    """The item directories of a step directory, sorted."""
-    return [n for n in _subdirs(step) if is_item(storage.join(step, n))]
+    """The item directories of a step directory, sorted (an item whose write did not finish, under
+    Orbax's temporary name, is none)."""
+    return [n for n in _subdirs(step) if TMP not in n and is_item(storage.join(step, n))]
 
 
 def is_step(path) -> bool:

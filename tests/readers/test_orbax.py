@@ -179,3 +179,13 @@ def test_a_step_without_its_commit_marker_is_skipped_and_refused(tmp_path):
         in manifest["source"]["incomplete_steps"]
     r = run("convert", src, tmp_path / "out2", "--step", "2")
     assert r.exit_code == 2 and "commit_success.txt" in r.stderr
+
+
+def test_an_item_under_orbaxs_temporary_name_is_not_read(tmp_path):
+    import shutil
+    src = tmp_path / "manager-zarr"
+    shutil.copytree(FIXTURES / "manager-zarr", src)
+    shutil.copytree(src / "2" / "state", src / "2" / "params.orbax-checkpoint-tmp-17")   # (a preferred name)
+    r = run("convert", src, tmp_path / "out", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    assert check(tmp_path / "out", reference("manager-zarr.step2"))["source"]["item"] == "state"
