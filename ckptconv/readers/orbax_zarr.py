@@ -11,6 +11,7 @@ view of its file; a zstd chunk is inflated as rows are asked for, front to back,
 declared byte size; a chunk the store does not hold is the array's fill value (zarr's rule, and
 tensorstore's).
 """
+import bisect
 import math
 import struct
 from typing import NamedTuple
@@ -516,6 +517,41 @@ def _shard_index(store, key, value, meta, shard, what):
     return {tuple(int(i) for i in k): v for k, v in out.items()}
 
 
+def _stored_at_most(store, array: str, limit: int) -> int:
+    """How many values the store holds under `array/` (counted as far as `limit`): the keys of an OCDBT
+    store, the files under a directory (walked as far as `limit` files), never a probe per chunk."""
+    prefix = f"{array}/"
+    if hasattr(store, "keys"):
+        keys = store.__dict__.setdefault("_sorted_keys", store.keys())   # (sorted: the b-tree's order)
+        return min(limit, bisect.bisect_left(keys, prefix + "\U0010ffff") - bisect.bisect_left(keys, prefix))
+    found, seen, todo = 0, 0, [storage.join(store.root, *array.split("/"))]
+    while todo and seen < limit:   # (every name looked at counts: empty directories bound the walk too)
+        d = todo.pop()
+        if not storage.is_dir(d):
+            continue
+        for e in storage.entries(d):
+            seen += 1
+            if e.is_dir:
+                todo.append(storage.join(d, e.name))
+            else:
+                found += 1
+    return min(found if seen < limit else limit, limit)
+
+
+def _fill_bound(store, array, what, shape, unit, grid, count, itemsize, counter):
+    """Refuse, before a chunk is looked up, an array whose chunks not stored must be more fill value
+    than Counter accepts: at most as many chunks are stored as the store holds values under the array,
+    each at most a whole chunk; every other chunk is at least the smallest (corner) chunk."""
+    present = _stored_at_most(store, array, count)
+    smallest = math.prod(n - (g - 1) * c for n, c, g in zip(shape, unit, grid)) * itemsize
+    least = counter.missing + (count - present) * smallest
+    most_stored = counter.stored + present * math.prod(unit) * itemsize
+    if least > FILL_ALLOWANCE + most_stored:
+        raise BadInput(f"{store.where(array)}: {what}: the chunks not stored would be at least {least} bytes of fill "
+                       f"value in the checkpoint so far, more than the {FILL_ALLOWANCE} accepted beyond the at most "
+                       f"{most_stored} bytes of chunks stored")
+
+
 def array_source(store, array: str, name: str, meta: ArrayMeta, counter: Counter) -> TensorSource:
     """The lazy source of the array stored under `array/`, named `name`."""
     what = f"array {array!r}"
@@ -530,6 +566,8 @@ def array_source(store, array: str, name: str, meta: ArrayMeta, counter: Counter
     if count > MAX_CHUNKS or counter.chunks > MAX_CHUNKS:
         raise BadInput(f"{store.where(array)}: {what}'s chunk grid {list(grid)} makes {count} chunks "
                        f"({counter.chunks} in the checkpoint so far), more than the {MAX_CHUNKS} accepted")
+    if meta.codecs.shard is None and not counter.every_chunk:
+        _fill_bound(store, array, what, shape, unit, grid, count, dt.itemsize, counter)
     chunks = []
     shards = {}
     for idx in np.ndindex(*grid) if grid else [()]:
