@@ -1111,12 +1111,144 @@ def _clean_outputs(s3, scratch):
         remove(scratch / name)
 
 
+# --- Orbax (issue 40) ------------------------------------------------------------------------------
+
+# Orbax itself writes the checkpoint and runs the route users take today; it lives in its own venv
+# (make test-orbax makes .venv-orbax), never in ckptconv's.
+ORBAX_PY = os.environ.get("CKPTCONV_ORBAX_PYTHON", str(ROOT / ".venv-orbax" / "bin" / "python"))
+
+ORBAX_WRITE = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+path, gigabytes = sys.argv[1], float(sys.argv[2])
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+rows, cols = 4096, 8192                       # 64 MiB of bf16 per matrix
+n = max(1, round(gigabytes * 1e9 / (rows * cols * 2)))
+params = {}
+for i in range(n):
+    sharding = NamedSharding(mesh, P("data", "model") if i % 2 else P("model", "data"))
+    make = jax.jit(lambda k: jax.random.normal(k, (rows, cols), jnp.bfloat16), out_shardings=sharding)
+    params[f"layer_{i:03d}"] = {"kernel": make(jax.random.key(i))}
+params["norm"] = {"scale": jax.device_put(jnp.ones((cols,), jnp.bfloat16), NamedSharding(mesh, P()))}
+ckptr = ocp.StandardCheckpointer()
+ckptr.save(os.path.abspath(path), {"params": params})
+ckptr.wait_until_finished()
+"""
+
+# What users run today: Orbax's own restore (the whole tree in host memory), safetensors' save_file,
+# then the SHA-256 of the file and sync (what ckptconv's output carries).
+ORBAX_NAIVE = r"""
+import hashlib, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import numpy as np
+import orbax.checkpoint as ocp
+from safetensors.numpy import save_file
+src, out = sys.argv[1], sys.argv[2]
+tree = ocp.PyTreeCheckpointer().restore(os.path.abspath(src))
+flat = {}
+def walk(prefix, node):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            walk(f"{prefix}.{k}" if prefix else k, v)
+    else:
+        flat[prefix] = np.asarray(node)
+walk("", tree["params"] if "params" in tree else tree)
+save_file(flat, os.path.join(out, "model.safetensors"))
+h = hashlib.sha256()
+with open(os.path.join(out, "model.safetensors"), "rb", buffering=0) as f:
+    while b := f.read(16 << 20):
+        h.update(b)
+with open(os.path.join(out, "SHA256SUMS"), "w") as f:
+    f.write(f"{h.hexdigest()}  model.safetensors\n")
+os.sync()
+"""
+
+# ckptconv in this process, then what the kernel says it read from the disk (cold cache) and the
+# bytes its read calls asked for
+READ_BYTES = r"""
+import sys
+from ckptconv.cli import main
+try:
+    main(sys.argv[1:], standalone_mode=False)
+finally:
+    io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
+    print(f"READ {io['read_bytes']} {io['rchar']}", file=sys.stderr)
+"""
+
+
+def orbax_dir(path, gigabytes: float):
+    subprocess.run([ORBAX_PY, "-c", ORBAX_WRITE, str(path), str(gigabytes)], check=True)
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def bench_orbax(gigabytes=(2.2, 4.4)):
+    """An Orbax OCDBT checkpoint written by Orbax itself (bf16, sharded over 8 CPU devices) converted
+    by ckptconv against the copy floor and the route users take today (Orbax restore + save_file +
+    SHA-256 + sync), warm cache; ckptconv's peak RSS at two sizes (flat, not proportional); and the
+    bytes it reads from the disk with a cold cache against the checkpoint's bytes."""
+    if not Path(ORBAX_PY).exists():
+        print(f"\norbax: skipped ({ORBAX_PY} is missing: make test-orbax makes it, or set CKPTCONV_ORBAX_PYTHON)")
+        return
+    scratch = scratch_dir()
+    peaks = {}
+    for i, size in enumerate(gigabytes):
+        src = DATA / f"orbax-{size:g}GB"
+        if not src.exists():
+            orbax_dir(src, size)
+        files = sorted(p for p in src.rglob("*") if p.is_file())
+        nbytes = _tree_bytes(src)
+        if i == 0:
+            for f in files:
+                warm(f)
+            rows = measure_all([
+                copy_floor_row(files, scratch),
+                ("ckptconv convert", [PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"],
+                 scratch / "out"),
+                ("Orbax restore + save_file + SHA-256 + sync", [ORBAX_PY, "-c", ORBAX_NAIVE, src, scratch / "naive"],
+                 scratch / "naive"),
+            ])
+            by_name = {name: times for name, times, _ in rows}
+            print(f"\norbax OCDBT -> safetensors ({nbytes / 1e9:.3f} GB on disk, {REPEAT} rounds; ratios: median "
+                  "(range) of the rounds')")
+            print("| command | median wall s | GB/s | CPU s / GB | peak RSS MiB | x copy floor |\n|---|---:|---:|---:|---:|---:|")
+            for name, times, rss in rows:
+                secs = statistics.median(times)
+                cpu = statistics.median(CPU_S[name][-len(times):]) / (nbytes / 1e9)
+                print(f"| {name} | {secs:.2f} | {nbytes / secs / 1e9:.2f} | {cpu:.2f} | {rss:.0f} | "
+                      f"{paired(times, by_name['copy floor (dd O_DIRECT)'])} |")
+            print(f"ckptconv convert: {paired(by_name['Orbax restore + save_file + SHA-256 + sync'], by_name['ckptconv convert'])}"
+                  "x faster than Orbax restore + save_file + SHA-256 + sync")
+            peaks[size] = max(rss for name, _, rss in rows if name == "ckptconv convert")
+            if drop_caches():
+                remove(scratch / "out")
+                r = subprocess.run([PY, "-c", READ_BYTES, "convert", str(src), str(scratch / "out"), "--quiet"],
+                                   capture_output=True, text=True, check=True)
+                line = [x for x in r.stderr.splitlines() if x.startswith("READ ")][-1].split()
+                print(f"bytes read from the disk (cold cache): {int(line[1]) / 1e9:.3f} GB of {nbytes / 1e9:.3f} GB "
+                      f"on disk ({int(line[1]) / nbytes:.2f}x); read calls asked for {int(line[2]) / 1e9:.3f} GB")
+                remove(scratch / "out")
+            else:
+                print("bytes read from the disk: not measured (dropping the page cache needs root)")
+        else:
+            _, peaks[size] = _once([PY, "-m", "ckptconv.cli", "convert", src, scratch / "out", "--quiet"],
+                                   scratch / "out")
+        sys.stdout.flush()
+    print("ckptconv convert peak RSS by size: " + ", ".join(f"{g:g} GB: {m:.0f} MiB" for g, m in peaks.items()))
+
+
 SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20),
              "dcp": lambda: bench_dcp(18), "reshard": lambda: (bench_reshard(18), bench_reshard(36)),
              "verify": lambda: bench_verify(18), "distributed": lambda: bench_distributed(18),
              "workers": lambda: bench_workers(18),
              "vllm": lambda: bench_vllm(18), "cold": lambda: bench_cold(18), "many": bench_many, "plan": bench_plan,
-             "scale": bench_scale, "deepspeed": bench_deepspeed, "megatron": bench_megatron, "s3": bench_s3}
+             "scale": bench_scale, "deepspeed": bench_deepspeed, "megatron": bench_megatron, "s3": bench_s3,
+             "orbax": bench_orbax}
 
 
 def main():
