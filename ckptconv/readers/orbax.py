@@ -11,6 +11,8 @@ holding the parameters unless --item names one (orbax_steps.py). `_METADATA` nam
 (`--state-dict auto`, as for torch training wrappers); the rest is listed as left out; `--state-dict
 KEY` writes another top-level entry, `none` everything.
 """
+import bisect
+import os
 from pathlib import Path
 
 from .base import Reader, ReaderOption, register
@@ -33,13 +35,12 @@ def detect(path: Path) -> bool:
         return False
 
 
-def _store(item):
-    root = source_root(storage.place(item))
+def _store(item, root: str):
     # OCDBT by what is there: the root's manifest, or per-process stores never merged into one (which
     # OcdbtStore refuses, naming them)
     if storage.is_file(storage.join(item, MANIFEST)) or \
             any(e.is_dir and e.name.startswith("ocdbt.process_") for e in storage.entries(item)):
-        return _Ocdbt(OcdbtStore(storage.place(item)), item)
+        return _Ocdbt(OcdbtStore(storage.place(item), root), item)
     return DirStore(item, lambda p: confined(p, root))
 
 
@@ -47,13 +48,20 @@ class _Ocdbt:
     """An OcdbtStore as orbax_zarr's stores are used: get, where, files."""
 
     def __init__(self, store, item):
-        self.store, self.item = store, item
+        self.store, self.item, self._sorted = store, item, None
 
     def get(self, key):
         return self.store.get(key)
 
     def where(self, key):
         return f"{self.item}[ocdbt key {key!r}]"
+
+    def count_under(self, prefix: str, limit: int) -> int:
+        """How many keys start with `prefix` (the store's keys are sorted), at most `limit`."""
+        if self._sorted is None:
+            self._sorted = self.store.keys()
+        keys = self._sorted
+        return min(limit, bisect.bisect_left(keys, prefix + "\U0010ffff") - bisect.bisect_left(keys, prefix))
 
     @property
     def files(self):
@@ -85,11 +93,27 @@ def _kind(key: str) -> str:
     return wrappers.MODEL if key == PARAMS else wrappers.kind(key)
 
 
+def _confine_item(item, src, root: str):
+    """The item chosen (and so its step), and the metadata files read from it and its step, must
+    resolve inside SRC: a step, an item or a _METADATA that is a link leading out is refused, as
+    every chunk and data file is."""
+    confined(storage.place(item), root)
+    alone = os.fspath(storage.place(item)) == os.fspath(storage.place(src))   # (SRC is the item: no step around it)
+    for d in (item,) if alone else (item, storage.parent(item)):
+        for name in (steps.METADATA, MANIFEST, "_CHECKPOINT_METADATA", "_strings.json", "_sharding",
+                     "commit_success.txt"):
+            p = storage.join(d, name)
+            if storage.exists(p):
+                confined(storage.place(p), root)
+
+
 def load(path: Path, options: ReadOptions) -> Checkpoint:
     step_asked, item_asked = options.get("step"), options.get("item")
     item, step, item_name, skipped_steps = steps.choose(path, step_asked, item_asked)
+    root = source_root(storage.place(path))
+    _confine_item(item, path, root)
     leaves, every_chunk = steps.tree(item)
-    store = _store(item)
+    store = _store(item, root)
     key = _unwrap(leaves, options.state_dict, storage.join(item, steps.METADATA))
     prefix = tuple(key.split(".")) if key else ()
     counter = Counter(every_chunk)

@@ -19,7 +19,7 @@ MAX_SMALL_JSON = 1 << 20           # _CHECKPOINT_METADATA
 MAX_ENTRIES = 1 << 16              # entries of a manager root or step directory looked at
 DETECT_DIRS = 8                    # subdirectories of a directory detection looks into
 ITEM_PREFERENCE = ("default", "state", "params", "items", "model", "train_state")
-_STEP = re.compile(r"(?:(.*)_)?(\d{1,18})")
+_STEP = re.compile(r"(?:(.*)_)?([0-9]{1,4000})")   # ASCII digits, as Orbax's int() of a name it made
 _ITEM_MARKS = ("manifest.ocdbt", "_sharding", "array_metadatas", CHECKPOINT_METADATA, COMMIT)
 
 
@@ -100,8 +100,17 @@ def incomplete(step, name: str, markers: bool):
     return None
 
 
+def _confined_incomplete(root, step, name, markers):
+    """incomplete(), for a step that resolves inside SRC (`root`): one linked out is refused unread."""
+    from . import confined
+    confined(storage.place(step), root)
+    return incomplete(step, name, markers)
+
+
 def choose(path, step_asked, item_asked):
     """(item directory, step number or None, item name or None, skipped steps [(step, why)]) for SRC."""
+    from . import source_root
+    root = source_root(storage.place(path))   # (a step linked out of SRC is refused before it is read)
     skipped = []
     if is_item(path):
         if step_asked is not None or item_asked is not None:
@@ -113,9 +122,9 @@ def choose(path, step_asked, item_asked):
                            "not finish; refused")
         parent = storage.parent(path)
         if storage.is_file(storage.join(path, CHECKPOINT_METADATA)):
-            why = incomplete(path, name, storage.is_file(storage.join(path, COMMIT)) or False)
+            why = _confined_incomplete(root, path, name, storage.is_file(storage.join(path, COMMIT)) or False)
         elif is_step(parent):
-            why = incomplete(parent, storage.name(parent), False)
+            why = incomplete(parent, storage.name(parent), False)   # (the step SRC is an item of)
         else:
             why = None
         if why:
@@ -128,16 +137,16 @@ def choose(path, step_asked, item_asked):
             named = [n for s, n in steps if s == step_asked]
             if not named:
                 raise UsageError(f"{path}: no step {step_asked} (steps: {', '.join(str(s) for s, _ in steps[:20])})")
-            done = [n for n in named if not incomplete(storage.join(path, n), n, markers)]
+            done = [n for n in named if not _confined_incomplete(root, storage.join(path, n), n, markers)]
             if not done:
-                why = incomplete(storage.join(path, named[0]), named[0], markers)
+                why = _confined_incomplete(root, storage.join(path, named[0]), named[0], markers)
                 raise BadInput(f"{storage.join(path, named[0])}: incomplete Orbax checkpoint step {step_asked}: {why}; "
                                "refused")
             step, name = step_asked, done[0]
         else:
             step = name = None
             for s, n in reversed(steps):
-                why = incomplete(storage.join(path, n), n, markers)
+                why = _confined_incomplete(root, storage.join(path, n), n, markers)
                 if why is None:
                     step, name = s, n
                     break
@@ -149,7 +158,7 @@ def choose(path, step_asked, item_asked):
     if is_step(path):
         if step_asked is not None:
             raise UsageError(f"{path}: is one step's directory; --step chooses within a CheckpointManager directory")
-        why = incomplete(path, storage.name(path), storage.is_file(storage.join(path, COMMIT)) or
+        why = _confined_incomplete(root, path, storage.name(path), storage.is_file(storage.join(path, COMMIT)) or
                          any(storage.is_file(storage.join(storage.parent(path), n, COMMIT))
                              for _, n in steps_of(storage.parent(path))[-3:]))
         if why:

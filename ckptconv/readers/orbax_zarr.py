@@ -11,7 +11,6 @@ view of its file; a zstd chunk is inflated as rows are asked for, front to back,
 declared byte size; a chunk the store does not hold is the array's fill value (zarr's rule, and
 tensorstore's).
 """
-import bisect
 import math
 import struct
 from typing import NamedTuple
@@ -33,6 +32,7 @@ MAX_META_BYTES = 1 << 20        # one array's .zarray / zarr.json
 MAX_CHUNKS = 1 << 20            # chunks of one array's grid (present or not), and of a whole checkpoint
 FILL_ALLOWANCE = 1 << 30        # bytes of chunks not stored (the fill value), beyond what stored chunks hold
 _PIECE = 1 << 20                # compressed bytes fed to a decompressor at a time (remote objects)
+ABSENT_CHUNKS = 1 << 16         # chunks not stored, beyond 16 per value the checkpoint holds (Counter)
 _SKIP = 4 << 20                 # decompressed bytes skipped at a time
 
 _V2_DTYPES = {"bfloat16": "BF16", "<f8": "F64", "<f4": "F32", "<f2": "F16", "<i8": "I64", "<i4": "I32",
@@ -70,6 +70,22 @@ class DirStore:
 
     def where(self, key: str) -> str:
         return storage.join(self.root, key)
+
+    def count_under(self, prefix: str, limit: int) -> int:
+        """How many files lie under `prefix` (a directory), counted as far as `limit`: every name looked
+        at counts, so empty directories bound the walk too; never a probe per chunk."""
+        found, seen, todo = 0, 0, [storage.join(self.root, *prefix.strip("/").split("/"))]
+        while todo and seen < limit:
+            d = todo.pop()
+            if not storage.is_dir(d):
+                continue
+            for e in storage.entries(d):
+                seen += 1
+                if e.is_dir:
+                    todo.append(storage.join(d, e.name))
+                else:
+                    found += 1
+        return limit if seen >= limit else min(found, limit)
 
 
 def value_bytes(store, value: Value):
@@ -153,8 +169,12 @@ def _fill(value, dt, where):
         return np.zeros((), np_dtype)
     if isinstance(value, (bool, int, float)):
         if dt.is_float:
+            try:
+                number = float(value)
+            except OverflowError:
+                raise BadInput(f"{where}: fill_value {str(value)[:40]}… does not fit {dt.code}") from None
             with np.errstate(over="ignore"):
-                return np.array(float(value)).astype(np_dtype)
+                return np.array(number).astype(np_dtype)
         if dt.code == "BOOL":
             return np.array(bool(value))
         if isinstance(value, int) and np.iinfo(np_dtype).min <= value <= np.iinfo(np_dtype).max:
@@ -328,7 +348,8 @@ class _Chunk:
             return constant(self.name, dt, self.sizes, self.meta.fill)
         stored = tuple(self.chunk_shape[p] for p in self.codecs.perm) if self.codecs.perm else self.chunk_shape
         if self.codecs.zstd:
-            src = Inflating(self.name, dt, stored, self.file, self.offset, self.length, self.codecs, self.what)
+            edge = self.sizes[0] if self.sizes and not self.codecs.perm and self.sizes[0] != self.chunk_shape[0] else None
+            src = Inflating(self.name, dt, stored, self.file, self.offset, self.length, self.codecs, self.what, edge)
             if self.codecs.perm:
                 src = _Transposed(src, self.codecs.perm)
         else:
@@ -384,13 +405,61 @@ class _Transposed(TensorSource):
         self.base.release()
 
 
+class _FrameEnd:
+    """Where a zstd frame ends, from its frame header and block headers as its bytes stream by (RFC
+    8878, 3.1.1): blocks are skipped by their sizes, nothing is inflated; a second frame after the
+    first is then seen as bytes past `end`."""
+
+    def __init__(self):
+        self.at, self.want, self.head = 0, 5, bytearray()   # the header being read: where, how long, its bytes
+        self.stage, self.checksum, self.end, self.seen = "frame", False, None, 0
+
+    def feed(self, piece, where: str):
+        start = self.seen
+        self.seen += len(piece)
+        while self.end is None:
+            lo = self.at + len(self.head)
+            if lo >= self.seen:
+                return
+            take = min(self.want - len(self.head), self.seen - lo)
+            self.head += piece[lo - start:lo - start + take]
+            if len(self.head) < self.want:
+                return
+            self._parse(where)
+
+    def _parse(self, where: str):
+        head = bytes(self.head)
+        if self.stage == "frame":
+            if head[:4] != b"\x28\xb5\x2f\xfd":
+                raise BadInput(f"{where}: not a zstd frame (its magic is {head[:4].hex()})")
+            fhd = head[4]
+            single = fhd >> 5 & 1
+            self.checksum = bool(fhd >> 2 & 1)
+            self.want = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + (single, 2, 4, 8)[fhd >> 6]
+            self.stage = "header"
+            if len(head) < self.want:
+                return
+        if self.stage == "header":
+            self.stage, self.at, self.want, self.head = "block", self.want, 3, bytearray()
+            return
+        bits = int.from_bytes(head, "little")
+        kind, size = bits >> 1 & 3, bits >> 3
+        if kind == 3:
+            raise BadInput(f"{where}: a zstd block of the reserved type at byte {self.at}; corrupt stream")
+        self.at += 3 + (1 if kind == 1 else size)
+        self.head = bytearray()
+        if bits & 1:
+            self.end = self.at + (4 if self.checksum else 0)
+
+
 class Inflating(TensorSource):
     """A zstd-compressed chunk (row-major), inflated front to back as its rows are asked for: one
     decompressor kept per chunk while it is being read, the last rows asked kept (the next block may
     ask them again along another axis), never more than the chunk's declared bytes (a stream that
     inflates further is refused, as is one that ends short)."""
 
-    def __init__(self, name, dtype, shape, file, offset, length, codecs, what):
+    def __init__(self, name, dtype, shape, file, offset, length, codecs, what, needed=None):
+        self.needed = needed   # rows the array uses (an edge chunk's): past them, the stream is only checked
         self.name, self.dtype, self.shape = name, dtype, tuple(shape)
         self.file, self.offset, self.what = file, offset, what
         self.length = length - (4 if codecs.crc32c else 0)
@@ -408,7 +477,8 @@ class Inflating(TensorSource):
                              "pip install 'ckptconv[zstd]'") from None
         window = min(ZSTD_MAX_WINDOW, max(1 << 20, 1 << max(self.nbytes - 1, 1).bit_length()))
         dctx = zstandard.ZstdDecompressor(max_window_size=window)
-        self._reader = dctx.stream_reader(_Reading(self._pieces()), read_across_frames=True)
+        self._frame, self._gen = _FrameEnd(), self._pieces()
+        self._reader = dctx.stream_reader(_Reading(self._gen), read_across_frames=False)
         self._pos = 0
 
     def _pieces(self):
@@ -417,6 +487,7 @@ class Inflating(TensorSource):
         file's pages would otherwise stay resident, the whole checkpoint's by the end."""
         at = self.offset
         for piece in storage.pieces(self.file, self.offset, self.length, _PIECE):
+            self._frame.feed(piece, f"{self.file.path}: {self.what}")
             yield piece
             self.file.release(at, len(piece))
             at += len(piece)
@@ -439,6 +510,11 @@ class Inflating(TensorSource):
             raise BadInput(f"{self.file.path}: {self.what}: corrupt or unsupported zstd stream: {e}") from None
         self._pos += got
         if self._pos == self.nbytes:
+            for _ in self._gen:   # the rest of the stream, walked (not inflated): one frame, ending where it does
+                pass
+            if self._frame.end != self.length:
+                raise BadInput(f"{self.file.path}: {self.what}: {self.length - (self._frame.end or 0)} bytes follow its "
+                               "zstd frame (a chunk is one frame, as tensorstore writes and reads it); refused")
             self._reader = None   # read to its end: the decompressor goes, and its pages
             self.file.release(self.offset, self.length)
         return b"".join(parts) if len(parts) != 1 else parts[0]
@@ -461,6 +537,9 @@ class Inflating(TensorSource):
             data = np.frombuffer(self._read((hi - lo) * row), np_dtype).reshape((hi - lo,) + self.shape[1:]
                                                                                if self.shape else ())
             kept = self._kept = (lo, hi - lo, data.astype(self.dtype.numpy) if self.big else data)
+            if self.needed is not None and hi >= self.needed:
+                while self._reader is not None:   # an edge chunk: the rows past the array's end are
+                    self._read(min(_SKIP, self.nbytes - self._pos))   # stored too; its stream must hold them
         out = kept[2][lo - kept[0]:hi - kept[0]] if self.shape else kept[2]
         return out[(slice(None),) + tuple(index[1:])] if self.shape else out
 
@@ -479,6 +558,7 @@ class Counter:
 
     def __init__(self, every_chunk: bool = False):
         self.chunks = self.stored = self.missing = 0
+        self.values = self.absent = 0   # values held under the arrays so far, chunks of theirs not stored
         self.every_chunk = every_chunk   # _METADATA's store_array_data_equal_to_fill_value: a missing chunk is damage
 
 
@@ -517,32 +597,22 @@ def _shard_index(store, key, value, meta, shard, what):
     return {tuple(int(i) for i in k): v for k, v in out.items()}
 
 
-def _stored_at_most(store, array: str, limit: int) -> int:
-    """How many values the store holds under `array/` (counted as far as `limit`): the keys of an OCDBT
-    store, the files under a directory (walked as far as `limit` files), never a probe per chunk."""
-    prefix = f"{array}/"
-    if hasattr(store, "keys"):
-        keys = store.__dict__.setdefault("_sorted_keys", store.keys())   # (sorted: the b-tree's order)
-        return min(limit, bisect.bisect_left(keys, prefix + "\U0010ffff") - bisect.bisect_left(keys, prefix))
-    found, seen, todo = 0, 0, [storage.join(store.root, *array.split("/"))]
-    while todo and seen < limit:   # (every name looked at counts: empty directories bound the walk too)
-        d = todo.pop()
-        if not storage.is_dir(d):
-            continue
-        for e in storage.entries(d):
-            seen += 1
-            if e.is_dir:
-                todo.append(storage.join(d, e.name))
-            else:
-                found += 1
-    return min(found if seen < limit else limit, limit)
-
-
-def _fill_bound(store, array, what, shape, unit, grid, count, itemsize, counter):
-    """Refuse, before a chunk is looked up, an array whose chunks not stored must be more fill value
-    than Counter accepts: at most as many chunks are stored as the store holds values under the array,
-    each at most a whole chunk; every other chunk is at least the smallest (corner) chunk."""
-    present = _stored_at_most(store, array, count)
+def _chunk_bounds(store, array, what, shape, unit, grid, count, itemsize, counter):
+    """Refuse, before a chunk is looked up, an array whose grid the values present cannot justify: at
+    most as many chunks are stored as the store holds values under the array. Where Orbax stored every
+    chunk (store_array_data_equal_to_fill_value), fewer values than chunks is damage; else the chunks
+    not stored are at most ABSENT_CHUNKS plus 16 per value the checkpoint holds (each is a record
+    here, so memory follows the bytes present), and their fill value at most FILL_ALLOWANCE more than
+    the stored chunks can hold (each not held at least the smallest, corner, chunk)."""
+    present = store.count_under(f"{array}/", count)
+    if counter.every_chunk:
+        if present < count:
+            raise BadInput(f"{store.where(array)}: {what} has {count} chunks but at most {present} are stored; Orbax "
+                           "stored every chunk of this checkpoint (store_array_data_equal_to_fill_value) and its "
+                           "restore refuses a missing one too (truncated or damaged copy?)")
+        return
+    counter.values += present
+    counter.absent += count - present
     smallest = math.prod(n - (g - 1) * c for n, c, g in zip(shape, unit, grid)) * itemsize
     least = counter.missing + (count - present) * smallest
     most_stored = counter.stored + present * math.prod(unit) * itemsize
@@ -550,6 +620,9 @@ def _fill_bound(store, array, what, shape, unit, grid, count, itemsize, counter)
         raise BadInput(f"{store.where(array)}: {what}: the chunks not stored would be at least {least} bytes of fill "
                        f"value in the checkpoint so far, more than the {FILL_ALLOWANCE} accepted beyond the at most "
                        f"{most_stored} bytes of chunks stored")
+    if counter.absent > ABSENT_CHUNKS + 16 * counter.values:
+        raise BadInput(f"{store.where(array)}: {what}: {counter.absent} chunks not stored in the checkpoint so far, more "
+                       f"than the {ABSENT_CHUNKS} + 16 per stored value ({counter.values}) accepted")
 
 
 def array_source(store, array: str, name: str, meta: ArrayMeta, counter: Counter) -> TensorSource:
@@ -566,8 +639,8 @@ def array_source(store, array: str, name: str, meta: ArrayMeta, counter: Counter
     if count > MAX_CHUNKS or counter.chunks > MAX_CHUNKS:
         raise BadInput(f"{store.where(array)}: {what}'s chunk grid {list(grid)} makes {count} chunks "
                        f"({counter.chunks} in the checkpoint so far), more than the {MAX_CHUNKS} accepted")
-    if meta.codecs.shard is None and not counter.every_chunk:
-        _fill_bound(store, array, what, shape, unit, grid, count, dt.itemsize, counter)
+    if meta.codecs.shard is None:
+        _chunk_bounds(store, array, what, shape, unit, grid, count, dt.itemsize, counter)
     chunks = []
     shards = {}
     for idx in np.ndindex(*grid) if grid else [()]:

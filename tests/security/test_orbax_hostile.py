@@ -245,3 +245,86 @@ def test_an_array_of_missing_chunks_cannot_ask_for_terabytes_of_fill(tmp_path):
     edit_json(src / "_METADATA", lambda d: d.update(store_array_data_equal_to_fill_value=False))
     edit_json(src / "params.down.bias" / ".zarray", lambda d: d.update(shape=[1 << 40], chunks=[1 << 20]))
     refused(src, tmp_path, "params.down.bias", "bytes of fill value", "more than the 1073741824 accepted")
+
+
+# --- The outside attack on issue 40's reader (each finding, fixed) ------------------------------------
+
+def test_an_ocdbt_save_that_did_not_store_every_chunk_converts(tmp_path):
+    """store_array_data_equal_to_fill_value false (or absent) in an OCDBT save: chunks counted from the
+    store's keys; it converts to what the reference holds (a regression the attack found)."""
+    from safetensors.numpy import load_file
+    for edit in (lambda d: d.update(store_array_data_equal_to_fill_value=False),
+                 lambda d: d.pop("store_array_data_equal_to_fill_value", None)):
+        src = copy(tmp_path / str(id(edit)), "flax-ocdbt")
+        edit_json(src / "_METADATA", edit)
+        out = tmp_path / str(id(edit)) / "out"
+        r = convert(src, out, "--quiet")
+        assert r.returncode == 0, r.stderr
+        want = load_file(FIXTURES / "flax-ocdbt.reference.safetensors")
+        got = load_file(out / "model.safetensors")
+        want = {k.removeprefix("params."): v for k, v in want.items()}
+        assert sorted(got) == sorted(want) and all((got[k].view("u1") == want[k].view("u1")).all() for k in want)
+
+
+@pytest.mark.parametrize("what", ["step", "item", "_METADATA", "manifest.ocdbt"])
+def test_a_step_item_or_metadata_linked_out_of_the_checkpoint_is_refused(tmp_path, what):
+    outside = copy(tmp_path / "elsewhere", "manager")
+    src = copy(tmp_path, "manager")
+    if what == "step":
+        shutil.copytree(src / "2", src / "1b")
+        os.symlink(outside / "2", src / "3")
+    elif what == "item":
+        shutil.rmtree(src / "2" / "default")
+        os.symlink(outside / "2" / "default", src / "2" / "default")
+    else:
+        item = src / "2" / "default"
+        if not (item / what).exists():
+            pytest.skip(f"the fixture's item has no {what}")
+        (item / what).unlink()
+        os.symlink(outside / "2" / "default" / what, item / what)
+    refused(src, tmp_path, "leads outside the checkpoint")
+
+
+def test_a_grid_of_a_million_chunks_with_one_stored_is_refused_before_any_is_looked_up(tmp_path):
+    for every in (True, False):
+        src = copy(tmp_path / str(every))
+        edit_json(src / "_METADATA", lambda d: d.update(store_array_data_equal_to_fill_value=every))
+        edit_json(src / "params.down.bias" / ".zarray", lambda d: d.update(shape=[1040000], chunks=[1]))
+        r = refused(src, tmp_path / str(every), "params.down.bias",
+                    "are stored" if every else "chunks not stored in the checkpoint so far")
+        assert r.returncode == 2
+
+
+def test_an_edge_chunk_whose_stream_ends_short_is_refused(tmp_path):
+    """An edge chunk is stored whole: its stream must inflate to the whole chunk, though the array
+    uses only its first rows (tensorstore refuses the same: "Not enough data")."""
+    src = copy(tmp_path)
+    edit_json(src / "params.up.kernel" / ".zarray", lambda d: d.update(chunks=[16, 6]))   # 16 rows, 8 stored
+    for name in ("1.0", "1.1", "1.2", "1.3"):
+        (src / "params.up.kernel" / name).unlink()
+    refused(src, tmp_path, "params.up.kernel", "zstd stream ends after 96 of its declared 192 bytes")
+
+
+def test_a_chunk_of_two_zstd_frames_is_refused(tmp_path):
+    import zstandard
+    src = copy(tmp_path)
+    chunk = src / "params.up.kernel" / "0.0"   # 96 bytes: two frames of 48
+    whole = zstandard.ZstdDecompressor().decompressobj().decompress(chunk.read_bytes())
+    cctx = zstandard.ZstdCompressor()
+    chunk.write_bytes(cctx.compress(whole[:48]) + cctx.compress(whole[48:]))
+    refused(src, tmp_path, str(chunk), "follow its zstd frame")
+
+
+def test_a_fill_value_too_large_for_any_float_is_refused_naming_the_file(tmp_path):
+    src = copy(tmp_path)
+    edit_json(src / "params.up.kernel" / ".zarray", lambda d: d.update(fill_value=10**400))
+    refused(src, tmp_path, "params.up.kernel/.zarray", "does not fit BF16")
+
+
+def test_steps_are_numbered_by_ascii_digits_as_orbax_names_them(tmp_path):
+    src = copy(tmp_path, "manager")
+    shutil.copytree(src / "2", src / "\u0663")       # ARABIC-INDIC DIGIT THREE: not a step
+    shutil.copytree(src / "2", src / ("9" * 30))     # a step, however large
+    r = cli("inspect", src)
+    assert r.returncode == 0, r.stderr
+    assert f"read: step {'9' * 30}," in r.stdout
