@@ -224,9 +224,11 @@ def _pipeline(layout: Layout, root: str, allow, mapped: list) -> tuple:
                 dropped.append({"name": b, "reason": "a buffer of a tied module (TiedLayerSpec): which layer files hold "
                                                      "it is not recorded; not read"})
                 continue
-            if b in by_name:
-                raise BadInput(f"{m0.path}: buffer {b!r} is listed by pipeline stage {layout_s.mp} and stage "
-                               f"{owner[b]}; refused")
+            if b in by_name or b in owner:
+                other = (f"is also a parameter of pipeline stage {owner[b]}" if b in by_name and owner[b] == layout_s.mp
+                         else f"is listed twice by pipeline stage {layout_s.mp}" if owner[b] == layout_s.mp
+                         else f"is listed by pipeline stage {layout_s.mp} and stage {owner[b]}")
+                raise BadInput(f"{m0.path}: buffer {b!r} {other}; refused")
             _layer_key(b, layout_s.mp, None, names_by_layer, m0.path)
             owner[b] = layout_s.mp
     tensors = _layer_buffers(layout, root, allow, mapped, names_by_layer, tied, dropped) + tensors
@@ -237,7 +239,7 @@ def _pipeline(layout: Layout, root: str, allow, mapped: list) -> tuple:
 def _layer_key(name: str, stage: int, shape, names_by_layer: dict, path):
     """Note `N.key` (a parameter with its shape, or a buffer: None) as layer N's, of `stage`."""
     head, _, key = name.partition(".")
-    if not (head.isascii() and head.isdigit() and len(head) <= 9 and key):
+    if not (head.isascii() and head.isdigit() and len(head) <= 9 and key and head == str(int(head))):
         raise BadInput(f"{path}: {printable(repr(name), 120)} is not a PipelineModule name (N.key, N the layer's "
                        "global index, or tied_modules.KEY.key); refused")
     names_by_layer.setdefault(int(head), {})[key] = (stage, shape)

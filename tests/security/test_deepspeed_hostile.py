@@ -294,3 +294,16 @@ def test_a_deepspeed_class_off_the_allowlist_is_refused(tmp_path):
     patch_pickle(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                  lambda b: b.replace(b"loss_scaler\nLossScaler", b"loss_scaler\nLossScalar"))
     refused(src, tmp_path, "deepspeed.runtime.fp16.loss_scaler.LossScalar", "not on the allowlist")
+
+
+@pytest.mark.parametrize("old, new, fragment", [
+    (b"2.seen", b"1.bias", "buffer '1.bias' is also a parameter of pipeline stage 0"),   # it said "stage 0 and stage 0"
+    (b"2.scale", b"02.scal", "is not a PipelineModule name"),                           # a layer index spelled with a zero
+])
+def test_a_buffer_named_like_a_parameter_or_spelled_otherwise_is_refused(tmp_path, old, new, fragment):
+    """Outside attack on issue 40: the message named one stage twice, and `02.scale` was read as
+    layer 2's; the same length keeps the pickle's framing (patch_pickle)."""
+    src, tag = copy(PIPE, tmp_path)
+    at = tag / "mp_rank_00_model_states.pt"
+    patch_pickle(at, lambda b: b.replace(old, new, 1) if b.count(old) else b)
+    refused_here(src, tmp_path, fragment)
