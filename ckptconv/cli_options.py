@@ -211,8 +211,35 @@ def cluster_options(fn):
     def wrapper(*args, distributed, coordinator, num_processes, process_id, cluster_timeout, heartbeat_timeout, **kw):
         paths = [(what, kw[name]) for name, what in (("src", "SRC"), ("out", "OUT"), ("path", "PATH"),
                                                      ("against", "--against")) if kw.get(name) is not None]
-        kw["cluster"] = lambda: join(distributed, coordinator, num_processes, process_id, cluster_timeout,
-                                     heartbeat_timeout, paths)
+        def cluster(executor=None):
+            if executor is not None and (distributed or coordinator):
+                raise UsageError("--ray runs the tasks of one driver; --distributed starts processes of their own: "
+                                 "give one of them")
+            return None if executor is not None else join(distributed, coordinator, num_processes, process_id,
+                                                          cluster_timeout, heartbeat_timeout, paths)
+        kw["cluster"] = cluster
+        return fn(*args, **kw)
+
+    return wrapper
+
+
+def executor_options(fn):
+    """--ray [ADDRESS]: run the command's tasks on a Ray cluster (run/ray_executor.py) instead of this
+    host's --workers; the command gets `executor` (None: the local executor)."""
+    @click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+                  help="Run every task (an output file, a rank directory; verify: a share of the checks) on "
+                  "the Ray cluster at ADDRESS (without one: RAY_ADDRESS, else auto, the cluster this host is "
+                  "in). SRC and OUT must be on storage every node sees. Put it after SRC and OUT, or write "
+                  "--ray=ADDRESS. Needs pip install 'ckptconv[ray]'. See docs/distributed.md.")
+    @functools.wraps(fn)
+    def wrapper(*args, ray_address, **kw):
+        kw["executor"] = None
+        if ray_address is not None:
+            from .run import executors
+            if kw.get("read") is not None and kw["read"].workers is not None:
+                raise UsageError("--workers sets this host's tasks in flight; with --ray the cluster's CPUs do "
+                                 "(one a task): give one of them")
+            kw["executor"] = executors.make("ray", address=ray_address or None)
         return fn(*args, **kw)
 
     return wrapper

@@ -172,7 +172,7 @@ def prepared(source: Source, out, options: ConvertOptions, write: WriteOptions) 
 
 
 def convert(source: Source, out, options: ConvertOptions = None, write: WriteOptions = None, cluster=None,
-            progress=None) -> ConvertResult:
+            progress=None, executor=None) -> ConvertResult:
     """Convert `source` into `out`. `progress(total_bytes)` gives a context manager yielding an
     update(nbytes) callable (progress.byte_progress), or None."""
     if is_url(out):
@@ -186,7 +186,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     ckpt, writer, tensors, content, summarised = _opened(source, out, options, write)
     job = tasks.Job(prepared, (tasks.with_read_workers(source, 1), out, options, write))
     facts = runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, cluster, progress,
-                       job, executors.make("local", workers=source.options.workers))
+                       job, executor or executors.make("local", workers=source.options.workers))
     seconds = time.perf_counter() - started
     total = sum(t.nbytes for t in tensors)
     result = ConvertResult(str(out), ckpt.format, len(tensors), total, facts.files, round(seconds, 3),

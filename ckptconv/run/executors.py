@@ -38,7 +38,10 @@ def register(name: str):
 
 
 def make(name: str = "local", **options):
-    """The executor registered as `name`, made with `options`."""
+    """The executor registered as `name`, made with `options` (the Ray executor's module is imported
+    when asked for: it imports Ray only when it runs)."""
+    if name == "ray" and name not in EXECUTORS:
+        from . import ray_executor  # noqa: F401  (registers "ray")
     return EXECUTORS[name](**options)
 
 

@@ -48,11 +48,16 @@ def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, 
     process's units. `progress(total)` gives a context manager yielding an update(nbytes) callable.
     With `job` (tasks.Job: how any process re-derives this run) and an `executor` that runs tasks
     side by side (executors.py), every unit is a task: see `run_tasks`."""
+    tasked = cluster is None   # (--distributed, even of one process, shares out as before)
     cluster = cluster or Solo()
     units = writer.plan(tensors)
-    if job is not None and executor is not None and cluster.num_processes == 1 and not options.resume \
+    remote = executor is not None and executor.name != "local"
+    if remote and is_url(os.fspath(out)):
+        raise UsageError(f"{redact(os.fspath(out))}: an object-store OUT is written by one process; --{executor.name} "
+                         "writes OUT on a file system every node sees (SRC may be in a bucket)")
+    if tasked and job is not None and executor is not None and (not options.resume or remote) \
             and not is_url(os.fspath(out)) and executor.parallel(_tasks.tasks_of(job, units)):
-        return run_tasks(writer, units, out, options, inputs, check_unchanged, progress, job, executor)
+        return run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, progress, job, executor)
     mine = shares(units, cluster)
     share = (cluster.process_id, cluster.num_processes)
     facts, own = RunFacts(), []
@@ -92,25 +97,46 @@ def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, 
     return dataclasses.replace(facts, units=[u.name for u in mine], unit_bytes=sum(u.size for u in mine))
 
 
-def run_tasks(writer, units, out, options, inputs, check_unchanged, progress, job, executor) -> RunFacts:
+def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, progress, job, executor) -> RunFacts:
     """Every unit a task (tasks.py) run by `executor`; this process is the driver: it holds the lock and
     the temporary output, feeds one progress bar from every task's bytes, checks each answer (the
     inputs the task read are those planned with, its result fits its unit), writes the metadata
     (`writer.finish`) and publishes. A failing task stops the run (its error, as raised there); a
-    signal ends the workers and removes the temporary output (io/output.atomic_output)."""
+    signal ends the workers and removes the temporary output (io/output.atomic_output).
+
+    With --resume (the Ray executor), every finished task's answer is kept in the temporary output
+    (tasks.DONE) and a rerun of the same job takes those whose files are still as the task left them
+    (tasks.finished): only the other tasks run again."""
     planned = _tasks.identity(inputs)
     todo = _tasks.tasks_of(job, units)
+    key = run_key(writer, tensors, units, planned) if options.resume else None
     facts = RunFacts()
 
     def publish(tmp):
         nonlocal facts
-        with (progress or _no_progress)(sum(u.size for u in units)) as update:
-            answers = executor.run(todo, tmp, update)
+        kept = _tasks.finished(tmp, todo, key) if key else {}
+        left = [t for t in todo if t.index not in kept]
+        with (progress or _no_progress)(sum(t.size for t in left)) as update:
+            ran = executor.run([dataclasses.replace(t, record=key) for t in left] if key else left, tmp, update)
+        answers = {**kept, **{t.index: a for t, a in zip(left, ran)}}
         check_unchanged()
-        facts = writer.finish(tmp, _tasks.accept(writer, units, todo, answers, tmp, planned))
+        accepted = _tasks.accept(writer, units, todo, [answers[t.index] for t in todo], tmp, planned)
+        _tasks.forget_done(tmp)
+        facts = writer.finish(tmp, accepted)
+        if kept:
+            facts.resumed_bytes = sum(t.size for t in todo if t.index in kept)
+            facts.resume_note = facts.resume_note or f"{len(kept)} of {len(todo)} task(s) finished by the interrupted run were kept"
 
     on_cluster(Solo(), out, options.overwrite, publish, None, inputs, options.resume, writer.single_file)
     return dataclasses.replace(facts, units=[u.name for u in units], unit_bytes=sum(u.size for u in units))
+
+
+def run_key(writer, tensors, units, planned: dict) -> str:
+    """Identifies a job for --resume of its tasks: job_of's parts with the inputs as tasks.identity
+    gives them (a bucket's objects too)."""
+    job = job_of(writer, tensors, units, ())
+    job["inputs"] = planned
+    return hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def job_of(writer, tensors, units, inputs) -> dict:
