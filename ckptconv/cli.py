@@ -289,8 +289,9 @@ def plan_lines(result) -> list:
               "(convert and reshard print it): fail unless PATH is exactly that output.")
 @read_options(leave_out=("only", "skip_unsupported", "one_shard"))
 @cluster_options
+@executor_options
 @command
-def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cluster, quiet, as_json):
+def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cluster, executor, quiet, as_json):
     """Check an output of convert or reshard (a directory, or one .safetensors file convert wrote):
     digests, structure, the source, and a device load.
 
@@ -298,11 +299,12 @@ def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cl
     1 when problems were found, 2 when it could not verify. Example: ckptconv verify out/ --against model/
     """
     expect = expected_identity(expect)
-    cluster = cluster()
+    cluster = cluster(executor)
     size = total_bytes(path) if storage_files.is_dir(path) else storage_files.size(path) \
         if storage_files.is_file(path) else 0
     with byte_progress(size, "verify", quiet) as progress:
-        report = verify(VerifyRequest(path, against, read, fmt, device, allow_fewer_devices, expect), progress, cluster)
+        report = verify(VerifyRequest(path, against, read, fmt, device, allow_fewer_devices, expect), progress, cluster,
+                        executor)
     changed = mapped.changed_files()
     if changed:
         raise BadInput(f"{changed[0]}: changed while it was being read; it could not be verified")

@@ -41,7 +41,8 @@ def make(name: str = "local", **options):
     """The executor registered as `name`, made with `options` (the Ray executor's module is imported
     when asked for: it imports Ray only when it runs)."""
     if name == "ray" and name not in EXECUTORS:
-        from . import ray_executor  # noqa: F401  (registers "ray")
+        from .ray_executor import RayExecutor   # (imports Ray only when it runs)
+        register("ray")(RayExecutor)
     return EXECUTORS[name](**options)
 
 

@@ -27,14 +27,14 @@ import signal
 import sys
 import time
 
-from .. import signals
+from .. import errors, signals
 from ..errors import CkptError, OutputError, UsageError, brief
 from . import tasks as _tasks
-from .executors import Executor, _error_type, register
 
 MAX_RETRIES = 3          # reruns of a task whose worker or node died (Ray's max_retries)
 POLL_S = 0.2             # how often the driver looks at its tasks (and a pending signal)
 TALLY_S = 0.5            # how often it asks the tally for bytes and starts
+CONNECT_S = 10           # how long ADDRESS may take to answer before the run says there is no cluster
 CANCEL_WAIT_S = 30       # how long it waits for cancelled tasks to end before it lets the output go
 PROGRESS_BYTES = 16 << 20
 
@@ -53,13 +53,33 @@ def address_of(given: str | None) -> str:
     return given or os.environ.get("RAY_ADDRESS") or "auto"
 
 
-@register("ray")
-class RayExecutor(Executor):
-    """Tasks on a Ray cluster at `address` (see address_of); `workers`: ignored (Ray schedules by
-    the CPUs its nodes offer: one CPU a task)."""
+def _error_type(name: str):
+    """The CkptError subclass called `name` (a task's error crosses as its class name and line)."""
+    found = getattr(errors, name, None)
+    return found if isinstance(found, type) and issubclass(found, CkptError) else OutputError
+
+
+def _probe(address: str):
+    """A HOST:PORT that nothing answers at is one line within CONNECT_S (ray.init would wait minutes)."""
+    import socket
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_S).close()
+    except OSError as e:
+        raise OutputError(f"--ray {brief(address, 100)}: no Ray cluster could be joined (nothing answers there: "
+                          f"{e.strerror or e}); start one (`ray start --head`) or give its address") from None
+
+
+class RayExecutor:
+    """Tasks on a Ray cluster at `address` (see address_of); registered as "ray" in executors.py
+    (when asked for). Ray schedules by the CPUs its nodes offer: one CPU a task."""
+
+    name = "ray"
 
     def __init__(self, address: str | None = None, workers: int | None = None, retries: int = MAX_RETRIES):
-        super().__init__(workers)
+        self.workers = workers
         self.address = address_of(address)
         self.retries = retries
         self.notes = []
@@ -71,6 +91,7 @@ class RayExecutor(Executor):
         ray = import_ray()
         if ray.is_initialized():
             return ray
+        _probe(self.address)
         saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             ray.init(address=self.address, logging_level=logging.ERROR, log_to_driver=False,
@@ -146,7 +167,40 @@ class RayExecutor(Executor):
             print(f"ckptconv: note: {note}", file=sys.stderr)
         return answers
 
-    def _answer(self, ray, ref, task, starts):
+    def map(self, fn, calls, names) -> list:
+        """`fn(*args)` for every args of `calls` as Ray tasks (a module-level `fn` that answers as
+        _ray_task does), their answers in order; the same faults as `run` (`names`: each call's,
+        for the lines). verify's shares of the checks go this way."""
+        if not calls:
+            return []
+        ray = self.connect()
+        remote = ray.remote(_call).options(num_cpus=1, max_retries=self.retries, retry_exceptions=False)
+        refs = [remote.remote(fn, args) for args in calls]
+        index = {ref: i for i, ref in enumerate(refs)}
+        found, pending = {}, list(refs)
+        named = [type("Call", (), {"name": n})() for n in names]
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+                for ref in done:
+                    i = index[ref]
+                    found[i] = self._answer(ray, ref, named[i], {}, raw=True)
+                signals.check()
+        except BaseException:
+            with signals.deferred():
+                self._cancel(ray, [r for r in refs if index[r] not in found])
+                ray.shutdown()
+            raise
+        with signals.deferred():
+            ray.shutdown()
+        return [found[i] for i in range(len(calls))]
+
+    def lanes(self) -> int:
+        """How many tasks the cluster runs at once (its CPUs)."""
+        ray = self.connect()
+        return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+    def _answer(self, ray, ref, task, starts, raw=False):
         """A task's Answer, or its error raised (a ckptconv error as it was raised there)."""
         try:
             kind, *rest = ray.get(ref)
@@ -160,7 +214,7 @@ class RayExecutor(Executor):
         if kind == "error":
             name, line = rest
             raise _error_type(name)(line)
-        return _tasks.Answer(**rest[0])
+        return rest[0] if raw else _tasks.Answer(**rest[0])
 
     def _cancel(self, ray, refs):
         """Cancel every task still running (their workers killed) and wait for them to end, so that
@@ -222,3 +276,15 @@ def _ray_task(task, tmp: str, tally):
     if pending[0]:
         tally.add.remote(pending[0])
     return ("done", {"result": answer.result, "inputs": answer.inputs})
+
+
+def _call(fn, args):
+    """A call of `map` on a Ray worker, answered as _ray_task answers."""
+    try:
+        return ("done", fn(*args))
+    except CkptError as e:
+        return ("error", type(e).__name__, str(e))
+    except OSError as e:
+        return ("error", "OutputError", f"{e.filename or ''}: {e.strerror or e}")
+    except Exception as e:
+        return ("error", "OutputError", f"{type(e).__name__}: {e}")

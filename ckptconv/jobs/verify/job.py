@@ -24,7 +24,7 @@ from ...run.share import Share
 from .against import compare_against, compare_parts
 
 
-def verify(request: "VerifyRequest", progress=None, cluster=None) -> Report:
+def verify(request: "VerifyRequest", progress=None, cluster=None, executor=None) -> Report:
     """Every check, in order; each stage runs only if the one before found nothing; with `expect`
     (an output's identity, formats/identity.py), the output must also be exactly that one. On several
     processes each checks its share (shards, rank dirs, tensors) and process 0 gathers the report;
@@ -32,7 +32,7 @@ def verify(request: "VerifyRequest", progress=None, cluster=None) -> Report:
     report = unpublished(request.path)
     if report is not None:
         return report
-    report = _verify(request, progress, cluster)
+    report = _verify(request, progress, cluster) if executor is None else _verify_tasks(request, progress, executor)
     if request.expect is not None and (cluster is None or cluster.is_main):
         _check_expected(request, report)
     return report
@@ -135,6 +135,54 @@ def _verify(request: VerifyRequest, progress, cluster) -> Report:
                lambda: not report.problems, share.merge)
     share.merge("totals")
     return report
+
+
+def _verify_tasks(request: VerifyRequest, progress, executor) -> Report:
+    """verify's checks as tasks of `executor` (--ray): the units the layout names are split into as
+    many shares as the cluster runs at once, each share's stage a task (share_task); the driver
+    merges each stage's findings in share order (share 0 also checks what no unit names) and runs
+    the next stage only if nothing was found. The device stage is not for tasks: --device places on
+    this host (under --distributed: JAX's launcher)."""
+    if request.device is not None:
+        raise UsageError("--device loads onto this host's devices (or, across hosts, under --distributed with JAX's "
+                         "launcher); --ray checks files only: give one of them")
+    path = storage.place(request.path)
+    layout = detected(path)
+    units = layout.check_units(path)
+    if units is None:   # (one file, an output ckptconv did not write: checked whole, here)
+        return _verify(request, progress, None)
+    n = max(1, min(executor.lanes(), max((len(rows) for rows in units.values()), default=1)))
+    report = Report()
+    for stage in ("structure", "against") if request.against is not None else ("structure",):
+        if report.problems:
+            break
+        found = executor.map(share_task, [(request, stage, i, n, units) for i in range(n)],
+                             [f"{path} ({stage}, share {i + 1} of {n})" for i in range(n)])
+        for f in found:
+            report.problems += [Problem(**p) for p in f["problems"]]
+            report.files, report.tensors, report.bytes = (report.files + f["files"], report.tensors + f["tensors"],
+                                                          report.bytes + f["bytes"])
+            report.notes += [n_ for n_ in f["notes"] if n_ not in report.notes]
+            report.foreign = report.foreign or f["foreign"]
+            if progress is not None and f["bytes"]:
+                progress(f["bytes"])
+    return report
+
+
+def share_task(request: VerifyRequest, stage: str, i: int, n: int, units: dict) -> dict:
+    """One share (`i` of `n`) of one verify stage, as a task runs it anywhere: its findings and counts."""
+    path = storage.place(request.path)
+    layout = detected(path)
+    report = Report()
+    share = Share(i, n, units)
+    if stage == "structure":
+        layout.check(path, report, None, share)
+    else:
+        parts = layout.parts(path)
+        compare = compare_against if parts is None else functools.partial(compare_parts, parts=parts)
+        compare(path, layout, request.against, request.read or ReadOptions(), request.fmt, report, share.mine)
+    return {"problems": [asdict(p) for p in report.problems], "files": report.files, "tensors": report.tensors,
+            "bytes": report.bytes, "notes": report.notes, "foreign": report.foreign}
 
 
 def _merge(cluster, stage, report: Report):
