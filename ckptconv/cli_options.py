@@ -152,8 +152,8 @@ def read_options(fn=None, *, leave_out=()):
         ("workers", click.option("--workers", type=click.IntRange(1, requests.MAX_WORKERS), default=None,
                                  help="convert, reshard: tasks in flight on this host, each an output file (a rank "
                                  "directory for reshard) written by a worker process with its own digests; 1 "
-                                 "writes one file at a time.  [default: the cores this process may use, for an "
-                                 "output of 256 MB or more; else 1]  Other commands: source files parsed at once "
+                                 "writes one file at a time.  [default: half the cores this process may use, for "
+                                 "an output of 256 MB or more; else 1]  Other commands: source files parsed at once "
                                  "(plan: the workers a run would use, default 1).")),
         ("state_dict", click.option(
             "--state-dict", default="auto", show_default=True, metavar="auto|KEY|none",

@@ -20,7 +20,7 @@ import sys
 import time
 
 from .. import signals
-from ..errors import CkptError, OutputError
+from ..errors import CkptError, OutputError, UsageError
 from . import tasks as _tasks
 
 EXECUTORS = {}
@@ -46,12 +46,17 @@ def make(name: str = "local", **options):
     return EXECUTORS[name](**options)
 
 
+CORES_PER_TASK = 2   # a task's writer and its two SHA-256 streams keep about 1.6 cores busy (benchmarks.md)
+
+
 def default_workers() -> int:
-    """Tasks in flight by default: the cores this process may use."""
+    """Tasks in flight by default: one per CORES_PER_TASK of the cores this process may use (1 on
+    two cores, where a second task measured slower; 8 on 16)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    return max(1, cores // CORES_PER_TASK)
 
 
 AUTO_MIN_BYTES = 256 * 10**6   # without --workers, a run smaller than this is one task at a time
@@ -95,7 +100,7 @@ class LocalExecutor(Executor):
         super().__init__(workers)
         self.kind = kind or os.environ.get("CKPTCONV_LOCAL_WORKERS", "process")
         if self.kind not in ("process", "thread"):
-            raise OutputError(f"CKPTCONV_LOCAL_WORKERS={self.kind!r}: process or thread")
+            raise UsageError(f"CKPTCONV_LOCAL_WORKERS={self.kind!r}: process or thread")
 
     def run(self, tasks, tmp, progress=None) -> list:
         if not tasks:
@@ -141,7 +146,7 @@ class LocalExecutor(Executor):
         workers = []
         found = {}
         try:
-            with _quiet_children():
+            with _quiet_children(), _no_main():
                 for _ in range(n):
                     p = ctx.Process(target=_worker, args=(todo, answers, os.getpid()), daemon=True)
                     p.start()
@@ -201,6 +206,21 @@ def _quiet_children():
         yield
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+@contextlib.contextmanager
+def _no_main():
+    """Start workers without the driver's __main__: multiprocessing's spawn would re-import the script
+    that called us in each worker (a program using the API at its top level, without a
+    `if __name__ == "__main__"` guard, would run again there). A worker needs none of it: what it runs
+    is named by module (ckptconv's, or a job's prepare function)."""
+    import types
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _die_with(parent: int):

@@ -2,7 +2,10 @@
 gather the results, and process 0 finishes inside the atomic output; for verify, its stages in
 order (`run_stages`). A single process is a cluster of one (`cluster.Solo`), so there is one path,
 and the plan `ckptconv plan` prints is the plan run. An OUT in an object store is written by one
-process into a bucket output (storage/targets.bucket_output: claimed, published pointer last)."""
+process into a bucket output (storage/targets.bucket_output: claimed, published pointer last).
+Given a job (tasks.Job) and an executor that runs tasks side by side (executors.py: --workers N on
+this host), this process is the driver instead: every unit is a task, the answers are checked and
+the driver finishes and publishes (`run_tasks`)."""
 import contextlib
 import dataclasses
 import hashlib

@@ -120,9 +120,10 @@ def _children(pid: int) -> list:
         if entry.isdigit():
             try:
                 stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:   # (not the resource tracker)
                 found.append(int(entry))
     return found
 
@@ -143,3 +144,37 @@ def test_sigterm_mid_run_ends_the_workers_and_leaves_nothing(big_pt, tmp_path):
     assert workers and not [w for w in workers if Path(f"/proc/{w}").exists()
                             and "Z" not in Path(f"/proc/{w}/stat").read_text().rsplit(")", 1)[1].split()[0]]
     _nothing_left(out)
+
+
+def test_one_progress_bar_fed_by_every_task(hf_llama, tmp_path):
+    """The driver's one bar: the same total and the same bytes counted as a run of one process."""
+    import contextlib
+    from ckptconv import api
+    seen = {}
+
+    def progress_of(w):
+        @contextlib.contextmanager
+        def progress(total):
+            seen[w] = [total, 0]
+
+            def update(n):
+                seen[w][1] += n
+            yield update
+        return progress
+
+    for w in (1, 2):
+        api.convert(hf_llama["dir"], tmp_path / f"out{w}", max_shard_size="60KB", workers=w, progress=progress_of(w))
+    assert seen[1] == seen[2] and seen[2][1] > 0
+
+
+def test_a_script_using_the_api_without_a_main_guard_runs_once(hf_llama, tmp_path):
+    """Workers are spawned without the caller's __main__: the script is not run again in each."""
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nfrom ckptconv import api\nprint('top level ran')\n"
+                      "api.convert(sys.argv[1], sys.argv[2], max_shard_size='60KB', workers=2)\n")
+    r = subprocess.run([sys.executable, str(script), str(hf_llama["dir"]), str(tmp_path / "out")], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("top level ran") == 1
+    assert run("convert", hf_llama["dir"], tmp_path / "one", *SHARDS, "--workers", 1).exit_code == 0
+    same_tree(tmp_path / "out", tmp_path / "one")
