@@ -23,7 +23,7 @@ import click
 from .run.cluster import MAX_PROCESSES
 from . import __version__
 from .api import expected_identity, inspection
-from .cli_options import (_OneLineErrors, cluster_options, executor_options, command, emit, mesh_options, read_options, verbose,
+from .cli_options import (_OneLineErrors, cluster_options, distributed_refused, executor_options, command, emit, mesh_options, read_options, verbose,
                           with_option, write_options)
 from .jobs.convert import ConvertOptions, convert
 from . import requests
@@ -116,11 +116,10 @@ def _convert_command(name, pickle_only, help_text):
     @click.option("--no-copy-extras", is_flag=True, help="Do not carry config/tokenizer files into OUT.")
     @with_option
     @write_options(resume=True)
-    @cluster_options
+    @distributed_refused(name)
     @executor_options
     @command
-    def run(src, out, fmt, read, strip_prefix, dtype, no_copy_extras, with_files, write, cluster, executor, quiet,
-            as_json):
+    def run(src, out, fmt, read, strip_prefix, dtype, no_copy_extras, with_files, write, executor, quiet, as_json):
         source = Source(src, fmt, read)
         if pickle_only:   # (detection reads the source: only when it decides something)
             reader, _ = reader_for(src, fmt)
@@ -128,15 +127,9 @@ def _convert_command(name, pickle_only, help_text):
                 raise UsageError(f"{src}: is a {reader.name} checkpoint, not a pickle-based one; use `ckptconv "
                                  "convert` for it")
         result = convert(source, out, ConvertOptions(strip_prefix, dtype, not no_copy_extras, with_files), write,
-                         cluster(executor),
                          lambda total: byte_progress(total, "convert", quiet), executor)
         if as_json:
             emit("convert", result.to_json())
-        elif result.process is not None:
-            say(f"process {result.process} of {result.processes}: wrote {len(result.files)} shard "
-                f"files of {result.out} in {result.seconds:.2f} s")
-            if result.identity:
-                say(identity_line(result.out, result.identity))
         else:
             _say_converted(result)
         if result.also and not as_json:
@@ -209,11 +202,11 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @with_option
 @write_options(resume=False)
 @read_options
-@cluster_options
+@distributed_refused("reshard")
 @executor_options
 @command
-def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, with_files, write, fmt, read, cluster, executor,
-                quiet, as_json):
+def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, with_files, write, fmt, read, executor, quiet,
+                as_json):
     """Slice SRC for a tensor-parallel (and expert-parallel) mesh: OUT/mesh.json and OUT/rank-XXXXX/.
 
     Each rank directory is a complete sharded-safetensors output holding exactly what that rank
@@ -224,8 +217,7 @@ def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, with_files
     if out is None and not dry_run:
         raise UsageError("OUT is required unless --dry-run")
     result = reshard(Source(src, fmt, read), out, mesh, ReshardOptions(strip_prefix, target, dtype, with_files), write,
-                     dry_run, None if dry_run else cluster(executor), lambda n: byte_progress(n, "reshard", quiet),
-                     executor)
+                     dry_run, lambda n: byte_progress(n, "reshard", quiet), executor)
     if as_json:
         emit("reshard", result.to_json())
     elif dry_run:
