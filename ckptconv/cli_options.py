@@ -263,6 +263,9 @@ def executor_options(fn):
             if kw.get("read") is not None and kw["read"].workers is not None:
                 raise UsageError("--workers sets this host's tasks in flight; with --ray the cluster's CPUs do "
                                  "(one a task): give one of them")
+            import importlib.util
+            if importlib.util.find_spec("ray") is None:   # (before anything is read: Ray itself is imported when it runs)
+                raise UsageError("--ray needs Ray: pip install 'ckptconv[ray]'")
             kw["executor"] = executors.make("ray", address=ray_address or None)
         return fn(*args, **kw)
 

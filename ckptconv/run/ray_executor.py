@@ -158,7 +158,7 @@ class RayExecutor:
             progress(total - shown)
         answers = [found[i] for i in range(len(tasks))]
         for i, t in enumerate(tasks):
-            n = starts.get(i, 1)
+            n = max(starts.get(i, 1), answers[i].attempts)
             answers[i].attempts = n
             if n > 1:
                 self.notes.append(f"{t.name}: its task ran {n} times (a worker or node was lost; Ray reran it "
@@ -275,7 +275,16 @@ def _ray_task(task, tmp: str, tally):
         return ("error", "OutputError", f"task {task.index} failed: {type(e).__name__}: {e}")
     if pending[0]:
         tally.add.remote(pending[0])
-    return ("done", {"result": answer.result, "inputs": answer.inputs})
+    return ("done", {"result": answer.result, "inputs": answer.inputs, "attempts": _attempt() + 1})
+
+
+def _attempt() -> int:
+    """Which run of this task this is (0: the first; Ray counts a rerun after a lost worker or node)."""
+    try:
+        import ray
+        return int(ray._private.worker.global_worker.core_worker.get_current_task_attempt_number())
+    except Exception:   # (a Ray without it: the tally's count of starts stands alone)
+        return 0
 
 
 def _call(fn, args):

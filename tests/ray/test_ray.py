@@ -72,6 +72,25 @@ def wait_for_shards(tmp: Path, n: int, proc, timeout=120):
     raise AssertionError(f"the run did not get to {n} shards: {proc.poll()} {proc.stderr.read()[-2000:] if proc.poll() is not None else ''}")
 
 
+def running_a_task(node, proc, timeout=120):
+    """A worker of `node` (a child of its raylet) while it runs one of the run's tasks (its process title)."""
+    raylet = node.all_processes["raylet"][0].process.pid
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                title = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == raylet and title.startswith(b"ray::_ray_task"):
+                return int(entry)
+        time.sleep(0.02)
+    raise AssertionError("no task ran on the node to be killed")
+
+
 def test_convert_reshard_verify_through_ray_are_byte_identical(cluster, llama, tmp_path):
     ray_flag = f"--ray={cluster.address}"
     for name, args in (("convert", ["convert", llama["dir"]]), ("reshard", ["reshard", llama["dir"], "--tp", "2"]),
@@ -104,7 +123,9 @@ def test_a_node_killed_mid_run_its_tasks_rerun_elsewhere(cluster, big, tmp_path)
     cluster.wait_for_nodes()
     out = tmp_path / "out"
     proc = start("convert", big, out, "--max-shard-size", "8MiB", "--quiet", f"--ray={cluster.address}")
-    wait_for_shards(tmp_path / ".out.ckptconv-tmp", 4, proc)
+    wait_for_shards(tmp_path / ".out.ckptconv-tmp", 2, proc)
+    worker = running_a_task(node, proc)
+    os.kill(worker, signal.SIGKILL)   # (the node's end, all of it at once: its task cannot finish first)
     cluster.remove_node(node, allow_graceful=False)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
