@@ -16,6 +16,7 @@ from ..formats import not_ours, published
 from ..storage.targets import bucket_output
 from ..storage.urls import is_url, redact
 from ..layouts.base import RunFacts
+from ..layouts.files import check_space
 from . import tasks as _tasks
 from ..io.output import atomic_output
 
@@ -88,6 +89,7 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
         nonlocal facts
         kept = _tasks.finished(tmp, todo, key) if key else {}
         left = [t for t in todo if t.index not in kept]
+        check_space(tmp, sum(t.size for t in left))   # (each task checks only its own unit's room)
         with (progress or _no_progress)(sum(t.size for t in left)) as update:
             ran = executor.run([dataclasses.replace(t, record=key) for t in left] if key else left, tmp, update)
         answers = {**kept, **{t.index: a for t, a in zip(left, ran)}}
