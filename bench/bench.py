@@ -540,40 +540,6 @@ def bench_cold(layers):
     sys.stdout.flush()
 
 
-def bench_distributed(layers):
-    """2 processes (jax.distributed on 127.0.0.1) against 1, for convert and reshard --tp 8."""
-    import socket
-    src = llama_src(layers)
-    scratch = scratch_dir()
-    warm(src)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    jobs = {"convert": ["convert", src, scratch / "out", "--max-shard-size", "500MB"],
-            "reshard --tp 8": ["reshard", src, scratch / "out", "--tp", "8", "--heads", "16", "--kv-heads", "16",
-                               "--head-dim", "128"]}
-    print(f"\nseveral processes on this 2-core machine, {src.stat().st_size / 1e9:.3f} GB, median of {REPEAT}")
-    print("| job | 1 process s | 2 processes s | 2 vs 1 |\n|---|---:|---:|---:|")
-    for job, args in jobs.items():
-        one, two = [], []
-        for _ in range(REPEAT):
-            shutil.rmtree(scratch / "out", ignore_errors=True)
-            one.append(_once([PY, "-m", "ckptconv.cli", *map(str, args), "--quiet"], scratch / "out")[0])
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            os.sync()
-            start = time.perf_counter()
-            procs = [subprocess.Popen([PY, "-m", "ckptconv.cli", *map(str, args), "--quiet", "--coordinator",
-                                       f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
-            if any(p.wait() for p in procs):
-                raise SystemExit(f"distributed {job} failed")
-            two.append(time.perf_counter() - start)
-            shutil.rmtree(scratch / "out", ignore_errors=True)
-        a, b = statistics.median(one), statistics.median(two)
-        print(f"| {job} | {a:.2f} | {b:.2f} | {b / a:.2f} |")
-    sys.stdout.flush()
-
-
 def bench_workers(layers):
     """The local executor (--workers N tasks in flight: worker processes; the threads variant beside
     it, CKPTCONV_LOCAL_WORKERS=thread) against --workers 1, for convert (500 MB shards) and reshard
@@ -603,6 +569,51 @@ def bench_workers(layers):
             print(f"| {job} | {name} | {statistics.median(ts):.2f} | {paired(ts, base)} | {cpu:.2f} | {rss:.0f} |")
             del CPU_S[name]
         sys.stdout.flush()
+
+
+def bench_ray(layers):
+    """The Ray executor (--ray) on a 2-node local Ray cluster (ray.cluster_utils, one CPU a node, both
+    on this host) against the local executor on the same cores (--workers 2) and --workers 1, for
+    convert (200 MB shards: several tasks) and reshard --tp 8 of the same source, warm cache,
+    interleaved: the overhead Ray adds (driver join, task scheduling, each task re-opening the source;
+    the cluster's start is not timed). Needs Ray in the interpreter that runs the bench
+    (BENCH_PY=.venv-ray/bin/python make bench ... or .venv-ray/bin/python bench/bench.py ray)."""
+    try:
+        from ray.cluster_utils import Cluster
+    except ImportError:
+        print("\nray: skipped (Ray is not installed in this interpreter: .venv-ray/bin/python bench/bench.py ray)")
+        return
+    src = llama_src(layers)
+    scratch = scratch_dir()
+    warm(src)
+    n = src.stat().st_size
+    started = time.perf_counter()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    up = time.perf_counter() - started
+    try:
+        cli = [PY, "-m", "ckptconv.cli"]
+        jobs = {"convert": ["convert", src, scratch / "out", "--max-shard-size", "200MB", "--quiet"],
+                "reshard --tp 8": ["reshard", src, scratch / "out", "--tp", "8", "--heads", "16", "--kv-heads", "16",
+                                   "--head-dim", "128", "--quiet"]}
+        print(f"\nray: a 2-node local cluster (1 CPU a node; started in {up:.1f} s, not timed) against the local "
+              f"executor, {n / 1e9:.3f} GB .pt, warm cache, {REPEAT} rounds")
+        print("| job | executor | median wall s | x --workers 1 | driver CPU s / GB | driver peak RSS MiB |\n"
+              "|---|---|---:|---:|---:|---:|")
+        for job, args in jobs.items():
+            rows = [("--workers 1", [*cli, *map(str, args), "--workers", "1"], scratch / "out"),
+                    ("--workers 2", [*cli, *map(str, args), "--workers", "2"], scratch / "out"),
+                    ("--ray (2 nodes)", [*cli, *map(str, args), f"--ray={cluster.address}"], scratch / "out")]
+            measured = measure_all(rows)
+            base = measured[0][1]
+            for name, ts, rss in measured:
+                cpu = statistics.median(CPU_S[name][-len(ts):]) / (n / 1e9)
+                print(f"| {job} | {name} | {statistics.median(ts):.2f} | {paired(ts, base)} | {cpu:.2f} | {rss:.0f} |")
+                del CPU_S[name]
+            sys.stdout.flush()
+    finally:
+        cluster.shutdown()
 
 
 def split_all_rules(scratch) -> Path:
@@ -1244,8 +1255,8 @@ def bench_orbax(gigabytes=(2.2, 4.4)):
 
 SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20),
              "dcp": lambda: bench_dcp(18), "reshard": lambda: (bench_reshard(18), bench_reshard(36)),
-             "verify": lambda: bench_verify(18), "distributed": lambda: bench_distributed(18),
-             "workers": lambda: bench_workers(18),
+             "verify": lambda: bench_verify(18),
+             "workers": lambda: bench_workers(18), "ray": lambda: bench_ray(18),
              "vllm": lambda: bench_vllm(18), "cold": lambda: bench_cold(18), "many": bench_many, "plan": bench_plan,
              "scale": bench_scale, "deepspeed": bench_deepspeed, "megatron": bench_megatron, "s3": bench_s3,
              "orbax": bench_orbax}

@@ -23,7 +23,7 @@ import click
 from .run.cluster import MAX_PROCESSES
 from . import __version__
 from .api import expected_identity, inspection
-from .cli_options import (_OneLineErrors, cluster_options, command, emit, mesh_options, read_options, verbose,
+from .cli_options import (_OneLineErrors, cluster_options, distributed_refused, executor_options, command, emit, mesh_options, read_options, verbose,
                           with_option, write_options)
 from .jobs.convert import ConvertOptions, convert
 from . import requests
@@ -116,9 +116,10 @@ def _convert_command(name, pickle_only, help_text):
     @click.option("--no-copy-extras", is_flag=True, help="Do not carry config/tokenizer files into OUT.")
     @with_option
     @write_options(resume=True)
-    @cluster_options
+    @distributed_refused(name)
+    @executor_options
     @command
-    def run(src, out, fmt, read, strip_prefix, dtype, no_copy_extras, with_files, write, cluster, quiet, as_json):
+    def run(src, out, fmt, read, strip_prefix, dtype, no_copy_extras, with_files, write, executor, quiet, as_json):
         source = Source(src, fmt, read)
         if pickle_only:   # (detection reads the source: only when it decides something)
             reader, _ = reader_for(src, fmt)
@@ -126,15 +127,9 @@ def _convert_command(name, pickle_only, help_text):
                 raise UsageError(f"{src}: is a {reader.name} checkpoint, not a pickle-based one; use `ckptconv "
                                  "convert` for it")
         result = convert(source, out, ConvertOptions(strip_prefix, dtype, not no_copy_extras, with_files), write,
-                         cluster(),
-                         lambda total: byte_progress(total, "convert", quiet))
+                         lambda total: byte_progress(total, "convert", quiet), executor)
         if as_json:
             emit("convert", result.to_json())
-        elif result.process is not None:
-            say(f"process {result.process} of {result.processes}: wrote {len(result.files)} shard "
-                f"files of {result.out} in {result.seconds:.2f} s")
-            if result.identity:
-                say(identity_line(result.out, result.identity))
         else:
             _say_converted(result)
         if result.also and not as_json:
@@ -207,9 +202,10 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
 @with_option
 @write_options(resume=False)
 @read_options
-@cluster_options
+@distributed_refused("reshard")
+@executor_options
 @command
-def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, with_files, write, fmt, read, cluster, quiet,
+def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, with_files, write, fmt, read, executor, quiet,
                 as_json):
     """Slice SRC for a tensor-parallel (and expert-parallel) mesh: OUT/mesh.json and OUT/rank-XXXXX/.
 
@@ -221,7 +217,7 @@ def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, with_files
     if out is None and not dry_run:
         raise UsageError("OUT is required unless --dry-run")
     result = reshard(Source(src, fmt, read), out, mesh, ReshardOptions(strip_prefix, target, dtype, with_files), write,
-                     dry_run, None if dry_run else cluster(), lambda n: byte_progress(n, "reshard", quiet))
+                     dry_run, lambda n: byte_progress(n, "reshard", quiet), executor)
     if as_json:
         emit("reshard", result.to_json())
     elif dry_run:
@@ -285,8 +281,9 @@ def plan_lines(result) -> list:
               "(convert and reshard print it): fail unless PATH is exactly that output.")
 @read_options(leave_out=("only", "skip_unsupported", "one_shard"))
 @cluster_options
+@executor_options
 @command
-def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cluster, quiet, as_json):
+def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cluster, executor, quiet, as_json):
     """Check an output of convert or reshard (a directory, or one .safetensors file convert wrote):
     digests, structure, the source, and a device load.
 
@@ -294,11 +291,12 @@ def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cl
     1 when problems were found, 2 when it could not verify. Example: ckptconv verify out/ --against model/
     """
     expect = expected_identity(expect)
-    cluster = cluster()
+    cluster = cluster(executor)
     size = total_bytes(path) if storage_files.is_dir(path) else storage_files.size(path) \
         if storage_files.is_file(path) else 0
     with byte_progress(size, "verify", quiet) as progress:
-        report = verify(VerifyRequest(path, against, read, fmt, device, allow_fewer_devices, expect), progress, cluster)
+        report = verify(VerifyRequest(path, against, read, fmt, device, allow_fewer_devices, expect), progress, cluster,
+                        executor)
     changed = mapped.changed_files()
     if changed:
         raise BadInput(f"{changed[0]}: changed while it was being read; it could not be verified")

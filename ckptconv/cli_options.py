@@ -196,24 +196,78 @@ def read_options(fn=None, *, leave_out=()):
 
 
 def cluster_options(fn):
-    """--distributed and friends: join a multi-process job (see docs/distributed.md)."""
-    @click.option("--distributed", is_flag=True, help="Work as one of several processes (also implied by "
-                  "JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID or a multi-task SLURM job).")
-    @click.option("--coordinator", metavar="HOST:PORT", help="Address where process 0 serves the job's messages "
-                  "(verify --device also uses PORT+1 for JAX's runtime).")
+    """verify --device across hosts: --distributed and friends (see docs/distributed.md)."""
+    @click.option("--distributed", is_flag=True, help="verify --device: work as one of several processes, each "
+                  "placing its host's ranks, global arrays over every host's devices (jax.distributed; also "
+                  "implied by JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID or a multi-task SLURM job).")
+    @click.option("--coordinator", metavar="HOST:PORT", help="Where JAX's coordination service runs (process 0).")
     @click.option("--num-processes", type=click.IntRange(1, MAX_PROCESSES), help="Processes in the job.")
     @click.option("--process-id", type=click.IntRange(0), help="This process's index.")
     @click.option("--cluster-timeout", type=click.IntRange(1), default=60, show_default=True,
-                  help="Seconds to wait for the coordinator, for every process to join and for other processes' "
-                  "results.")
+                  help="Seconds to wait for every process to join and for other processes' findings.")
     @click.option("--heartbeat-timeout", type=click.IntRange(1), default=10, show_default=True,
-                  help="Seconds without a word from a process after which it counts as stopped or gone.")
+                  help="Seconds without a heartbeat after which JAX counts a process as gone.")
     @functools.wraps(fn)
     def wrapper(*args, distributed, coordinator, num_processes, process_id, cluster_timeout, heartbeat_timeout, **kw):
-        paths = [(what, kw[name]) for name, what in (("src", "SRC"), ("out", "OUT"), ("path", "PATH"),
-                                                     ("against", "--against")) if kw.get(name) is not None]
-        kw["cluster"] = lambda: join(distributed, coordinator, num_processes, process_id, cluster_timeout,
-                                     heartbeat_timeout, paths)
+        paths = [(what, kw[name]) for name, what in (("path", "PATH"), ("against", "--against"))
+                 if kw.get(name) is not None]
+
+        def cluster(executor=None):
+            if executor is not None and (distributed or coordinator):
+                raise UsageError("--ray runs the tasks of one driver; --distributed starts processes of their own: "
+                                 "give one of them")
+            if executor is not None or (kw.get("device") is None and not (distributed or coordinator)):
+                return None   # (a launcher's environment alone does not make file checks a job of several)
+            return join(distributed, coordinator, num_processes, process_id, cluster_timeout, heartbeat_timeout, paths)
+        kw["cluster"] = cluster
+        return fn(*args, **kw)
+
+    return wrapper
+
+
+def distributed_refused(command_name: str):
+    """convert, reshard: the options of the old multi-process file work, kept hidden to say where it
+    went (one driver, its tasks on --workers or --ray)."""
+    def decorate(fn):
+        @click.option("--distributed", is_flag=True, hidden=True)
+        @click.option("--coordinator", hidden=True)
+        @click.option("--num-processes", hidden=True)
+        @click.option("--process-id", hidden=True)
+        @click.option("--cluster-timeout", hidden=True)
+        @click.option("--heartbeat-timeout", hidden=True)
+        @functools.wraps(fn)
+        def wrapper(*args, distributed, coordinator, num_processes, process_id, cluster_timeout, heartbeat_timeout,
+                    **kw):
+            if distributed or any(v is not None for v in (coordinator, num_processes, process_id, cluster_timeout,
+                                                          heartbeat_timeout)):
+                raise UsageError(f"--distributed: {command_name} runs in one driver now, its tasks in --workers N "
+                                 "processes on this host or on a Ray cluster with --ray (docs/distributed.md)")
+            return fn(*args, **kw)
+
+        return wrapper
+    return decorate
+
+
+def executor_options(fn):
+    """--ray [ADDRESS]: run the command's tasks on a Ray cluster (run/ray_executor.py) instead of this
+    host's --workers; the command gets `executor` (None: the local executor)."""
+    @click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+                  help="Run every task (an output file, a rank directory; verify: a share of the checks) on "
+                  "the Ray cluster at ADDRESS (without one: RAY_ADDRESS, else auto, the cluster this host is "
+                  "in). SRC and OUT must be on storage every node sees. Put it after SRC and OUT, or write "
+                  "--ray=ADDRESS. Needs pip install 'ckptconv[ray]'. See docs/distributed.md.")
+    @functools.wraps(fn)
+    def wrapper(*args, ray_address, **kw):
+        kw["executor"] = None
+        if ray_address is not None:
+            from .run import executors
+            if kw.get("read") is not None and kw["read"].workers is not None:
+                raise UsageError("--workers sets this host's tasks in flight; with --ray the cluster's CPUs do "
+                                 "(one a task): give one of them")
+            import importlib.util
+            if importlib.util.find_spec("ray") is None:   # (before anything is read: Ray itself is imported when it runs)
+                raise UsageError("--ray needs Ray: pip install 'ckptconv[ray]'")
+            kw["executor"] = executors.make("ray", address=ray_address or None)
         return fn(*args, **kw)
 
     return wrapper

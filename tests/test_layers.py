@@ -14,7 +14,7 @@ LAYERS = [
     ["formats"],
     ["tp", "readers.pickle", "readers.ziparchive"],
     ["readers"],
-    ["run.wire", "run.cluster", "run.share"],   # processes and the balancer: what layouts share work by
+    ["run.cluster", "run.share"],   # processes and the balancer: what layouts share work by
     ["layouts"],
     ["recipe", "requests"],
     ["run"],                                    # the job runner drives layouts

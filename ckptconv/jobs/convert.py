@@ -1,5 +1,5 @@
 """convert: any supported source -> sharded safetensors, or one .safetensors file (reader ->
-transforms -> writer), atomically, on one process or several (run/runner.py)."""
+transforms -> writer), atomically, by one driver whose tasks may run on this host or a cluster (run/runner.py)."""
 import dataclasses
 import os
 import time
@@ -171,8 +171,8 @@ def prepared(source: Source, out, options: ConvertOptions, write: WriteOptions) 
     return tasks.Prepared(writer, tensors, ckpt.reads(source.path), ckpt.check_unchanged)
 
 
-def convert(source: Source, out, options: ConvertOptions = None, write: WriteOptions = None, cluster=None,
-            progress=None) -> ConvertResult:
+def convert(source: Source, out, options: ConvertOptions = None, write: WriteOptions = None, progress=None,
+            executor=None) -> ConvertResult:
     """Convert `source` into `out`. `progress(total_bytes)` gives a context manager yielding an
     update(nbytes) callable (progress.byte_progress), or None."""
     if is_url(out):
@@ -181,12 +181,10 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
     started = time.perf_counter()
     if write.resume and single_file(out):
         raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
-    if write.resume and cluster is not None and cluster.num_processes > 1:
-        raise UsageError("--resume applies to a run of one process (each process would need its own journal)")
     ckpt, writer, tensors, content, summarised = _opened(source, out, options, write)
     job = tasks.Job(prepared, (tasks.with_read_workers(source, 1), out, options, write))
-    facts = runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, cluster, progress,
-                       job, executors.make("local", workers=source.options.workers))
+    facts = runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, progress,
+                       job, executor or executors.make("local", workers=source.options.workers))
     seconds = time.perf_counter() - started
     total = sum(t.nbytes for t in tensors)
     result = ConvertResult(str(out), ckpt.format, len(tensors), total, facts.files, round(seconds, 3),
@@ -195,11 +193,5 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
                            None if ckpt.source.state_dict in (None, "none") else ckpt.source.state_dict,
                            ckpt.source.dropped, ckpt.source.placeholders, ckpt.layout,
                            modules=ckpt.source.modules, summarised=summarised)
-    if cluster is None or cluster.is_main:
-        result.identity = identity(out)
-    if cluster is not None:
-        mine = facts.unit_bytes
-        result.files, result.resumed_bytes = sorted(facts.units), 0
-        result.process, result.processes = cluster.process_id, cluster.num_processes
-        result.gb_per_s = round(mine / seconds / 1e9, 3) if seconds else None
+    result.identity = identity(out)
     return result

@@ -70,7 +70,7 @@ class ReshardOptions:
 
 
 def reshard(source: Source, out, mesh: MeshSpec, options: ReshardOptions = None, write: WriteOptions = None,
-            dry_run=False, cluster=None, progress=None) -> ReshardResult:
+            dry_run=False, progress=None, executor=None) -> ReshardResult:
     """Plan (and unless `dry_run`, write) `source` sliced for `mesh` into `out` as `options` say.
     `progress` as in convert.convert."""
     if is_url(out):
@@ -82,12 +82,11 @@ def reshard(source: Source, out, mesh: MeshSpec, options: ReshardOptions = None,
         return result
     total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
     job = tasks.Job(prepared, (tasks.with_read_workers(source, 1), out, mesh, options, write))
-    runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, cluster, progress,
-               job, executors.make("local", workers=source.options.workers))
+    runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, progress,
+               job, executor or executors.make("local", workers=source.options.workers))
     seconds = time.perf_counter() - started
     result.out, result.seconds, result.bytes_written = str(out), round(seconds, 3), total
-    if cluster is None or cluster.is_main:
-        result.identity = identity(out)
+    result.identity = identity(out)
     result.gb_per_s = round(total / seconds / 1e9, 3) if seconds else None
     return result
 

@@ -1,5 +1,6 @@
-"""Running a job on one process or several: runner.py (plan, share out, write, gather, finish
-inside the atomic output; verify's stages), tasks.py (a unit of the plan as a task any process can
-run from the typed request), executors.py (what runs the tasks: `local`, --workers N), share.py (the one balancer: who does which unit, by
-bytes), cluster.py (the processes of one job and how they agree) and wire.py (what crosses between
-them)."""
+"""Running a job: runner.py (plan, run the units in one driver, finish inside the atomic output;
+verify's stages), tasks.py (a unit of the plan as a task any process can run from the typed
+request), executors.py (what runs the tasks: `local`, --workers N on this host), ray_executor.py
+(`ray`, --ray: the tasks on a Ray cluster, imported when asked for), share.py (the one balancer:
+which share does which unit, by bytes) and cluster.py (the processes of a --distributed verify
+--device, through JAX's runtime)."""

@@ -38,7 +38,11 @@ def register(name: str):
 
 
 def make(name: str = "local", **options):
-    """The executor registered as `name`, made with `options`."""
+    """The executor registered as `name`, made with `options` (the Ray executor's module is imported
+    when asked for: it imports Ray only when it runs)."""
+    if name == "ray" and name not in EXECUTORS:
+        from .ray_executor import RayExecutor   # (imports Ray only when it runs)
+        register("ray")(RayExecutor)
     return EXECUTORS[name](**options)
 
 

@@ -55,6 +55,7 @@ class Task:
     index: int
     units: tuple
     share: tuple
+    record: str | None = None   # with --resume: the run's key; the task keeps its answer (DONE) under it
 
     @property
     def size(self) -> int:
@@ -122,7 +123,74 @@ def run_task(task: Task, tmp, progress=None) -> Answer:
         mine.append(unit)
     result = made.writer.write(mine, tmp, progress, task.share)
     made.check_unchanged()
-    return Answer(result.to_json(), identity(made.inputs))
+    answer = Answer(result.to_json(), identity(made.inputs))
+    if task.record:
+        _keep(task, answer, tmp)
+    return answer
+
+
+DONE = ".ckptconv-tasks"   # in the temporary output, with --resume: each finished task's answer
+MAX_RECORD = 1 << 30       # bytes of one kept answer (a million tensors' digests in hex are 64 MB)
+
+
+def _files_of(tmp, units) -> dict:
+    """{path inside tmp: "size, mtime_ns"} of every file a task's units are (a shard, a rank directory's
+    files): what must still be there, untouched, for a rerun to keep the task."""
+    found = {}
+    for name, _ in units:
+        top = os.path.join(os.fspath(tmp), name)
+        walk = [(top, name)] if not os.path.isdir(top) else \
+            [(os.path.join(d, f), os.path.relpath(os.path.join(d, f), os.fspath(tmp)))
+             for d, _, fs in os.walk(top) for f in fs]
+        for path, rel in walk:
+            st = os.lstat(path)
+            found[rel] = f"{st.st_size}, {st.st_mtime_ns}"
+    return dict(sorted(found.items()))
+
+
+def _keep(task: Task, answer: Answer, tmp):
+    """Record a finished task's answer in tmp/DONE (written whole, then renamed into place)."""
+    import json
+    folder = os.path.join(os.fspath(tmp), DONE)
+    os.makedirs(folder, exist_ok=True)
+    record = {"key": task.record, "units": [list(u) for u in task.units], "answer": answer.to_json(),
+              "files": _files_of(tmp, task.units)}
+    part = os.path.join(folder, f".{task.index}.{os.getpid()}.part")
+    with open(part, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    os.replace(part, os.path.join(folder, f"{task.index}.json"))
+
+
+def finished(tmp, tasks, key: str) -> dict:
+    """{task index: Answer} of the tasks an interrupted run of the same job (`key`) finished, whose
+    files are still as the task left them (sizes and modification times); anything else is redone."""
+    from .. import safejson
+    from ..errors import BadInput
+    folder = os.path.join(os.fspath(tmp), DONE)
+    kept = {}
+    for t in tasks:
+        path = os.path.join(folder, f"{t.index}.json")
+        try:
+            if not os.path.isfile(path) or os.path.getsize(path) > MAX_RECORD:
+                continue
+            with open(path, "rb") as f:
+                record = safejson.loads(f.read(), path, "a task's record")
+            if not isinstance(record, dict) or record.get("key") != key \
+                    or record.get("units") != [list(u) for u in t.units]:
+                continue
+            if record.get("files") != _files_of(tmp, t.units):
+                continue
+            a = record["answer"]
+            kept[t.index] = Answer(a["result"], a["inputs"])
+        except (OSError, BadInput, KeyError, TypeError):
+            continue
+    return kept
+
+
+def forget_done(tmp):
+    """Remove the kept answers: they are no part of the output."""
+    import shutil
+    shutil.rmtree(os.path.join(os.fspath(tmp), DONE), ignore_errors=True)
 
 
 def identity(inputs) -> dict:

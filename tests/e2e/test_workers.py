@@ -84,8 +84,8 @@ def _run(prepare_args, src, out, workers=2):
     ckpt, writer, tensors, _, _ = convert_job._opened(source, out, options, write)
     prepare, *first = prepare_args
     job = tasks.Job(prepare, (*first, tasks.with_read_workers(source, 1), out, options, write))
-    return runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, None, None, job,
-                      executors.make("local", workers=workers))
+    return runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, job=job,
+                      executor=executors.make("local", workers=workers))
 
 
 def _nothing_left(out: Path):

@@ -96,8 +96,8 @@ def stuck(*args, **kwargs):   # the run waits where no checkpoint comes: a join 
     waiter.join()
 
 output.atomic_output = stuck
-import ckptconv.run.cluster
-ckptconv.run.cluster.atomic_output = stuck
+import ckptconv.run.runner
+ckptconv.run.runner.atomic_output = stuck
 cli.main(sys.argv[1:], prog_name="ckptconv")
 """
 
@@ -535,18 +535,6 @@ def test_resume_publishes_only_what_the_new_plan_wrote(model, tmp_path):
     assert ckptconv.verify(tmp_path / "out").ok
 
 
-def test_resume_is_refused_with_several_processes(model, tmp_path):
-    from ckptconv.jobs.convert import convert
-    from ckptconv.readers import Source
-    from ckptconv.layouts.base import WriteOptions
-
-    class Two:
-        num_processes, process_id, is_main = 2, 0, True
-
-    with pytest.raises(UsageError, match="--resume applies to a run of one process"):
-        convert(Source(str(model)), tmp_path / "out", write=WriteOptions(resume=True), cluster=Two())
-
-
 def test_a_planted_old_output_does_not_become_out(model, tmp_path):
     old = tmp_path / ".out.ckptconv-old"
     old.mkdir()
@@ -693,28 +681,6 @@ def test_a_mesh_result_crosses_processes_as_json_and_is_read_not_trusted(tmp_pat
             v.received({**sent, "linked": bad}, [unit], tmp_path)
 
 
-def test_the_service_takes_only_a_process_own_keys_and_bounds_strangers(monkeypatch):
-    import socket as socketlib
-    from ckptconv.run import wire as cluster_wire
-    from ckptconv.run.wire import Connection, Service, WireError
-    monkeypatch.setattr(cluster_wire, "HELLO_S", 1)   # (the strangers are dropped after it: the test waits less)
-    with socketlib.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    service = Service(port, 2, loopback=True)
-    assert service._server.getsockname()[0] == "127.0.0.1"
-    strangers = [socketlib.create_connection(("127.0.0.1", port)) for _ in range(40)]   # never say hello
-    try:
-        peer = Connection.open("127.0.0.1", port, 1, 2, 20, 5, lambda: None)   # still gets in
-        assert peer.request({"op": "put", "key": "job/1", "value": "{}"}) == {"ok": True}
-        with pytest.raises(WireError, match="may not put 'agreed'"):
-            peer.request({"op": "put", "key": "agreed", "value": "{}"})
-    finally:
-        for s in strangers:
-            s.close()
-        service.drain(0, 1)
-
-
 @pytest.mark.parametrize("name", ["doctest.run_docstring_examples", "logging.config.dictConfig", "pandas.read_pickle",
                                   "numpy.ctypeslib.load_library", "torch.fx.graph_module.reduce_graph_module",
                                   "torch.package.package_importer.PackageImporter", "operator.call", "_operator.call",
@@ -753,13 +719,13 @@ def test_a_number_of_5000_digits_in_a_name_is_one_line(tmp_path):
     assert r.returncode == 2 and "not written canonically" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
 
 
-@pytest.mark.parametrize("args", [["convert", "M", "OUT", "--coordinator", "127.0.0.1:1", "--num-processes",
-                                   "1000000000", "--process-id", "0"],
+@pytest.mark.parametrize("args", [["verify", "M", "--device", "cpu", "--coordinator", "127.0.0.1:1",
+                                   "--num-processes", "1000000000", "--process-id", "0"],
                                   ["plan", "M", "--hosts", "1000000000"],
                                   ["reshard", "M", "OUT", "--tp", "1", "--ep", "1000000000"],
                                   ["reshard", "M", "OUT", "--tp", "300", "--ep", "300"],
-                                  ["convert", "M", "OUT", "--coordinator", "localhost:\u00b2", "--num-processes", "2",
-                                   "--process-id", "1"]])
+                                  ["verify", "M", "--device", "cpu", "--coordinator", "localhost:\u00b2",
+                                   "--num-processes", "2", "--process-id", "1"]])
 def test_counts_from_options_are_bounded(model, tmp_path, args):
     args = [str(model) if a == "M" else str(tmp_path / "out") if a == "OUT" else a for a in args]
     r = inproc(*args)

@@ -743,7 +743,7 @@ def test_total_bytes_does_not_follow_symlinks(copy, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# the multi-process verify shares out only what is on disk and valid
+# a multi-process verify --device: every process checks the files whole and finds the same
 
 
 def test_hostile_outputs_on_two_processes(copy):
@@ -754,7 +754,7 @@ def test_hostile_outputs_on_two_processes(copy):
     edit_json(plain / "model.safetensors.index.json", lambda i: i["weight_map"].update(
         {_first(i["weight_map"]): ["x"], "zz": "/etc/passwd"}))
     for out, want in ((mesh, "mesh.json says 100000000 ranks"), (plain, "'zz' is listed in '/etc/passwd'")):
-        results = wait_all(launch(["verify", out, "--quiet"]))
+        results = wait_all(launch(["verify", out, "--device", "cpu", "--quiet"]))
         assert [rc for rc, _, _ in results] == [1, 1], results
         for _, stdout, stderr in results:
             clean(stdout + stderr)

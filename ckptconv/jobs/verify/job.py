@@ -1,8 +1,9 @@
 """The verify job: which layout the output is (layouts.detected), then its stages in order through the
 job runner (run/runner.run_stages: each only if the ones before found nothing) — the layout's own
-check, --against, --device — on one process or shared out across several by the one balancer
-(run/share.Share: each checks its share of the units the layout names, and process 0 gathers the
-report); and the bytes an output holds, for the progress bar."""
+check, --against, --device — on this process, or shared out as tasks of an executor (--ray: each
+task checks a share of the units the layout names, run/share.Share, and the driver merges), or
+with --device across the processes of a --distributed job (each places its ranks; process 0 gathers
+the device findings through JAX's runtime); and the bytes an output holds, for the progress bar."""
 import functools
 import hashlib
 import os
@@ -24,7 +25,7 @@ from ...run.share import Share
 from .against import compare_against, compare_parts
 
 
-def verify(request: "VerifyRequest", progress=None, cluster=None) -> Report:
+def verify(request: "VerifyRequest", progress=None, cluster=None, executor=None) -> Report:
     """Every check, in order; each stage runs only if the one before found nothing; with `expect`
     (an output's identity, formats/identity.py), the output must also be exactly that one. On several
     processes each checks its share (shards, rank dirs, tensors) and process 0 gathers the report;
@@ -32,7 +33,10 @@ def verify(request: "VerifyRequest", progress=None, cluster=None) -> Report:
     report = unpublished(request.path)
     if report is not None:
         return report
-    report = _verify(request, progress, cluster)
+    if cluster is not None and request.device is None:
+        raise UsageError("--distributed is for verify --device across hosts (JAX's runtime places each rank on its "
+                         "host); the file checks run with --workers on this host or --ray on a cluster")
+    report = _verify(request, progress, cluster) if executor is None else _verify_tasks(request, progress, executor)
     if request.expect is not None and (cluster is None or cluster.is_main):
         _check_expected(request, report)
     return report
@@ -96,27 +100,22 @@ def unpublished(path) -> Report | None:
 
 
 def _verify(request: VerifyRequest, progress, cluster) -> Report:
+    """The stages on this process. With a --distributed device check (`cluster`), every process checks
+    the files whole (they find the same, and skip alike), then each places its share of the ranks and
+    the device stage's findings are merged on process 0 (`_merge`, through JAX's runtime)."""
     path = storage.place(request.path)
-    if cluster is not None and cluster.num_processes > 1:
-        from ...run.cluster import agree
-        agree(cluster, _job(request))
     layout = detected(path)
-    report, main = Report(), cluster is None or cluster.is_main
-    units = layout.check_units(path) if cluster is not None and cluster.num_processes > 1 else {}
-    whole = units is None   # (checked whole by process 0: one file, an output ckptconv did not write)
-    share = Share(cluster.process_id if cluster else 0, cluster.num_processes if cluster else 1, units or {},
-                  lambda stage: _merge(cluster, stage, report))
-    mine = share.mine if not whole else (lambda kind, key: True)
+    report = Report()
+    main = cluster is None or cluster.is_main
 
     def check():
-        if main or not whole:
-            layout.check(path, report, progress, share if not whole else None)
+        layout.check(path, report, progress, None)
 
     def against():
-        if main or not whole:
-            parts = layout.parts(path)   # (an output made of outputs: each compared with the source's part)
-            compare = compare_against if parts is None else functools.partial(compare_parts, parts=parts)
-            compare(path, layout, request.against, request.read or ReadOptions(), request.fmt, report, mine)
+        parts = layout.parts(path)   # (an output made of outputs: each compared with the source's part)
+        compare = compare_against if parts is None else functools.partial(compare_parts, parts=parts)
+        compare(path, layout, request.against, request.read or ReadOptions(), request.fmt, report,
+                lambda kind, key: True)
 
     def device():
         if report.foreign and main:
@@ -125,40 +124,86 @@ def _verify(request: VerifyRequest, progress, cluster) -> Report:
         elif layout.parts(path) is not None:
             raise UsageError(f"{path}: --device places the tensors of one output; give one of its folders "
                              f"({', '.join(str(path / p.name) for p in layout.parts(path) if p.layout)})")
-        elif main or not whole:
-            from .device import device_check
-            report.device = device_check(path, request.device, request.allow_fewer, report,
-                                         cluster if not whole else None)
+        elif not report.foreign:
+            whole = cluster is not None and layout.check_units(path) is None   # (one file: process 0 places it)
+            if main or not whole:
+                from .device import device_check
+                report.device = device_check(path, request.device, request.allow_fewer, report,
+                                             None if whole else cluster)
 
     run_stages([("structure", check), ("against", against if request.against is not None else None),
                 ("device", device if request.device is not None else None)],
-               lambda: not report.problems, share.merge)
-    share.merge("totals")
+               lambda: not report.problems, lambda stage: _merge(cluster, stage, report, request))
     return report
 
 
-def _merge(cluster, stage, report: Report):
-    """Process 0 collects every process's findings for a stage, and tells everyone the total. (A
-    stage's end is a checkpoint for a pending signal, see signals.py.)"""
+def _verify_tasks(request: VerifyRequest, progress, executor) -> Report:
+    """verify's checks as tasks of `executor` (--ray): the units the layout names are split into as
+    many shares as the cluster runs at once, each share's stage a task (share_task); the driver
+    merges each stage's findings in share order (share 0 also checks what no unit names) and runs
+    the next stage only if nothing was found. The device stage is not for tasks: --device places on
+    this host (under --distributed: JAX's launcher)."""
+    if request.device is not None:
+        raise UsageError("--device loads onto this host's devices (or, across hosts, under --distributed with JAX's "
+                         "launcher); --ray checks files only: give one of them")
+    path = storage.place(request.path)
+    layout = detected(path)
+    units = layout.check_units(path)
+    if units is None:   # (one file, an output ckptconv did not write: checked whole, here)
+        return _verify(request, progress, None)
+    n = max(1, min(executor.lanes(), max((len(rows) for rows in units.values()), default=1)))
+    report = Report()
+    for stage in ("structure", "against") if request.against is not None else ("structure",):
+        if report.problems:
+            break
+        found = executor.map(share_task, [(request, stage, i, n, units) for i in range(n)],
+                             [f"{path} ({stage}, share {i + 1} of {n})" for i in range(n)])
+        for f in found:
+            report.problems += [Problem(**p) for p in f["problems"]]
+            report.files, report.tensors, report.bytes = (report.files + f["files"], report.tensors + f["tensors"],
+                                                          report.bytes + f["bytes"])
+            report.notes += [n_ for n_ in f["notes"] if n_ not in report.notes]
+            report.foreign = report.foreign or f["foreign"]
+            if progress is not None and f["bytes"]:
+                progress(f["bytes"])
+    return report
+
+
+def share_task(request: VerifyRequest, stage: str, i: int, n: int, units: dict) -> dict:
+    """One share (`i` of `n`) of one verify stage, as a task runs it anywhere: its findings and counts."""
+    path = storage.place(request.path)
+    layout = detected(path)
+    report = Report()
+    share = Share(i, n, units)
+    if stage == "structure":
+        layout.check(path, report, None, share)
+    else:
+        parts = layout.parts(path)
+        compare = compare_against if parts is None else functools.partial(compare_parts, parts=parts)
+        compare(path, layout, request.against, request.read or ReadOptions(), request.fmt, report, share.mine)
+    return {"problems": [asdict(p) for p in report.problems], "files": report.files, "tensors": report.tensors,
+            "bytes": report.bytes, "notes": report.notes, "foreign": report.foreign}
+
+
+def _merge(cluster, stage, report: Report, request: VerifyRequest):
+    """After the device stage of a --distributed check, the processes agree that they checked the same
+    output the same way, and process 0 collects every process's device findings and tells everyone
+    the total (so they all exit alike). (A stage's end is a checkpoint for a pending signal, see
+    signals.py.)"""
     signals.check()
-    if cluster is None:
+    if cluster is None or stage != "device" or cluster._client is None:
         return
-    from ...run.cluster import gather
+    from ...run.cluster import agree, gather
+    agree(cluster, _job(request))
     found = {"problems": [asdict(p) for p in report.problems[report.shared:]]}
-    if stage == "totals":
-        found.update(files=report.files, tensors=report.tensors, bytes=report.bytes)
     results = gather(cluster, f"verify/{stage}", found)
     if cluster.is_main:
         merged = {"problems": [asdict(p) for p in report.problems[:report.shared]]
                   + [p for r in results for p in r["problems"]]}
-        if stage == "totals":
-            merged.update({k: sum(r[k] for r in results) for k in ("files", "tensors", "bytes")})
         cluster.put(f"verify/{stage}/all", merged)
     total = cluster.get(f"verify/{stage}/all", 0)
     report.problems = [Problem(**p) for p in total["problems"]]
     report.shared = len(report.problems)
-    if stage == "totals":
-        report.files, report.tensors, report.bytes = total["files"], total["tensors"], total["bytes"]
 
 
 def _job(request: VerifyRequest) -> dict:

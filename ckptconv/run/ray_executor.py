@@ -1,0 +1,299 @@
+"""The Ray executor: a run's tasks (tasks.py) on a Ray cluster (`--ray [ADDRESS]`, `pip install
+'ckptconv[ray]'`). Ray is imported only when a run asks for it.
+
+The driver (the `ckptconv` process) joins the cluster (`ray.init(ADDRESS)`: without a value
+RAY_ADDRESS, Ray's own convention, else "auto", the cluster this host is in), submits one Ray task
+per unit of the plan (an output file, a rank directory), gathers the answers in plan order and hands
+them back to the runner, which checks and publishes them exactly as for the local executor. A task
+re-opens the source from the request on its node, so SRC and OUT must be on storage every node sees
+at the same path (a shared file system; SRC may be a bucket), and the driver checks that each task
+read the inputs it planned with (tasks.accept).
+
+Faults:
+- a task whose worker or node dies is rerun by Ray on a live node, up to MAX_RETRIES times; then the
+  run fails with one line naming the unit and why. A rerun task writes the same bytes. The run says
+  on stderr when a task ran more than once;
+- a task that raises a ckptconv error (BadInput: exit 2) is not retried: it answers with its error
+  as data, the driver stops at once with that line and cancels every other task;
+- a signal to the driver (Ctrl-C, SIGTERM) cancels every task (`ray.cancel(force=True)`), waits for
+  them to end and lets the runner remove the temporary output: nothing is published.
+
+Progress: every task reports its bytes (in steps of PROGRESS_BYTES) and its starts to a small actor,
+`Tally`, placed on the driver's node; the driver feeds its one bar from it. A task run twice counts
+its bytes twice: the bar is capped at the total."""
+import logging
+import os
+import signal
+import sys
+import time
+
+from .. import errors, signals
+from ..errors import CkptError, OutputError, UsageError, brief
+from . import tasks as _tasks
+
+MAX_RETRIES = 3          # reruns of a task whose worker or node died (Ray's max_retries)
+POLL_S = 0.2             # how often the driver looks at its tasks (and a pending signal)
+TALLY_S = 0.5            # how often it asks the tally for bytes and starts
+CONNECT_S = 10           # how long ADDRESS may take to answer before the run says there is no cluster
+CANCEL_WAIT_S = 30       # how long it waits for cancelled tasks to end before it lets the output go
+PROGRESS_BYTES = 16 << 20
+
+
+def import_ray():
+    """Ray, or one line saying how to get it."""
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--ray needs Ray: pip install 'ckptconv[ray]'") from None
+    return ray
+
+
+def address_of(given: str | None) -> str:
+    """The cluster `--ray` joins: ADDRESS as given, else RAY_ADDRESS, else "auto"."""
+    return given or os.environ.get("RAY_ADDRESS") or "auto"
+
+
+def _error_type(name: str):
+    """The CkptError subclass called `name` (a task's error crosses as its class name and line)."""
+    found = getattr(errors, name, None)
+    return found if isinstance(found, type) and issubclass(found, CkptError) else OutputError
+
+
+def _probe(address: str):
+    """A HOST:PORT that nothing answers at is one line within CONNECT_S (ray.init would wait minutes)."""
+    import socket
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_S).close()
+    except OSError as e:
+        raise OutputError(f"--ray {brief(address, 100)}: no Ray cluster could be joined (nothing answers there: "
+                          f"{e.strerror or e}); start one (`ray start --head`) or give its address") from None
+
+
+class RayExecutor:
+    """Tasks on a Ray cluster at `address` (see address_of); registered as "ray" in executors.py
+    (when asked for). Ray schedules by the CPUs its nodes offer: one CPU a task."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, workers: int | None = None, retries: int = MAX_RETRIES):
+        self.workers = workers
+        self.address = address_of(address)
+        self.retries = retries
+        self.notes = []
+
+    def parallel(self, tasks) -> bool:
+        return True   # (asked for: every unit goes to the cluster, even one)
+
+    def connect(self):
+        ray = import_ray()
+        if ray.is_initialized():
+            return ray
+        _probe(self.address)
+        saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            ray.init(address=self.address, logging_level=logging.ERROR, log_to_driver=False,
+                     configure_logging=True, namespace="ckptconv")
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise OutputError(f"--ray {brief(self.address, 100)}: no Ray cluster could be joined ({brief(first, 200)}); "
+                              "start one (`ray start --head`) or give its address") from None
+        finally:
+            for s, h in saved.items():   # (ckptconv's own handlers: the driver decides how a signal ends it)
+                if h is not None:
+                    signal.signal(s, h)
+        return ray
+
+    def run(self, tasks, tmp, progress=None) -> list:
+        if not tasks:
+            return []
+        ray = self.connect()
+        try:
+            return self._run(ray, tasks, os.fspath(tmp), progress)
+        finally:
+            with signals.deferred():
+                ray.shutdown()
+
+    def _run(self, ray, tasks, tmp, progress):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        here = ray.get_runtime_context().get_node_id()
+        tally = ray.remote(Tally).options(num_cpus=0, max_restarts=0, scheduling_strategy=
+                                          NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+        remote = ray.remote(_ray_task).options(num_cpus=1, max_retries=self.retries, retry_exceptions=False)
+        refs = [remote.remote(t, tmp, tally) for t in tasks]
+        index = {ref: i for i, ref in enumerate(refs)}
+        found, pending = {}, list(refs)
+        total, shown, starts, last = sum(t.size for t in tasks), 0, {}, 0.0
+
+        def look():
+            nonlocal shown, starts, last
+            last = time.monotonic()
+            try:
+                nbytes, starts = ray.get(tally.take.remote(), timeout=10)
+            except Exception:   # (the tally is only for the bar and the note: a lost one is not the run's end)
+                return
+            if progress is not None and nbytes:
+                step = min(nbytes, total - shown)
+                if step > 0:
+                    progress(step)
+                    shown += step
+
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S, fetch_local=True)
+                for ref in done:
+                    i = index[ref]
+                    found[i] = self._answer(ray, ref, tasks[i], starts)
+                if time.monotonic() - last > TALLY_S:
+                    look()
+                signals.check()
+            look()
+        except BaseException:
+            with signals.deferred():
+                self._cancel(ray, [r for r in refs if index[r] not in found])
+            raise
+        if progress is not None and shown < total:
+            progress(total - shown)
+        answers = [found[i] for i in range(len(tasks))]
+        for i, t in enumerate(tasks):
+            n = max(starts.get(i, 1), answers[i].attempts)
+            answers[i].attempts = n
+            if n > 1:
+                self.notes.append(f"{t.name}: its task ran {n} times (a worker or node was lost; Ray reran it "
+                                  "elsewhere); the output is the same")
+        for note in self.notes:
+            print(f"ckptconv: note: {note}", file=sys.stderr)
+        return answers
+
+    def map(self, fn, calls, names) -> list:
+        """`fn(*args)` for every args of `calls` as Ray tasks (a module-level `fn` that answers as
+        _ray_task does), their answers in order; the same faults as `run` (`names`: each call's,
+        for the lines). verify's shares of the checks go this way."""
+        if not calls:
+            return []
+        ray = self.connect()
+        remote = ray.remote(_call).options(num_cpus=1, max_retries=self.retries, retry_exceptions=False)
+        refs = [remote.remote(fn, args) for args in calls]
+        index = {ref: i for i, ref in enumerate(refs)}
+        found, pending = {}, list(refs)
+        named = [type("Call", (), {"name": n})() for n in names]
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+                for ref in done:
+                    i = index[ref]
+                    found[i] = self._answer(ray, ref, named[i], {}, raw=True)
+                signals.check()
+        except BaseException:
+            with signals.deferred():
+                self._cancel(ray, [r for r in refs if index[r] not in found])
+                ray.shutdown()
+            raise
+        with signals.deferred():
+            ray.shutdown()
+        return [found[i] for i in range(len(calls))]
+
+    def lanes(self) -> int:
+        """How many tasks the cluster runs at once (its CPUs)."""
+        ray = self.connect()
+        return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+    def _answer(self, ray, ref, task, starts, raw=False):
+        """A task's Answer, or its error raised (a ckptconv error as it was raised there)."""
+        try:
+            kind, *rest = ray.get(ref)
+        except ray.exceptions.TaskCancelledError:
+            raise OutputError(f"{task.name}: its task was cancelled; nothing was published") from None
+        except ray.exceptions.RayError as e:   # (its worker or node died more often than it may be rerun)
+            why = type(e).__name__
+            first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+            raise OutputError(f"{task.name}: its task was lost {self.retries + 1} times ({why}: {brief(first, 200)}); "
+                              "nothing was published") from None
+        if kind == "error":
+            name, line = rest
+            raise _error_type(name)(line)
+        return rest[0] if raw else _tasks.Answer(**rest[0])
+
+    def _cancel(self, ray, refs):
+        """Cancel every task still running (their workers killed) and wait for them to end, so that
+        none writes into the temporary output once it is removed."""
+        for ref in refs:
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:
+                pass
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=CANCEL_WAIT_S)
+        except Exception:
+            pass
+
+
+class Tally:
+    """A Ray actor on the driver's node: the bytes tasks wrote since the driver last asked, and how
+    many times each task started (a start after the first is a rerun)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.starts = {}
+
+    def started(self, index: int):
+        self.starts[index] = self.starts.get(index, 0) + 1
+
+    def add(self, n: int):
+        self.bytes += n
+
+    def take(self):
+        n, self.bytes = self.bytes, 0
+        return n, dict(self.starts)
+
+
+def _ray_task(task, tmp: str, tally):
+    """One task on a Ray worker: ("done", Answer fields) or ("error", the CkptError's class name, its
+    line). A ckptconv error is an answer, not an exception: it is the input's fault, a rerun would
+    fail alike (and Ray does not rerun what returns)."""
+    tally.started.remote(task.index)
+    pending = [0]
+
+    def update(n):
+        pending[0] += n
+        if pending[0] >= PROGRESS_BYTES:
+            tally.add.remote(pending[0])
+            pending[0] = 0
+
+    hook = os.environ.get("CKPTCONV_TEST_TASK_SLEEP")   # (tests only: a task that takes long enough to kill its node)
+    if hook:
+        time.sleep(float(hook))
+    try:
+        answer = _tasks.run_task(task, tmp, update)
+    except CkptError as e:
+        return ("error", type(e).__name__, str(e))
+    except OSError as e:
+        return ("error", "OutputError", f"{e.filename or ''}: {e.strerror or e}")
+    except Exception as e:   # (a bug: its type and line)
+        return ("error", "OutputError", f"task {task.index} failed: {type(e).__name__}: {e}")
+    if pending[0]:
+        tally.add.remote(pending[0])
+    return ("done", {"result": answer.result, "inputs": answer.inputs, "attempts": _attempt() + 1})
+
+
+def _attempt() -> int:
+    """Which run of this task this is (0: the first; Ray counts a rerun after a lost worker or node)."""
+    try:
+        import ray
+        return int(ray._private.worker.global_worker.core_worker.get_current_task_attempt_number())
+    except Exception:   # (a Ray without it: the tally's count of starts stands alone)
+        return 0
+
+
+def _call(fn, args):
+    """A call of `map` on a Ray worker, answered as _ray_task answers."""
+    try:
+        return ("done", fn(*args))
+    except CkptError as e:
+        return ("error", type(e).__name__, str(e))
+    except OSError as e:
+        return ("error", "OutputError", f"{e.filename or ''}: {e.strerror or e}")
+    except Exception as e:
+        return ("error", "OutputError", f"{type(e).__name__}: {e}")

@@ -1,0 +1,26 @@
+"""--ray's options where Ray is not installed (the main venv; the Ray executor itself is tested by
+`make test-ray`, tests/ray/): one line saying how to get it, before anything is read or written;
+--ray with --workers or --distributed is refused."""
+import importlib.util
+
+import pytest
+
+from tests.helpers import run
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="Ray is installed here")
+@pytest.mark.parametrize("args", [["convert", "SRC", "OUT", "--ray"], ["reshard", "SRC", "OUT", "--tp", "2", "--ray=h:1"],
+                                  ["verify", "SRC", "--ray"]])
+def test_ray_missing_is_one_line_before_anything_is_read(tmp_path, args):
+    args = [tmp_path / "nothing-here" if a == "SRC" else tmp_path / "out" if a == "OUT" else a for a in args]
+    r = run(*args)
+    assert r.exit_code == 2 and r.stderr == "ckptconv: error: --ray needs Ray: pip install 'ckptconv[ray]'\n", r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra, said", [(["--workers", "2"], "--workers sets this host's tasks"),
+                                         (["--distributed"], "runs in one driver now")])
+def test_ray_with_workers_or_distributed_is_refused(hf_llama, tmp_path, extra, said):
+    r = run("convert", hf_llama["dir"], tmp_path / "out", *extra, "--ray=127.0.0.1:1")
+    assert r.exit_code == 2 and said in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert not (tmp_path / "out").exists()
