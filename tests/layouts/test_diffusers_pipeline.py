@@ -66,9 +66,16 @@ def load(path, **kw):
 
 
 def images(pipe):
+    """The pipeline's images on one thread (the same float sums for both pipelines compared); torch's
+    thread count is put back after, so the logits other tests compare are computed as their
+    references were (a session fixture computed before this ran, on the default count)."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    kw = {"prompt": "a cat", "height": 16, "width": 16} if "text_encoder" in pipe.components else {}
-    return pipe(generator=torch.Generator().manual_seed(0), num_inference_steps=2, output_type="np", **kw).images
+    try:
+        kw = {"prompt": "a cat", "height": 16, "width": 16} if "text_encoder" in pipe.components else {}
+        return pipe(generator=torch.Generator().manual_seed(0), num_inference_steps=2, output_type="np", **kw).images
+    finally:
+        torch.set_num_threads(threads)
 
 
 def assert_loads_as(src, out, **kw):
