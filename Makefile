@@ -111,7 +111,7 @@ $(ORBAX_VENV)/.installed:
 test-orbax: setup $(ORBAX_VENV)/.installed
 	rm -rf $(ORBAX_FIXTURES)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(ORBAX_VENV)/bin/python -m tests.fixtures.orbax $(ORBAX_FIXTURES)
-	CKPTCONV_ORBAX_FIXTURES=$(abspath $(ORBAX_FIXTURES)) $(PY) -m pytest tests/orbax -v
+	CKPTCONV_ORBAX_FIXTURES=$(abspath $(ORBAX_FIXTURES)) $(PY) -m pytest tests/orbax tests/storage/test_bucket_orbax.py -v
 
 orbax-fixtures: $(ORBAX_VENV)/.installed
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(ORBAX_VENV)/bin/python -m tests.fixtures.orbax --committed
