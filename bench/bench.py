@@ -540,6 +540,24 @@ def bench_cold(layers):
     sys.stdout.flush()
 
 
+def _executor_jobs(src, scratch, shard: str) -> dict:
+    """The two jobs the executor benches time: convert in `shard` shards (several tasks) and reshard
+    --tp 8 (eight rank directories) of the 1B-shaped source."""
+    return {"convert": ["convert", src, scratch / "out", "--max-shard-size", shard, "--quiet"],
+            "reshard --tp 8": ["reshard", src, scratch / "out", "--tp", "8", "--heads", "16", "--kv-heads", "16",
+                               "--head-dim", "128", "--quiet"]}
+
+
+def _executor_rows(job: str, measured, n: int):
+    """One table row per executor row of `job`, its ratio to the first row (--workers 1) per round."""
+    base = measured[0][1]
+    for name, ts, rss in measured:
+        cpu = statistics.median(CPU_S[name][-len(ts):]) / (n / 1e9)
+        print(f"| {job} | {name} | {statistics.median(ts):.2f} | {paired(ts, base)} | {cpu:.2f} | {rss:.0f} |")
+        del CPU_S[name]
+    sys.stdout.flush()
+
+
 def bench_workers(layers):
     """The local executor (--workers N tasks in flight: worker processes; the threads variant beside
     it, CKPTCONV_LOCAL_WORKERS=thread) against --workers 1, for convert (500 MB shards) and reshard
@@ -551,9 +569,7 @@ def bench_workers(layers):
     n = src.stat().st_size
     cli = [PY, "-m", "ckptconv.cli"]
     threads = ["env", "CKPTCONV_LOCAL_WORKERS=thread"]
-    jobs = {"convert": ["convert", src, scratch / "out", "--max-shard-size", "500MB", "--quiet"],
-            "reshard --tp 8": ["reshard", src, scratch / "out", "--tp", "8", "--heads", "16", "--kv-heads", "16",
-                               "--head-dim", "128", "--quiet"]}
+    jobs = _executor_jobs(src, scratch, "500MB")
     cores = len(os.sched_getaffinity(0))
     counts = sorted({1, 2, cores})
     print(f"\nworkers on this {cores}-core machine, {n / 1e9:.3f} GB .pt, warm cache, {REPEAT} rounds")
@@ -562,13 +578,7 @@ def bench_workers(layers):
         rows = [(f"{w} (processes)", [*cli, *map(str, args), "--workers", str(w)], scratch / "out") for w in counts]
         rows += [(f"{w} (threads)", [*threads, *cli, *map(str, args), "--workers", str(w)], scratch / "out")
                  for w in counts if w > 1]
-        measured = measure_all(rows)
-        base = measured[0][1]
-        for name, ts, rss in measured:
-            cpu = statistics.median(CPU_S[name][-len(ts):]) / (n / 1e9)
-            print(f"| {job} | {name} | {statistics.median(ts):.2f} | {paired(ts, base)} | {cpu:.2f} | {rss:.0f} |")
-            del CPU_S[name]
-        sys.stdout.flush()
+        _executor_rows(job, measure_all(rows), n)
 
 
 def bench_ray(layers):
@@ -594,9 +604,7 @@ def bench_ray(layers):
     up = time.perf_counter() - started
     try:
         cli = [PY, "-m", "ckptconv.cli"]
-        jobs = {"convert": ["convert", src, scratch / "out", "--max-shard-size", "200MB", "--quiet"],
-                "reshard --tp 8": ["reshard", src, scratch / "out", "--tp", "8", "--heads", "16", "--kv-heads", "16",
-                                   "--head-dim", "128", "--quiet"]}
+        jobs = _executor_jobs(src, scratch, "200MB")
         print(f"\nray: a 2-node local cluster (1 CPU a node; started in {up:.1f} s, not timed) against the local "
               f"executor, {n / 1e9:.3f} GB .pt, warm cache, {REPEAT} rounds")
         print("| job | executor | median wall s | x --workers 1 | driver CPU s / GB | driver peak RSS MiB |\n"
@@ -605,13 +613,7 @@ def bench_ray(layers):
             rows = [("--workers 1", [*cli, *map(str, args), "--workers", "1"], scratch / "out"),
                     ("--workers 2", [*cli, *map(str, args), "--workers", "2"], scratch / "out"),
                     ("--ray (2 nodes)", [*cli, *map(str, args), f"--ray={cluster.address}"], scratch / "out")]
-            measured = measure_all(rows)
-            base = measured[0][1]
-            for name, ts, rss in measured:
-                cpu = statistics.median(CPU_S[name][-len(ts):]) / (n / 1e9)
-                print(f"| {job} | {name} | {statistics.median(ts):.2f} | {paired(ts, base)} | {cpu:.2f} | {rss:.0f} |")
-                del CPU_S[name]
-            sys.stdout.flush()
+            _executor_rows(job, measure_all(rows), n)
     finally:
         cluster.shutdown()
 

@@ -12,7 +12,7 @@ unwrapped. Only names are looked at here; the reader reads what is kept (readers
 """
 from dataclasses import dataclass
 
-from ..errors import UsageError, printable
+from ..errors import printable
 from . import wrappers
 from .wrappers import EMA, MODEL, OTHER, TOP, Entry, Survey, Unwrapped
 

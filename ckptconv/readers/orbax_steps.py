@@ -5,8 +5,7 @@ naming the arrays. Registers nothing: orbax.py is the reader.
 """
 import re
 
-from .. import safejson
-from ..errors import BadInput, UsageError
+from ..errors import BadInput, UsageError, brief
 from ..limits import MAX_DEPTH
 from ..storage import files as storage
 
@@ -216,7 +215,7 @@ def tree(item) -> tuple:
             if isinstance(key, int) and not isinstance(key, bool):
                 key = str(key)
             if not isinstance(key, str) or not key or "/" in key or "\\" in key or "\0" in key:
-                raise BadInput(f"{path}: a tree key {safejson_brief(key)} is not a name ckptconv accepts "
+                raise BadInput(f"{path}: a tree key {brief(key, 60)} is not a name ckptconv accepts "
                                "(text without '/', '\\' or NUL)")
             parts.append(key)
         leaf = Leaf(tuple(parts), value.get("value_type"), value.get("skip_deserialize") is True)
@@ -241,10 +240,3 @@ def strings(item) -> dict:
     if not isinstance(doc, dict):
         raise BadInput(f"{path}: not a JSON object of string leaves")
     return doc
-
-
-def safejson_brief(value) -> str:
-    return repr(value)[:60] if isinstance(value, str) else f"a {type(value).__name__}"
-
-
-_ = safejson   # (JSON read through storage.load_json, which bounds depth and size with it)

@@ -5,19 +5,11 @@ import os
 
 import pytest
 
-from tests.helpers import DATA, run
-from tests.storage.test_bucket_sources import same_tree, upload
+from tests.helpers import DATA
+from tests.storage.test_bucket_sources import same_tree
+from tests.storage.test_bucket_training_formats import both
 
 FIXTURES = DATA / "orbax"
-
-
-def both(s3, local, tmp_path, command, *args):
-    url = upload(s3, local, f"runs/{local.name}")
-    r = run(command, url, tmp_path / "remote", "--quiet", "--endpoint-url", s3.endpoint, *args)
-    assert r.exit_code == 0, r.stderr
-    r = run(command, local, tmp_path / "local", "--quiet", *args)
-    assert r.exit_code == 0, r.stderr
-    return tmp_path / "remote", tmp_path / "local"
 
 
 # every committed layout under `make test-orbax`; the OCDBT and the per-array zarr manager in `make test`
