@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .jobs import convert as _convert, reshard as _reshard, verify as _verify
 from . import requests
+from .run import executors as _executors
 from .layouts import targets
 from .errors import BadInput, UsageError, brief, printable
 from .readers import Source, open_source
@@ -54,11 +55,13 @@ def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", 
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name=None, overwrite=False,
             resume=False, fsync=False, buffered_io=False, copy_extras=True, with_files=(), workers=None,
             reader_options=None, max_extra_size="256MB", one_shard=False, max_extras="1MB",
-            progress=None) -> _convert.ConvertResult:
+            progress=None, ray=None) -> _convert.ConvertResult:
     """`ckptconv convert SRC OUT` (docs/convert.md): OUT ending in .safetensors is one file, anything
     else a sharded directory. `reader_options` are the options a reader declares ({"dequantize":
     "bf16"} for Grok-1 directories); `progress(total_bytes)` may return a context manager yielding
-    an update(nbytes) callable. Raises CkptError (BadInput, UsageError, OutputError)."""
+    an update(nbytes) callable. `workers`: tasks in flight on this host (--workers); `ray`: the tasks
+    on a Ray cluster instead (--ray: an address, or True for RAY_ADDRESS, else auto). Raises
+    CkptError (BadInput, UsageError, OutputError)."""
     options = _convert.ConvertOptions(requests.optional_text(strip_prefix, "strip_prefix"),
                                       requests.choice(dtype, requests.DTYPES, "dtype"),
                                       requests.flag(copy_extras, "copy_extras"), requests.paths(with_files, "with_files"))
@@ -68,7 +71,7 @@ def convert(src, out, *, format=None, only=(), strip_prefix=None, dtype="keep", 
                             requests.write_options(max_shard_size=max_shard_size, name=name, overwrite=overwrite,
                                                    fsync=fsync, buffered_io=buffered_io, resume=resume,
                                                    max_extras=max_extras),
-                            progress=_progress(progress))
+                            progress=_progress(progress), executor=_executors.chosen(ray, workers))
 
 
 @_ours
@@ -77,9 +80,10 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
             allow_globals=(), skip_unsupported=False, max_shard_size="5GB", name=None, overwrite=False,
             fsync=False, buffered_io=False, workers=None, reader_options=None, max_extra_size="256MB", progress=None,
             target="mesh",
-            dtype="keep", allow_replicate=(), with_files=(), one_shard=False, max_extras="1MB") -> _reshard.ReshardResult:
+            dtype="keep", allow_replicate=(), with_files=(), one_shard=False, max_extras="1MB",
+            ray=None) -> _reshard.ReshardResult:
     """`ckptconv reshard SRC OUT --tp N` (docs/reshard.md); with `dry_run`, the plan only (OUT may
-    be None). `target="vllm"`: vLLM's pre-sharded layout as well."""
+    be None). `target="vllm"`: vLLM's pre-sharded layout as well. `workers`, `ray` as for convert."""
     mesh = requests.mesh(tp=tp, ep=ep, preset=preset, rules=rules, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                          pad_vocab=pad_vocab, allow_replicate=allow_replicate)
     return _reshard.reshard(_source(src, format, only, allow_globals, state_dict, skip_unsupported, workers,
@@ -91,25 +95,28 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
                                                     requests.paths(with_files, "with_files")),
                             requests.write_options(max_shard_size=max_shard_size, name=name, overwrite=overwrite,
                                                    fsync=fsync, buffered_io=buffered_io, max_extras=max_extras),
-                            requests.flag(dry_run, "dry_run"), progress=_progress(progress))
+                            requests.flag(dry_run, "dry_run"), progress=_progress(progress),
+                            executor=_executors.chosen(ray, workers))
 
 
 @_ours
 def verify(path, against=None, *, device=None, allow_fewer_devices=False, format=None, allow_globals=(),
            state_dict="auto", workers=None, reader_options=None, max_extra_size="256MB", progress=None,
-           expect=None) -> _verify.Report:
+           expect=None, ray=None) -> _verify.Report:
     """`ckptconv verify PATH [--against SRC] [--device ...]` (docs/verify.md). The report lists every
     problem (`report.problems`: `Problem`s with a kind, file, tensor and detail; `str()` of one is the
     line the command prints); `report.ok` is True when there is none.
     `progress(nbytes)` is called as bytes are hashed. `expect`: the output's identity as convert or
-    reshard printed it (`sha256:…`): the output must be exactly that one."""
+    reshard printed it (`sha256:…`): the output must be exactly that one. `workers`: shares of the
+    checks in flight on this host (and --against's parse threads); `ray`: the shares on a Ray
+    cluster instead, as for convert."""
     read = _source(path, format, (), allow_globals, state_dict, False, workers, reader_options, max_extra_size).options
     if device is not None:
         requests.choice(device, requests.DEVICES, "device")
     return _verify.verify(_verify.VerifyRequest(
         requests.path(path, "path"), None if against is None else requests.path(against, "against"), read, format,
         device, requests.flag(allow_fewer_devices, "allow_fewer_devices"), expected_identity(expect)),
-        _progress(progress))
+        _progress(progress), executor=_executors.chosen(ray, workers))
 
 
 def expected_identity(value) -> str | None:

@@ -150,11 +150,12 @@ def read_options(fn=None, *, leave_out=()):
             help="Largest model file (config, tokenizer, README ...) carried into OUT; larger ones are skipped "
             "and listed.")),
         ("workers", click.option("--workers", type=click.IntRange(1, requests.MAX_WORKERS), default=None,
-                                 help="convert, reshard: tasks in flight on this host, each an output file (a rank "
-                                 "directory for reshard) written by a worker process with its own digests; 1 "
-                                 "writes one file at a time.  [default: half the cores this process may use, for "
-                                 "an output of 256 MB or more; else 1]  Other commands: source files parsed at once "
-                                 "(plan: the workers a run would use, default 1).")),
+                                 help="convert, reshard, verify: tasks in flight on this host, each in a worker process "
+                                 "of its own: an output file (a rank directory for reshard) written with its own "
+                                 "digests, or a share of verify's checks; 1 does one at a time.  [default: half the "
+                                 "cores this process may use, for an output of 256 MB or more; else 1]  Other "
+                                 "commands: source files parsed at once (plan: the workers a run would use, "
+                                 "default 1).")),
         ("state_dict", click.option(
             "--state-dict", default="auto", show_default=True, metavar="auto|KEY|none",
             help="Training checkpoints: auto writes the model's tensors under their bare names when it finds "
@@ -258,16 +259,9 @@ def executor_options(fn):
                   "--ray=ADDRESS. Needs pip install 'ckptconv[ray]'. See docs/distributed.md.")
     @functools.wraps(fn)
     def wrapper(*args, ray_address, **kw):
-        kw["executor"] = None
-        if ray_address is not None:
-            from .run import executors
-            if kw.get("read") is not None and kw["read"].workers is not None:
-                raise UsageError("--workers sets this host's tasks in flight; with --ray the cluster's CPUs do "
-                                 "(one a task): give one of them")
-            import importlib.util
-            if importlib.util.find_spec("ray") is None:   # (before anything is read: Ray itself is imported when it runs)
-                raise UsageError("--ray needs Ray: pip install 'ckptconv[ray]'")
-            kw["executor"] = executors.make("ray", address=ray_address or None)
+        from .run import executors
+        read = kw.get("read")
+        kw["executor"] = executors.chosen(ray_address, read.workers if read is not None else None)
         return fn(*args, **kw)
 
     return wrapper

@@ -46,6 +46,24 @@ def make(name: str = "local", **options):
     return EXECUTORS[name](**options)
 
 
+def chosen(ray, workers: int | None):
+    """The executor a command asked for: None (the local one, made by the job from `workers`) without
+    `ray`; else the Ray executor at `ray` (an address; "" or True: RAY_ADDRESS, else auto). Both at
+    once is refused (--workers sets this host's tasks, the cluster's CPUs set Ray's), and so is
+    --ray without Ray installed, before anything is read."""
+    if ray is None or ray is False:
+        return None
+    if workers is not None:
+        raise UsageError("--workers sets this host's tasks in flight; with --ray the cluster's CPUs do "
+                         "(one a task): give one of them")
+    if ray is not True and not isinstance(ray, str):
+        raise UsageError(f"ray: expected an address, True or None, not {type(ray).__name__}")
+    import importlib.util
+    if importlib.util.find_spec("ray") is None:   # (Ray itself is imported when it runs)
+        raise UsageError("--ray needs Ray: pip install 'ckptconv[ray]'")
+    return make("ray", address=None if ray is True else (ray or None))
+
+
 CORES_PER_TASK = 2   # a task's writer and its two SHA-256 streams keep about 1.6 cores busy (benchmarks.md)
 
 
@@ -74,7 +92,11 @@ class Executor:
 
     def parallel(self, tasks) -> bool:
         """Whether it would run `tasks` anywhere but in this process one after another."""
-        return self.workers > 1 and len(tasks) > 1 and (not self.auto or sum(t.size for t in tasks) >= AUTO_MIN_BYTES)
+        return self.side_by_side(len(tasks), sum(t.size for t in tasks))
+
+    def side_by_side(self, count: int, nbytes: int) -> bool:
+        """Whether `count` pieces of work of `nbytes` in all would run side by side."""
+        return self.workers > 1 and count > 1 and (not self.auto or nbytes >= AUTO_MIN_BYTES)
 
     def run(self, tasks, tmp, progress=None) -> list:
         raise NotImplementedError
@@ -107,11 +129,27 @@ class LocalExecutor(Executor):
             return []
         if not self.parallel(tasks):   # one at a time, in this process: as a run always was
             return [_tasks.run_task(t, tmp, progress) for t in tasks]
-        if self.kind == "thread":
-            return self._threads(tasks, tmp, progress)
-        return self._processes(tasks, tmp, progress)
+        found = self._pool([("task", t, os.fspath(tmp)) for t in tasks], progress)
+        return [_tasks.Answer(**a) for a in found]
 
-    def _threads(self, tasks, tmp, progress):
+    def lanes(self) -> int:
+        """How many tasks it runs at once."""
+        return self.workers
+
+    def map(self, fn, calls, names=None, progress=None) -> list:
+        """`fn(*args, progress=update)` for every args of `calls` (`fn` module-level, its answer plain
+        data), in the worker processes, answers in order; the same faults as `run`. `update(nbytes)`
+        feeds the driver's bar. verify's shares of the checks go this way."""
+        if not calls:
+            return []
+        if self.workers <= 1 or len(calls) <= 1:
+            return [fn(*args, progress=progress) for args in calls]
+        return self._pool([("call", fn, tuple(args)) for args in calls], progress)
+
+    def _pool(self, items, progress) -> list:
+        return (self._threads if self.kind == "thread" else self._processes)(items, progress)
+
+    def _threads(self, items, progress):
         from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
         import threading
         lock = threading.Lock()
@@ -121,9 +159,9 @@ class LocalExecutor(Executor):
                 with lock:
                     progress(n)
 
-        pool = ThreadPoolExecutor(min(self.workers, len(tasks)))
+        pool = ThreadPoolExecutor(min(self.workers, len(items)))
         try:
-            futures = [pool.submit(_tasks.run_task, t, tmp, update) for t in tasks]
+            futures = [pool.submit(_perform, item, update) for item in items]
             pending = set(futures)
             while pending:
                 done, pending = wait(pending, POLL_S, FIRST_EXCEPTION)
@@ -134,13 +172,13 @@ class LocalExecutor(Executor):
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _processes(self, tasks, tmp, progress):
+    def _processes(self, items, progress):
         import multiprocessing
         ctx = multiprocessing.get_context("spawn")
         todo, answers = ctx.Queue(), ctx.Queue()
-        for t in tasks:
-            todo.put((t.index, t, os.fspath(tmp)))
-        n = min(self.workers, len(tasks))
+        for i, item in enumerate(items):
+            todo.put((i, item))
+        n = min(self.workers, len(items))
         for _ in range(n):
             todo.put(None)
         workers = []
@@ -151,7 +189,7 @@ class LocalExecutor(Executor):
                     p = ctx.Process(target=_worker, args=(todo, answers, os.getpid()), daemon=True)
                     p.start()
                     workers.append(p)
-            while len(found) < len(tasks):
+            while len(found) < len(items):
                 try:
                     message = answers.get(timeout=POLL_S)
                 except queue.Empty:
@@ -166,12 +204,12 @@ class LocalExecutor(Executor):
                     if progress is not None:
                         progress(message[1])
                 elif kind == "done":
-                    found[message[1]] = _tasks.Answer(**message[2])
+                    found[message[1]] = message[2]
                 else:   # ("error", index, type name, line)
                     _, index, name, line = message
                     raise _error_type(name)(line)
                 signals.check()
-            return [found[t.index] for t in tasks]
+            return [found[i] for i in range(len(items))]
         finally:
             with signals.deferred():
                 for p in workers:
@@ -182,6 +220,17 @@ class LocalExecutor(Executor):
                 for q in (todo, answers):
                     q.cancel_join_thread()
                     q.close()
+
+
+def _perform(item, update):
+    """One item of a pool, in plain data: ("task", Task, tmp) -> the Answer's fields; ("call", fn, args)
+    -> fn(*args, progress=update)."""
+    if item[0] == "task":
+        _, task, tmp = item
+        answer = _tasks.run_task(task, tmp, update)
+        return {"result": answer.result, "inputs": answer.inputs}
+    _, fn, args = item
+    return fn(*args, progress=update)
 
 
 def _how(code) -> str:
@@ -236,8 +285,9 @@ def _die_with(parent: int):
 
 
 def _worker(todo, answers, parent: int):
-    """A worker process: tasks from `todo` until None, each answered on `answers`: ("done", index,
-    Answer fields), ("error", index, the CkptError's class name, its line); its bytes as ("bytes", n)."""
+    """A worker process: items from `todo` until None (a task, or a call of `map`: _perform), each
+    answered on `answers`: ("done", index, plain data), ("error", index, the CkptError's class name,
+    its line); its bytes as ("bytes", n)."""
     _die_with(parent)
     pending = [0]
 
@@ -251,13 +301,13 @@ def _worker(todo, answers, parent: int):
         item = todo.get()
         if item is None:
             break
-        index, task, tmp = item
+        index, what = item
         try:
-            answer = _tasks.run_task(task, tmp, update)
+            value = _perform(what, update)
             if pending[0]:
                 answers.put(("bytes", pending[0]))
                 pending[0] = 0
-            answers.put(("done", index, {"result": answer.result, "inputs": answer.inputs}))
+            answers.put(("done", index, value))
         except CkptError as e:
             answers.put(("error", index, type(e).__name__, str(e)))
             break

@@ -87,6 +87,9 @@ class RayExecutor:
     def parallel(self, tasks) -> bool:
         return True   # (asked for: every unit goes to the cluster, even one)
 
+    def side_by_side(self, count: int, nbytes: int) -> bool:
+        return True
+
     def connect(self):
         ray = import_ray()
         if ray.is_initialized():
@@ -167,10 +170,11 @@ class RayExecutor:
             print(f"ckptconv: note: {note}", file=sys.stderr)
         return answers
 
-    def map(self, fn, calls, names) -> list:
+    def map(self, fn, calls, names, progress=None) -> list:
         """`fn(*args)` for every args of `calls` as Ray tasks (a module-level `fn` that answers as
         _ray_task does), their answers in order; the same faults as `run` (`names`: each call's,
-        for the lines). verify's shares of the checks go this way."""
+        for the lines). verify's shares of the checks go this way. A call cannot feed the driver's
+        bar as it runs: an answer's "bytes" (a dict's) are counted when it arrives."""
         if not calls:
             return []
         ray = self.connect()
@@ -185,6 +189,8 @@ class RayExecutor:
                 for ref in done:
                     i = index[ref]
                     found[i] = self._answer(ray, ref, named[i], {}, raw=True)
+                    if progress is not None and isinstance(found[i], dict) and found[i].get("bytes"):
+                        progress(found[i]["bytes"])
                 signals.check()
         except BaseException:
             with signals.deferred():

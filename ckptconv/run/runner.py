@@ -48,8 +48,8 @@ def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, 
     if remote and is_url(os.fspath(out)):
         raise UsageError(f"{redact(os.fspath(out))}: an object-store OUT is written by one process; --{executor.name} "
                          "writes OUT on a file system every node sees (SRC may be in a bucket)")
-    if job is not None and executor is not None and (not options.resume or remote) \
-            and not is_url(os.fspath(out)) and executor.parallel(_tasks.tasks_of(job, units)):
+    if job is not None and executor is not None and not is_url(os.fspath(out)) \
+            and executor.parallel(_tasks.tasks_of(job, units)):
         return run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, progress, job, executor)
     facts = RunFacts()
 
@@ -77,9 +77,11 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
     (`writer.finish`) and publishes. A failing task stops the run (its error, as raised there); a
     signal ends the workers and removes the temporary output (io/output.atomic_output).
 
-    With --resume (the Ray executor), every finished task's answer is kept in the temporary output
-    (tasks.DONE) and a rerun of the same job takes those whose files are still as the task left them
-    (tasks.finished): only the other tasks run again."""
+    With --resume, every finished task's answer is kept in the temporary output (tasks.DONE) and a
+    rerun of the same job takes those whose files are still as the task left them (tasks.finished):
+    only the other tasks run again, and nothing else a killed run left there stays (a file of another
+    plan, a half-written one). (A run of one task at a time keeps its own journal instead:
+    layouts/sharded/resume.py; each kind starts afresh from what the other left.)"""
     planned = _tasks.identity(inputs)
     todo = _tasks.tasks_of(job, units)
     key = run_key(writer, tensors, units, planned) if options.resume else None
@@ -88,6 +90,8 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
     def publish(tmp):
         nonlocal facts
         kept = _tasks.finished(tmp, todo, key) if key else {}
+        if key:
+            _tasks.keep_only(tmp, [t for t in todo if t.index in kept])
         left = [t for t in todo if t.index not in kept]
         check_space(tmp, sum(t.size for t in left))   # (each task checks only its own unit's room)
         with (progress or _no_progress)(sum(t.size for t in left)) as update:
@@ -100,6 +104,8 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
         if kept:
             facts.resumed_bytes = sum(t.size for t in todo if t.index in kept)
             facts.resume_note = facts.resume_note or f"{len(kept)} of {len(todo)} task(s) finished by the interrupted run were kept"
+        elif key:
+            facts.resume_note = facts.resume_note or "no task an interrupted run of this job finished was left; started afresh"
 
     with atomic_output(out, options.overwrite, options.resume, inputs, writer.single_file, not_ours) as tmp:
         publish(tmp)

@@ -187,6 +187,19 @@ def finished(tmp, tasks, key: str) -> dict:
     return kept
 
 
+def keep_only(tmp, kept):
+    """Remove from `tmp` what a killed run left there but the files of the `kept` tasks (and their
+    records): a file of another plan or of a task that is redone must not be published."""
+    import shutil
+    names = {name for t in kept for name, _ in t.units} | {DONE}
+    for entry in os.scandir(os.fspath(tmp)):
+        if entry.name not in names:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+
+
 def forget_done(tmp):
     """Remove the kept answers: they are no part of the output."""
     import shutil

@@ -24,3 +24,19 @@ def test_ray_with_workers_or_distributed_is_refused(hf_llama, tmp_path, extra, s
     r = run("convert", hf_llama["dir"], tmp_path / "out", *extra, "--ray=127.0.0.1:1")
     assert r.exit_code == 2 and said in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_api_takes_ray_as_the_command_line_does(hf_llama, tmp_path):
+    from ckptconv import api
+    from ckptconv.errors import UsageError
+    with pytest.raises(UsageError, match="--workers sets this host's tasks"):
+        api.convert(hf_llama["dir"], tmp_path / "out", ray=True, workers=2)
+    with pytest.raises(UsageError, match="ray: expected an address, True or None, not int"):
+        api.verify(tmp_path, ray=3)
+    if importlib.util.find_spec("ray") is None:
+        for call in (lambda: api.convert(hf_llama["dir"], tmp_path / "out", ray="127.0.0.1:1"),
+                     lambda: api.reshard(hf_llama["dir"], tmp_path / "out", 2, ray=True),
+                     lambda: api.verify(tmp_path, ray=True)):
+            with pytest.raises(UsageError, match=r"--ray needs Ray: pip install 'ckptconv\[ray\]'"):
+                call()
+    assert not (tmp_path / "out").exists()

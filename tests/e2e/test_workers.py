@@ -178,3 +178,83 @@ def test_a_script_using_the_api_without_a_main_guard_runs_once(hf_llama, tmp_pat
     assert r.stdout.count("top level ran") == 1
     assert run("convert", hf_llama["dir"], tmp_path / "one", *SHARDS, "--workers", 1).exit_code == 0
     same_tree(tmp_path / "out", tmp_path / "one")
+
+
+# -- verify's shares, and --resume, on the local executor --
+
+def whose(i, progress=None):
+    """A call of `map`: which process ran it."""
+    if progress is not None:
+        progress(10)
+    return {"i": i, "pid": os.getpid()}
+
+
+def bad_first(i, progress=None):
+    """A call of `map`: the first fails with bad input, every other waits for good."""
+    if i == 0:
+        raise BadInput("planted: share 0's input is bad")
+    time.sleep(3600)
+
+
+def test_map_runs_calls_in_worker_processes_in_order_and_feeds_one_bar():
+    counted = []
+    found = executors.make("local", workers=2).map(whose, [(i,) for i in range(5)], progress=counted.append)
+    assert [f["i"] for f in found] == list(range(5))
+    assert os.getpid() not in {f["pid"] for f in found} and sum(counted) == 50
+    one = executors.make("local", workers=1).map(whose, [(i,) for i in range(3)])
+    assert {f["pid"] for f in one} == {os.getpid()}   # (one at a time: in this process, as before)
+
+
+def test_a_share_with_bad_input_stops_the_map_at_once():
+    started = time.monotonic()
+    with pytest.raises(BadInput, match="planted: share 0"):
+        executors.make("local", workers=2).map(bad_first, [(i,) for i in range(3)])
+    assert time.monotonic() - started < 600   # (the sleeping shares were ended, not waited for)
+
+
+def test_verify_against_the_source_with_two_workers_finds_what_one_does(hf_llama, tmp_path):
+    out = tmp_path / "out"
+    assert run("convert", hf_llama["dir"], out, *SHARDS).exit_code == 0
+    runs = [run("verify", out, "--against", hf_llama["dir"], "--workers", w, "--json") for w in (1, 2)]
+    assert runs[0].exit_code == runs[1].exit_code == 0, runs[1].stderr
+    assert runs[0].stdout == runs[1].stdout and '"tensor_count": 21' in runs[0].stdout
+    # a tensor of the source changed (a copy of the output as the source): both say so, alike
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in out.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    weights = sorted(other.glob("*.safetensors"))[1]
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x40
+    weights.write_bytes(bytes(data))
+    runs = [run("verify", out, "--against", other, "--workers", w) for w in (1, 2)]
+    assert runs[0].exit_code == runs[1].exit_code == 1 and runs[0].stdout == runs[1].stdout
+    assert "differs" in runs[0].stdout
+
+
+def test_resume_with_two_workers_keeps_the_finished_tasks(big_pt, tmp_path):
+    import json
+    out, tmp = tmp_path / "out", tmp_path / ".out.ckptconv-tmp"
+    args = [sys.executable, "-m", "ckptconv.cli", "convert", str(big_pt), str(out), "--max-shard-size", "8MiB",
+            "--workers", "2", "--resume"]
+    p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and p.poll() is None and len(list((tmp / tasks.DONE).glob("*.json"))) < 2:
+        time.sleep(0.005)
+    workers = _children(p.pid)
+    p.kill()   # (as a lost host or the OOM killer would: the temporary output stays)
+    p.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while [w for w in workers if Path(f"/proc/{w}").exists()] and time.monotonic() < deadline:
+        time.sleep(0.05)   # (the workers end with their driver)
+    assert not out.exists() and tmp.is_dir()
+    (tmp / "model-00001-of-00099.safetensors").write_bytes(b"a file of another plan")
+    r = run("convert", big_pt, out, "--max-shard-size", "8MiB", "--workers", "2", "--resume", "--json")
+    assert r.exit_code == 0, r.stderr
+    summary = json.loads(r.stdout)
+    kept = int(summary["resume_note"].split(" of ")[0])
+    assert kept >= 2 and summary["resume_note"].endswith("task(s) finished by the interrupted run were kept")
+    assert summary["resumed_bytes"] > 0
+    assert run("convert", big_pt, tmp_path / "one", "--max-shard-size", "8MiB", "--workers", "1").exit_code == 0
+    same_tree(out, tmp_path / "one")
+    assert run("verify", out).exit_code == 0

@@ -118,6 +118,17 @@ def test_convert_reshard_verify_through_ray_are_byte_identical(cluster, llama, t
     assert f"{shards[1]}: sha256 differs" in there.stdout
 
 
+def test_the_api_runs_through_ray_as_the_command_does(cluster, llama, tmp_path):
+    script = ("import sys\nfrom ckptconv import api\n"
+              "api.convert(sys.argv[1], sys.argv[2], max_shard_size='60KB', ray=sys.argv[3])\n"
+              "assert api.verify(sys.argv[2], against=sys.argv[1], ray=sys.argv[3]).ok\n")
+    r = subprocess.run([sys.executable, "-c", script, str(llama["dir"]), str(tmp_path / "api"), cluster.address],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert cli("convert", llama["dir"], tmp_path / "one", "--max-shard-size", "60KB", "--workers", "1").returncode == 0
+    same_tree(tmp_path / "one", tmp_path / "api")
+
+
 def test_a_node_killed_mid_run_its_tasks_rerun_elsewhere(cluster, big, tmp_path):
     node = cluster.add_node(num_cpus=1)   # (a third node, killed: the cluster keeps its two)
     cluster.wait_for_nodes()

@@ -4,6 +4,7 @@ check, --against, --device — on this process, or shared out as tasks of an exe
 task checks a share of the units the layout names, run/share.Share, and the driver merges), or
 with --device across the processes of a --distributed job (each places its ranks; process 0 gathers
 the device findings through JAX's runtime); and the bytes an output holds, for the progress bar."""
+import dataclasses
 import functools
 import hashlib
 import os
@@ -36,6 +37,9 @@ def verify(request: "VerifyRequest", progress=None, cluster=None, executor=None)
     if cluster is not None and request.device is None:
         raise UsageError("--distributed is for verify --device across hosts (JAX's runtime places each rank on its "
                          "host); the file checks run with --workers on this host or --ray on a cluster")
+    if executor is None and cluster is None:
+        from ...run import executors
+        executor = executors.make("local", workers=request.read.workers if request.read is not None else None)
     report = _verify(request, progress, cluster) if executor is None else _verify_tasks(request, progress, executor)
     if request.expect is not None and (cluster is None or cluster.is_main):
         _check_expected(request, report)
@@ -106,7 +110,6 @@ def _verify(request: VerifyRequest, progress, cluster) -> Report:
     path = storage.place(request.path)
     layout = detected(path)
     report = Report()
-    main = cluster is None or cluster.is_main
 
     def check():
         layout.check(path, report, progress, None)
@@ -118,18 +121,7 @@ def _verify(request: VerifyRequest, progress, cluster) -> Report:
                 lambda kind, key: True)
 
     def device():
-        if report.foreign and main:
-            report.notes.append(f"{path}: --device compares what reaches the device with the recorded digests; "
-                                "there are none here, so nothing was placed")
-        elif layout.parts(path) is not None:
-            raise UsageError(f"{path}: --device places the tensors of one output; give one of its folders "
-                             f"({', '.join(str(path / p.name) for p in layout.parts(path) if p.layout)})")
-        elif not report.foreign:
-            whole = cluster is not None and layout.check_units(path) is None   # (one file: process 0 places it)
-            if main or not whole:
-                from .device import device_check
-                report.device = device_check(path, request.device, request.allow_fewer, report,
-                                             None if whole else cluster)
+        _device_stage(path, layout, request, report, cluster)
 
     run_stages([("structure", check), ("against", against if request.against is not None else None),
                 ("device", device if request.device is not None else None)],
@@ -137,46 +129,71 @@ def _verify(request: VerifyRequest, progress, cluster) -> Report:
     return report
 
 
+def _device_stage(path, layout, request: VerifyRequest, report: Report, cluster=None):
+    """--device: the output's tensors placed on the devices and compared with the recorded digests
+    (jobs/verify/device.py); under --distributed each process places its share of the ranks."""
+    main = cluster is None or cluster.is_main
+    if report.foreign and main:
+        report.notes.append(f"{path}: --device compares what reaches the device with the recorded digests; "
+                            "there are none here, so nothing was placed")
+    elif layout.parts(path) is not None:
+        raise UsageError(f"{path}: --device places the tensors of one output; give one of its folders "
+                         f"({', '.join(str(path / p.name) for p in layout.parts(path) if p.layout)})")
+    elif not report.foreign:
+        whole = cluster is not None and layout.check_units(path) is None   # (one file: process 0 places it)
+        if main or not whole:
+            from .device import device_check
+            report.device = device_check(path, request.device, request.allow_fewer, report,
+                                         None if whole else cluster)
+
+
 def _verify_tasks(request: VerifyRequest, progress, executor) -> Report:
-    """verify's checks as tasks of `executor` (--ray): the units the layout names are split into as
-    many shares as the cluster runs at once, each share's stage a task (share_task); the driver
-    merges each stage's findings in share order (share 0 also checks what no unit names) and runs
-    the next stage only if nothing was found. The device stage is not for tasks: --device places on
-    this host (under --distributed: JAX's launcher)."""
-    if request.device is not None:
+    """verify's file checks as tasks of `executor` (--workers N on this host, --ray on a cluster): the
+    units the layout names are split into as many shares as the executor runs at once, each share's
+    stage a task (share_task); the driver merges each stage's findings in share order (share 0 also
+    checks what no unit names) and runs the next stage only if nothing was found. The device stage
+    is not for tasks: --device places on this host, after the file checks (--ray refuses it; across
+    hosts it runs under --distributed with JAX's launcher). Work that would not run side by side (one
+    worker, one unit, a small output without --workers) runs in this process as it always did."""
+    remote = executor.name != "local"
+    if request.device is not None and remote:
         raise UsageError("--device loads onto this host's devices (or, across hosts, under --distributed with JAX's "
                          "launcher); --ray checks files only: give one of them")
     path = storage.place(request.path)
     layout = detected(path)
     units = layout.check_units(path)
-    if units is None:   # (one file, an output ckptconv did not write: checked whole, here)
-        return _verify(request, progress, None)
-    n = max(1, min(executor.lanes(), max((len(rows) for rows in units.values()), default=1)))
+    rows = max((len(r) for r in units.values()), default=0) if units is not None else 0
+    if units is None or not executor.side_by_side(rows, total_bytes(path) if not remote else 0):
+        return _verify(request, progress, None)   # (one file, an output ckptconv did not write, or too little to share)
+    n = max(1, min(executor.lanes(), rows))
+    if request.read is not None:   # (a task parses --against's files with one thread: the tasks are in flight side by side)
+        request = dataclasses.replace(request, read=dataclasses.replace(request.read, workers=1))
     report = Report()
     for stage in ("structure", "against") if request.against is not None else ("structure",):
         if report.problems:
             break
         found = executor.map(share_task, [(request, stage, i, n, units) for i in range(n)],
-                             [f"{path} ({stage}, share {i + 1} of {n})" for i in range(n)])
+                             [f"{path} ({stage}, share {i + 1} of {n})" for i in range(n)], progress)
         for f in found:
             report.problems += [Problem(**p) for p in f["problems"]]
             report.files, report.tensors, report.bytes = (report.files + f["files"], report.tensors + f["tensors"],
                                                           report.bytes + f["bytes"])
             report.notes += [n_ for n_ in f["notes"] if n_ not in report.notes]
             report.foreign = report.foreign or f["foreign"]
-            if progress is not None and f["bytes"]:
-                progress(f["bytes"])
+    if request.device is not None and not report.problems:
+        _device_stage(path, layout, request, report)
     return report
 
 
-def share_task(request: VerifyRequest, stage: str, i: int, n: int, units: dict) -> dict:
-    """One share (`i` of `n`) of one verify stage, as a task runs it anywhere: its findings and counts."""
+def share_task(request: VerifyRequest, stage: str, i: int, n: int, units: dict, progress=None) -> dict:
+    """One share (`i` of `n`) of one verify stage, as a task runs it anywhere: its findings and counts
+    (`progress(nbytes)`: the bytes it checks, where the executor feeds the driver's bar from it)."""
     path = storage.place(request.path)
     layout = detected(path)
     report = Report()
     share = Share(i, n, units)
     if stage == "structure":
-        layout.check(path, report, None, share)
+        layout.check(path, report, progress, share)
     else:
         parts = layout.parts(path)
         compare = compare_against if parts is None else functools.partial(compare_parts, parts=parts)
