@@ -330,6 +330,12 @@ class Layout:
                 return f"{name}: not on disk with its {unit.size} bytes"
         return None
 
+    def rehashed(self, result, units, tmp) -> bool:
+        """Whether the files of `units` in `tmp`, read again, give `result`'s digests: a task a killed
+        run finished is kept by --resume only then (run/runner.py). A layout that cannot tell says
+        no, and its tasks are redone."""
+        return False
+
     def pointer(self, units) -> str:
         """The file of the output a consumer opens first (formats.pointer): in an object store it is
         written last, create-only, so that finding it means finding the whole output

@@ -53,6 +53,31 @@ def address_of(given: str | None) -> str:
     return given or os.environ.get("RAY_ADDRESS") or "auto"
 
 
+def _secret_parts(address: str) -> list:
+    """The parts of ADDRESS that may hold a credential: a user and password before `@`, a query, a
+    fragment (a token in either)."""
+    parts = []
+    for mark in ("#", "?"):
+        address, sep, tail = address.partition(mark)
+        if sep and tail:   # (and each value of it, as a message may show it parsed)
+            parts += [tail, *(v for kv in tail.split("&") for v in kv.split("=", 1)[1:] if v)]
+    rest = address.split("://", 1)[-1]
+    if "@" in rest:
+        user = rest.rsplit("@", 1)[0]
+        parts += [user, *([user.split(":", 1)[1]] if ":" in user and user.split(":", 1)[1] else [])]
+    return sorted(parts, key=len, reverse=True)
+
+
+def shown(address: str, text: str | None = None) -> str:
+    """`text` (default: ADDRESS itself) as a line may show it: every credential-bearing part of ADDRESS
+    (_secret_parts) and every credential variable's value replaced by ***, bounded."""
+    from ..storage.urls import hide_secrets
+    text = address if text is None else text
+    for part in _secret_parts(address):
+        text = text.replace(part, "***")
+    return brief(hide_secrets(text), 200)
+
+
 def _error_type(name: str):
     """The CkptError subclass called `name` (a task's error crosses as its class name and line)."""
     found = getattr(errors, name, None)
@@ -68,7 +93,7 @@ def _probe(address: str):
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_S).close()
     except OSError as e:
-        raise OutputError(f"--ray {brief(address, 100)}: no Ray cluster could be joined (nothing answers there: "
+        raise OutputError(f"--ray {shown(address)}: no Ray cluster could be joined (nothing answers there: "
                           f"{e.strerror or e}); start one (`ray start --head`) or give its address") from None
 
 
@@ -101,7 +126,8 @@ class RayExecutor:
                      configure_logging=True, namespace="ckptconv")
         except (ConnectionError, RuntimeError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise OutputError(f"--ray {brief(self.address, 100)}: no Ray cluster could be joined ({brief(first, 200)}); "
+            raise OutputError(f"--ray {shown(self.address)}: no Ray cluster could be joined "
+                              f"({shown(self.address, first)}); "
                               "start one (`ray start --head`) or give its address") from None
         finally:
             for s, h in saved.items():   # (ckptconv's own handlers: the driver decides how a signal ends it)

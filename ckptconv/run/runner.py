@@ -79,7 +79,8 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
 
     With --resume, every finished task's answer is kept in the temporary output (tasks.DONE) and a
     rerun of the same job takes those whose files are still as the task left them (tasks.finished):
-    only the other tasks run again, and nothing else a killed run left there stays (a file of another
+    only the other tasks run again (a kept task's files are re-hashed first and must give its
+    digests again: `Layout.rehashed`, as the journal's shards are), and nothing else a killed run left there stays (a file of another
     plan, a half-written one). (A run of one task at a time keeps its own journal instead:
     layouts/sharded/resume.py; each kind starts afresh from what the other left.)"""
     planned = _tasks.identity(inputs)
@@ -90,6 +91,7 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
     def publish(tmp):
         nonlocal facts
         kept = _tasks.finished(tmp, todo, key) if key else {}
+        kept = {i: a for i, a in kept.items() if _rehashed(writer, units, todo[i], a, tmp)}
         if key:
             _tasks.keep_only(tmp, [t for t in todo if t.index in kept])
         left = [t for t in todo if t.index not in kept]
@@ -112,17 +114,32 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
     return dataclasses.replace(facts, units=[u.name for u in units], unit_bytes=sum(u.size for u in units))
 
 
+def _rehashed(writer, units, task, answer, tmp) -> bool:
+    """Whether a task a killed run finished may be kept: its answer fits its units and its files,
+    read again, give the answer's digests."""
+    from ..layouts.base import ResultError
+    by_name = {u.name: u for u in units}
+    try:
+        mine = [by_name[n] for n, _ in task.units]
+        return writer.rehashed(writer.received(answer.result, mine, tmp), mine, tmp)
+    except (ResultError, KeyError, OSError):
+        return False
+
+
 def run_key(writer, tensors, units, planned: dict) -> str:
     """Identifies a job, for --resume of its tasks: the options that change bytes (as the user gave
     them), what the reader made of the source, the inputs (`planned`: tasks.identity, the same on
-    every host), and the plan (every unit, every tensor's name, dtype and shape), as one digest."""
+    every host; and as the driver sees them, `content.identity`: devices, inodes, change times, so a
+    file put in the place of another with its size and times is another job), and the plan (every
+    unit, every tensor's name, dtype and shape), as one digest."""
     source = {k: v for k, v in writer.content.source.items() if k != "path"}
     options = {**{flag: source.pop(key, None) for key, flag in _OPTIONS.items()}, **writer.job()}
     h = hashlib.sha256(json.dumps([[u.name, u.size] for u in units]).encode())
     for t in tensors:
         h.update(f"{t.name}\0{t.dtype.code}\0{list(t.shape)}\n".encode("utf-8", "surrogatepass"))
     extras = json.dumps([writer.content.extras, writer.content.manifest], sort_keys=True, default=str)
-    job = {"options": options, "source": source, "inputs": planned, "plan": h.hexdigest(),
+    job = {"options": options, "source": source, "inputs": planned, "identity": writer.content.identity,
+           "plan": h.hexdigest(),
            "extras": hashlib.sha256(extras.encode("utf-8", "surrogatepass")).hexdigest()}
     return hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode("utf-8", "surrogatepass")).hexdigest()
 

@@ -15,6 +15,7 @@ result fits its units (`Layout.received`: every file on disk with its planned si
 tensor)."""
 import dataclasses
 import os
+import stat
 from dataclasses import dataclass, field
 
 from ..errors import OutputError, brief
@@ -148,33 +149,51 @@ def _files_of(tmp, units) -> dict:
     return dict(sorted(found.items()))
 
 
+def _done(tmp) -> str:
+    """tmp/DONE as a directory of this run's own: anything else there (a link, a file) is removed
+    first, so a record is never written through a link nor read from elsewhere."""
+    folder = os.path.join(os.fspath(tmp), DONE)
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        os.unlink(folder)   # (a link is removed, never followed)
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
 def _keep(task: Task, answer: Answer, tmp):
     """Record a finished task's answer in tmp/DONE (written whole, then renamed into place)."""
     import json
-    folder = os.path.join(os.fspath(tmp), DONE)
-    os.makedirs(folder, exist_ok=True)
+    folder = _done(tmp)
     record = {"key": task.record, "units": [list(u) for u in task.units], "answer": answer.to_json(),
               "files": _files_of(tmp, task.units)}
     part = os.path.join(folder, f".{task.index}.{os.getpid()}.part")
-    with open(part, "w", encoding="utf-8") as f:
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with open(fd, "w", encoding="utf-8") as f:
         json.dump(record, f)
     os.replace(part, os.path.join(folder, f"{task.index}.json"))
 
 
 def finished(tmp, tasks, key: str) -> dict:
     """{task index: Answer} of the tasks an interrupted run of the same job (`key`) finished, whose
-    files are still as the task left them (sizes and modification times); anything else is redone."""
+    files are still as the task left them (sizes and modification times); anything else is redone.
+    (The runner then re-hashes what it keeps: Layout.rehashed.) Records are read from a directory
+    of the run's own, never through a link, at most MAX_RECORD bytes each."""
     from .. import safejson
     from ..errors import BadInput
-    folder = os.path.join(os.fspath(tmp), DONE)
+    folder = _done(tmp)
     kept = {}
     for t in tasks:
         path = os.path.join(folder, f"{t.index}.json")
         try:
-            if not os.path.isfile(path) or os.path.getsize(path) > MAX_RECORD:
+            if not os.path.lexists(path):
                 continue
-            with open(path, "rb") as f:
-                record = safejson.loads(f.read(), path, "a task's record")
+            with safejson.open_regular(path, "task record", follow=False) as fd:
+                if os.fstat(fd).st_size > MAX_RECORD:
+                    continue
+                record = safejson.loads(os.read(fd, MAX_RECORD + 1), path, "a task's record")
             if not isinstance(record, dict) or record.get("key") != key \
                     or record.get("units") != [list(u) for u in t.units]:
                 continue
@@ -188,22 +207,36 @@ def finished(tmp, tasks, key: str) -> dict:
 
 
 def keep_only(tmp, kept):
-    """Remove from `tmp` what a killed run left there but the files of the `kept` tasks (and their
-    records): a file of another plan or of a task that is redone must not be published."""
+    """Remove from `tmp` what a killed run left there but the files of the `kept` tasks and their
+    records: a file of another plan, of a task that is redone, a link or anything else planted in
+    the records' directory must not be published (nor written through)."""
     import shutil
-    names = {name for t in kept for name, _ in t.units} | {DONE}
+    names = {name for t in kept for name, _ in t.units}
+    records = {f"{t.index}.json" for t in kept}
+
+    def remove(entry):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
     for entry in os.scandir(os.fspath(tmp)):
-        if entry.name not in names:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
+        if entry.name == DONE and entry.is_dir(follow_symlinks=False):
+            for record in os.scandir(entry.path):
+                if record.name not in records or not record.is_file(follow_symlinks=False):
+                    remove(record)
+        elif entry.name not in names:
+            remove(entry)
 
 
 def forget_done(tmp):
-    """Remove the kept answers: they are no part of the output."""
+    """Remove the kept answers: they are no part of the output (a link there is removed, not followed)."""
     import shutil
-    shutil.rmtree(os.path.join(os.fspath(tmp), DONE), ignore_errors=True)
+    folder = os.path.join(os.fspath(tmp), DONE)
+    if os.path.islink(folder) or os.path.isfile(folder):
+        os.unlink(folder)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def identity(inputs) -> dict:

@@ -232,29 +232,105 @@ def test_verify_against_the_source_with_two_workers_finds_what_one_does(hf_llama
     assert "differs" in runs[0].stdout
 
 
-def test_resume_with_two_workers_keeps_the_finished_tasks(big_pt, tmp_path):
-    import json
-    out, tmp = tmp_path / "out", tmp_path / ".out.ckptconv-tmp"
-    args = [sys.executable, "-m", "ckptconv.cli", "convert", str(big_pt), str(out), "--max-shard-size", "8MiB",
+def _killed(src, out, records=2):
+    """A `convert --workers 2 --resume` of `src` killed (SIGKILL, as a lost host or the OOM killer) once
+    `records` tasks kept their answers: its temporary output stays, its workers end with it."""
+    tmp = out.parent / f".{out.name}.ckptconv-tmp"
+    args = [sys.executable, "-m", "ckptconv.cli", "convert", str(src), str(out), "--max-shard-size", "8MiB",
             "--workers", "2", "--resume"]
     p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and p.poll() is None and len(list((tmp / tasks.DONE).glob("*.json"))) < 2:
+    while time.monotonic() < deadline and p.poll() is None and len(list((tmp / tasks.DONE).glob("*.json"))) < records:
         time.sleep(0.005)
     workers = _children(p.pid)
-    p.kill()   # (as a lost host or the OOM killer would: the temporary output stays)
+    p.kill()
     p.communicate(timeout=60)
     deadline = time.monotonic() + 30
     while [w for w in workers if Path(f"/proc/{w}").exists()] and time.monotonic() < deadline:
         time.sleep(0.05)   # (the workers end with their driver)
     assert not out.exists() and tmp.is_dir()
-    (tmp / "model-00001-of-00099.safetensors").write_bytes(b"a file of another plan")
-    r = run("convert", big_pt, out, "--max-shard-size", "8MiB", "--workers", "2", "--resume", "--json")
+    return tmp
+
+
+def _resumed(src, out):
+    import json
+    r = run("convert", src, out, "--max-shard-size", "8MiB", "--workers", "2", "--resume", "--json")
     assert r.exit_code == 0, r.stderr
-    summary = json.loads(r.stdout)
+    return json.loads(r.stdout)
+
+
+def test_resume_with_two_workers_keeps_the_finished_tasks(big_pt, tmp_path):
+    out = tmp_path / "out"
+    tmp = _killed(big_pt, out)
+    (tmp / "model-00001-of-00099.safetensors").write_bytes(b"a file of another plan")
+    summary = _resumed(big_pt, out)
     kept = int(summary["resume_note"].split(" of ")[0])
     assert kept >= 2 and summary["resume_note"].endswith("task(s) finished by the interrupted run were kept")
     assert summary["resumed_bytes"] > 0
     assert run("convert", big_pt, tmp_path / "one", "--max-shard-size", "8MiB", "--workers", "1").exit_code == 0
     same_tree(out, tmp_path / "one")
     assert run("verify", out).exit_code == 0
+
+
+def test_resume_rehashes_what_it_keeps(big_pt, tmp_path):
+    """A kept shard edited in place (its size and modification time put back) and a record whose digest
+    was edited are redone, as the one-process journal's shards are: only bytes that give the recorded
+    digests again are kept."""
+    import json
+    out = tmp_path / "out"
+    tmp = _killed(big_pt, out, records=3)
+    records = sorted((tmp / tasks.DONE).glob("*.json"))
+    edited = json.loads(records[0].read_text())
+    shard = tmp / edited["units"][0][0]
+    st = shard.stat()
+    with open(shard, "r+b") as f:
+        f.seek(st.st_size - 4)
+        f.write(b"\x7f\x7f\x7f\x7f")
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    forged = json.loads(records[1].read_text())
+    name = forged["units"][0][0]
+    forged["answer"]["result"]["files"][name]["sha256"] = "0" * 64
+    records[1].write_text(json.dumps(forged))
+    summary = _resumed(big_pt, out)
+    assert summary["resume_note"].startswith(f"{len(records) - 2} of "), summary["resume_note"]
+    assert run("convert", big_pt, tmp_path / "one", "--max-shard-size", "8MiB", "--workers", "1").exit_code == 0
+    same_tree(out, tmp_path / "one")
+
+
+def test_resume_of_a_source_put_in_the_place_of_another_starts_afresh(big_pt, tmp_path):
+    """Another file at SRC's path with SRC's size and modification time (a re-download): another job."""
+    src = tmp_path / "src.pt"
+    src.write_bytes(big_pt.read_bytes())
+    out = tmp_path / "out"
+    _killed(src, out)
+    other = tmp_path / "other.pt"
+    data = bytearray(src.read_bytes())
+    data[-200_000] ^= 0x40   # (a tensor's byte: the same archive, another value)
+    other.write_bytes(bytes(data))
+    st = src.stat()
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, src)
+    summary = _resumed(src, out)
+    assert "started afresh" in summary["resume_note"] and not summary["resumed_bytes"], summary
+    assert run("convert", src, tmp_path / "one", "--max-shard-size", "8MiB", "--workers", "1").exit_code == 0
+    same_tree(out, tmp_path / "one")
+
+
+def test_a_link_planted_for_the_records_is_removed_not_written_through(hf_llama, tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "0.json").write_text("precious")
+    tmp = tmp_path / ".out.ckptconv-tmp"
+    tmp.mkdir()
+    (tmp / tasks.DONE).symlink_to(victim)
+    r = run("convert", hf_llama["dir"], tmp_path / "out", *SHARDS, "--workers", "2", "--resume")
+    assert r.exit_code == 0, r.stderr
+    assert sorted(p.name for p in victim.iterdir()) == ["0.json"] and (victim / "0.json").read_text() == "precious"
+    assert not os.path.lexists(tmp_path / "out" / tasks.DONE)
+    assert run("verify", tmp_path / "out").exit_code == 0
+    # a directory planted where a record is written: removed, the run completes
+    again = tmp_path / ".again.ckptconv-tmp"
+    (again / tasks.DONE / "1.json").mkdir(parents=True)
+    r = run("convert", hf_llama["dir"], tmp_path / "again", *SHARDS, "--workers", "2", "--resume")
+    assert r.exit_code == 0, r.stderr
+    same_tree(tmp_path / "out", tmp_path / "again")
