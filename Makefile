@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-training training-fixtures test-cloud test-ray test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures test-orbax orbax-fixtures demo bench fuzz clean
+.PHONY: setup test dcp-fixtures test-training training-fixtures test-cloud test-ray test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures test-orbax orbax-fixtures demo bench fuzz clean
 
 setup: $(VENV)/.installed
 
@@ -73,6 +73,13 @@ test-megatron: setup $(MEGATRON_VENV)/.installed
 
 megatron-fixtures: $(MEGATRON_VENV)/.installed
 	$(MEGATRON_VENV)/bin/python -m tests.fixtures.megatron --committed
+
+# The small PyTorch Distributed Checkpoints tests/readers/test_dcp.py reads (torch 2.13 with gloo on
+# 127.0.0.1: one process, two with DTensors and FSDP2, SAFETENSORS, zstd; each with dcp_to_torch_save's
+# reference), committed under tests/fixtures/data/dcp/; CKPTCONV_DCP_FRESH=1 make test makes them anew.
+dcp-fixtures: setup
+	rm -rf tests/fixtures/data/dcp
+	$(PY) -m tests.fixtures.dcp tests/fixtures/data/dcp
 
 # Training states saved through torch DCP by the real stacks (FSDP1, Lightning's FSDP strategy, a
 # torchtitan step directory, Accelerate's pytorch_model_fsdp_0; CPU, 2 processes with gloo), each

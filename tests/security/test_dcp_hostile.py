@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from tests import helpers as hostile
+from tests.fixtures import attacks
 from tests.helpers import cli
 from tests.fixtures.dcp import nested_state
 
@@ -47,14 +48,9 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def bomb():
-    """A real zstd stream of 2 GiB of zeros (about 64 KB)."""
-    zstandard = pytest.importorskip("zstandard")
-    buf = io.BytesIO()
-    zeros = bytes(16 << 20)
-    with zstandard.ZstdCompressor().stream_writer(buf, closefd=False) as w:
-        for _ in range(BOMB // len(zeros)):
-            w.write(zeros)
-    return buf.getvalue()
+    """A zstd frame of 2 GiB of zeros (64 KB: RLE blocks of 128 KiB, attacks.zstd_bomb)."""
+    pytest.importorskip("zstandard")
+    return attacks.zstd_bomb(BOMB, 17)
 
 
 def edited(base, tmp_path, edit):

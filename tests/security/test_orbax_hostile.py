@@ -12,6 +12,7 @@ import struct
 import pytest
 
 from tests import helpers as hostile
+from tests.fixtures import attacks
 from tests.helpers import DATA, cli
 
 FIXTURES = DATA / "orbax"
@@ -43,15 +44,9 @@ def edit_json(path, edit):
 
 
 def test_a_zstd_bomb_is_refused_at_its_declared_chunk_size(tmp_path):
-    import zstandard
     src = copy(tmp_path)
     chunk = src / "params.up.kernel" / "0.0"   # declares 8 x 6 bf16: 96 bytes
-    params = zstandard.ZstdCompressionParameters.from_level(19, window_log=10)   # a 1 KiB window
-    cctx = zstandard.ZstdCompressor(compression_params=params)
-    with open(chunk, "wb") as f, cctx.stream_writer(f, closefd=False) as w:
-        block = bytes(16 << 20)
-        for _ in range(BOMB // len(block)):
-            w.write(block)
+    chunk.write_bytes(attacks.zstd_bomb(BOMB, 10))   # a 1 KiB window
     assert chunk.stat().st_size < 16 << 20
     refused(src, tmp_path, str(chunk), "inflates past its declared 96 bytes")
 
