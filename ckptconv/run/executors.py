@@ -14,10 +14,8 @@ spawned, not forked: a task must run in a process that shares nothing with the d
 cluster), and the driver holds threads and mappings a fork would copy in an unknown state."""
 import contextlib
 import os
-import queue
 import signal
 import sys
-import time
 
 from .. import signals
 from ..errors import CkptError, OutputError, UsageError
@@ -173,53 +171,62 @@ class LocalExecutor(Executor):
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _processes(self, items, progress):
+        """`items` in spawned worker processes, each fed one item at a time over a pipe of its own (no
+        queue: a queue's semaphores are multiprocessing's resource tracker's to clean, and it spoke up
+        in tracebacks when a terminal's SIGHUP reached it too)."""
         import multiprocessing
+        from multiprocessing.connection import wait
         ctx = multiprocessing.get_context("spawn")
-        todo, answers = ctx.Queue(), ctx.Queue()
-        for i, item in enumerate(items):
-            todo.put((i, item))
-        n = min(self.workers, len(items))
-        for _ in range(n):
-            todo.put(None)
-        workers = []
-        found = {}
+        todo = iter(enumerate(items))
+        workers, busy, found = {}, {}, {}
+
+        def feed(conn):
+            item = next(todo, None)
+            conn.send(item)   # (None: no more, the worker ends)
+            if item is not None:
+                busy[conn] = item[0]
+
         try:
             with _quiet_children(), _no_main():
-                for _ in range(n):
-                    p = ctx.Process(target=_worker, args=(todo, answers, os.getpid()), daemon=True)
+                for _ in range(min(self.workers, len(items))):
+                    here, there = ctx.Pipe()
+                    p = ctx.Process(target=_worker, args=(there, os.getpid()), daemon=True)
                     p.start()
-                    workers.append(p)
+                    there.close()
+                    workers[here] = p
+            for conn in workers:
+                feed(conn)
             while len(found) < len(items):
-                try:
-                    message = answers.get(timeout=POLL_S)
-                except queue.Empty:
-                    signals.check()
-                    lost = next((p for p in workers if p.exitcode not in (None, 0)), None)
-                    if lost is not None:
-                        raise OutputError(f"a worker process ended ({_how(lost.exitcode)}) before its task answered; "
-                                          "nothing was published")
-                    continue
-                kind = message[0]
-                if kind == "bytes":
-                    if progress is not None:
-                        progress(message[1])
-                elif kind == "done":
-                    found[message[1]] = message[2]
-                else:   # ("error", index, type name, line)
-                    _, index, name, line = message
-                    raise _error_type(name)(line)
+                ready = wait(list(busy), POLL_S)
                 signals.check()
+                for conn in ready:
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):
+                        p = workers[conn]
+                        p.join(1)
+                        raise OutputError(f"a worker process ended ({_how(p.exitcode)}) before its task answered; "
+                                          "nothing was published") from None
+                    kind = message[0]
+                    if kind == "bytes":
+                        if progress is not None:
+                            progress(message[1])
+                    elif kind == "done":
+                        found[message[1]] = message[2]
+                        del busy[conn]
+                        feed(conn)
+                    else:   # ("error", index, type name, line)
+                        _, index, name, line = message
+                        raise _error_type(name)(line)
             return [found[i] for i in range(len(items))]
         finally:
             with signals.deferred():
-                for p in workers:
+                for p in workers.values():
                     if p.is_alive():
                         p.kill()
-                for p in workers:
+                for conn, p in workers.items():
                     p.join()
-                for q in (todo, answers):
-                    q.cancel_join_thread()
-                    q.close()
+                    conn.close()
 
 
 def _perform(item, update):
@@ -284,40 +291,42 @@ def _die_with(parent: int):
         os._exit(1)
 
 
-def _worker(todo, answers, parent: int):
-    """A worker process: items from `todo` until None (a task, or a call of `map`: _perform), each
-    answered on `answers`: ("done", index, plain data), ("error", index, the CkptError's class name,
-    its line); its bytes as ("bytes", n)."""
+def _worker(conn, parent: int):
+    """A worker process: items from the driver over `conn` until None (a task, or a call of `map`:
+    _perform), each answered: ("done", index, plain data), ("error", index, the CkptError's class
+    name, its line); its bytes as ("bytes", n)."""
     _die_with(parent)
     pending = [0]
 
     def update(n):
         pending[0] += n
         if pending[0] >= PROGRESS_BYTES:
-            answers.put(("bytes", pending[0]))
+            conn.send(("bytes", pending[0]))
             pending[0] = 0
 
     while True:
-        item = todo.get()
+        try:
+            item = conn.recv()
+        except EOFError:   # (the driver is gone)
+            break
         if item is None:
             break
         index, what = item
         try:
             value = _perform(what, update)
             if pending[0]:
-                answers.put(("bytes", pending[0]))
+                conn.send(("bytes", pending[0]))
                 pending[0] = 0
-            answers.put(("done", index, value))
+            conn.send(("done", index, value))
         except CkptError as e:
-            answers.put(("error", index, type(e).__name__, str(e)))
+            conn.send(("error", index, type(e).__name__, str(e)))
             break
         except OSError as e:
-            answers.put(("error", index, "OutputError", f"{e.filename or ''}: {e.strerror or e}"))
+            conn.send(("error", index, "OutputError", f"{e.filename or ''}: {e.strerror or e}"))
             break
         except BaseException as e:   # (a bug: its type and line, not a traceback the driver cannot show)
-            answers.put(("error", index, "OutputError", f"task {index} failed: {type(e).__name__}: {e}"))
+            conn.send(("error", index, "OutputError", f"task {index} failed: {type(e).__name__}: {e}"))
             break
     _tasks.forget()
-    answers.close()
-    answers.join_thread()
+    conn.close()
     sys.exit(0)

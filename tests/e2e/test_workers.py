@@ -146,6 +146,24 @@ def test_sigterm_mid_run_ends_the_workers_and_leaves_nothing(big_pt, tmp_path):
     _nothing_left(out)
 
 
+def test_sighup_to_the_whole_process_group_is_one_line(big_pt, tmp_path):
+    """A closed terminal signals the whole group: the driver, its workers and multiprocessing's own
+    helper alike. One line, exit 129, nothing left."""
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "ckptconv.cli", "convert", str(big_pt), str(out), "--max-shard-size",
+                          "8MiB", "--workers", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    tmp = tmp_path / ".out.ckptconv-tmp"
+    deadline = time.monotonic() + 120
+    while not (tmp.exists() and any(tmp.glob("*.safetensors"))) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.005)
+    os.killpg(p.pid, signal.SIGHUP)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGHUP, err
+    assert "interrupted by SIGHUP" in err and err.count("\n") == 1, err
+    _nothing_left(out)
+
+
 def test_one_progress_bar_fed_by_every_task(hf_llama, tmp_path):
     """The driver's one bar: the same total and the same bytes counted as a run of one process."""
     import contextlib
