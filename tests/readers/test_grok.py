@@ -222,6 +222,7 @@ def test_malicious_and_broken_files_refused(tmp_path, case, needle):
     assert not canary.exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow   # (make test-slow: a check of scale)
 def test_more_files_than_the_soft_open_file_limit(grok_dir, params, tmp_path):
     """Every mapped file holds a descriptor (Python's mmap before 3.13): with a soft limit below the
     directory's 146 files the CLI raises it to the hard limit; with a hard limit that low too, the

@@ -340,6 +340,7 @@ def test_archive_entries_are_a_mapping_of_names_in_file_order():
     assert late["a/data/5000"].offset == 0 and late["a/data/1999"].offset == 2000
 
 
+@pytest.mark.slow   # (make test-slow: a check of scale)
 def test_archive_entries_hold_no_object_per_storage():
     """A million-storage archive's entries cost a few columns, not a record, a name and a dict slot
     each (docs/benchmarks.md, "Fourth pass")."""

@@ -205,6 +205,7 @@ def test_layout_beyond_the_grid_budget_refused(saved, tmp_path):
     assert_refused(convert(src, out, timeout=30), out, "tensor 'model.0.weight'", "do not form a grid")
 
 
+@pytest.mark.slow   # (make test-slow: a check of scale)
 def test_8000_real_chunks_assemble(saved, tmp_path):
     """8,000 one-element chunks, each its own torch.save archive, in an 80 x 100 grid (no axis is tiled
     whole: the region-filling path): converted exactly, regions found through the grid."""

@@ -2,6 +2,7 @@
 header parser only ever raise the project's own error (never another exception, never a hang).
 The long coverage-guided run is `make fuzz` (atheris, fuzz/fuzz_parsers.py)."""
 import io
+import os
 from pathlib import Path
 import pickle
 
@@ -16,7 +17,9 @@ import ml_dtypes
 
 from tests.fixtures import attacks, grok as grok_fixtures
 
-SETTINGS = settings(max_examples=300, deadline=2000, suppress_health_check=list(HealthCheck), derandomize=True)
+# 100 examples of each kind in make test, 300 in make test-slow (the long coverage-guided run is make fuzz)
+EXAMPLES = int(os.environ.get("CKPTCONV_FUZZ_EXAMPLES", "100"))
+SETTINGS = settings(max_examples=EXAMPLES, deadline=2000, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
 def _torch_bytes():

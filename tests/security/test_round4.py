@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -146,6 +147,7 @@ def test_verify_help_lists_only_what_verify_uses():
 
 # -- 6. large non-tensor state ---------------------------------------------------------------------------
 
+@pytest.mark.slow   # (make test-slow: a check of scale)
 def test_large_extras_are_summarised_by_size_and_digest(tmp_path):
     vocab = {f"tok{i}": i for i in range(60000)}
     table = [[i, f"x{i}"] for i in range(40000)]

@@ -170,6 +170,7 @@ def test_shapes_no_consumer_loads_are_refused(tmp_path, shape, fragment):
 # 3. Metadata work is O(N log N)
 
 
+@pytest.mark.slow   # (make test-slow: a check of scale)
 def test_a_header_of_80000_tensors_parses_in_linear_time(tmp_path):
     n = 80_000
     header = {f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i in range(n)}

@@ -12,12 +12,12 @@ from tests.storage.test_bucket_training_formats import both
 FIXTURES = DATA / "orbax"
 
 
-# every committed layout under `make test-orbax`; the OCDBT and the per-array zarr manager in `make test`
+# every committed layout under `make test-orbax`; the OCDBT one in `make test`
 # (each variant starts its own reads against the server: about 5 s each on two cores)
 EVERY = ["flax-zarr2", "flax-zarr3", "flax-raw", "flax-ocdbt", "manager", "manager-zarr"]
 
 
-@pytest.mark.parametrize("name", EVERY if os.environ.get("CKPTCONV_ORBAX_FIXTURES") else ["flax-ocdbt", "manager-zarr"])
+@pytest.mark.parametrize("name", EVERY if os.environ.get("CKPTCONV_ORBAX_FIXTURES") else ["flax-ocdbt"])
 def test_an_orbax_checkpoint_converts_from_a_bucket_as_locally(s3, tmp_path, name):
     same_tree(*both(s3, FIXTURES / name, tmp_path, "convert"))
 

@@ -171,6 +171,7 @@ print(json.dumps({"base": base, "after_upload": after_upload, "peak": peak, "wri
 """
 
 
+@pytest.mark.slow   # (make test-slow: a check of scale)
 def test_streaming_256_mb_holds_a_small_window(s3):
     """Upload and stream back 256 MB with parts of 8 MiB, two at a time: the process's peak resident
     memory grows by far less than the object (generous bound: half of it)."""
