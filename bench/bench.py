@@ -561,8 +561,9 @@ def _executor_rows(job: str, measured, n: int):
 def bench_workers(layers):
     """The local executor (--workers N tasks in flight: worker processes; the threads variant beside
     it, CKPTCONV_LOCAL_WORKERS=thread) against --workers 1, for convert (500 MB shards) and reshard
-    --tp 8 of the same source, warm cache, interleaved: wall time, its ratio to --workers 1 per round
-    (median (range)), CPU s/GB (the driver and its workers), peak RSS of the largest process."""
+    --tp 8 of the same source, and verify of convert's output (500 MB shards), warm cache,
+    interleaved: wall time, its ratio to --workers 1 per round (median (range)), CPU s/GB (the driver
+    and its workers), peak RSS of the largest process."""
     src = llama_src(layers)
     scratch = scratch_dir()
     warm(src)
@@ -579,6 +580,14 @@ def bench_workers(layers):
         rows += [(f"{w} (threads)", [*threads, *cli, *map(str, args), "--workers", str(w)], scratch / "out")
                  for w in counts if w > 1]
         _executor_rows(job, measure_all(rows), n)
+    checked = DATA / f"verify-{layers}L-500MB"   # (verify: its shares of the checks, of what convert wrote)
+    if not checked.exists():
+        subprocess.run([*cli, "convert", src, checked, "--max-shard-size", "500MB", "--quiet"], check=True,
+                       stdout=subprocess.DEVNULL)
+    for f in sorted(checked.glob("*.safetensors")):
+        warm(f)
+    rows = [(f"{w} (processes)", [*cli, "verify", checked, "--quiet", "--workers", str(w)], None) for w in counts]
+    _executor_rows("verify", measure_all(rows), n)
 
 
 def bench_ray(layers):
@@ -683,8 +692,10 @@ def bench_scale():
     """A generated checkpoint of BENCH_SCALE_GB (default 20) with a cold page cache: convert and
     reshard --tp 8 (6 of every 8 tensors split on their first axis, 2 on their second, about a
     Llama's mix) beside the O_DIRECT copy floor, peak RSS flat. Each output is removed before the next run,
-    so the disk holds the source and one output."""
+    so the disk holds the source and one output. Each job at --workers 1 and 2 (and this machine's
+    core count, where more): the local executor's tasks in flight on a disk that is really read."""
     gigabytes = float(os.environ.get("BENCH_SCALE_GB", "20"))
+    counts = sorted({1, 2, len(os.sched_getaffinity(0))})
     src = generate("llama_scaled", DATA / f"scaled-{gigabytes:g}GB.pt", str(DATA / f"scaled-{gigabytes:g}GB.pt"),
                    gigabytes)
     scratch = scratch_dir()
@@ -694,21 +705,30 @@ def bench_scale():
     global REPEAT
     repeat, REPEAT = REPEAT, min(REPEAT, 3)
     try:
-        measured = measure_cold([
-            copy_floor_row([src], scratch),
-            ("ckptconv convert", [*cli, "convert", src, scratch / "out", "--quiet"], scratch / "out"),
-            ("ckptconv reshard --tp 8", [*cli, "reshard", src, scratch / "tp8", "--tp", "8", "--rules", rules,
-                                         "--quiet"], scratch / "tp8")])
+        rows = [copy_floor_row([src], scratch)]
+        for w in counts:
+            rows.append((f"ckptconv convert --workers {w}", [*cli, "convert", src, scratch / "out", "--quiet",
+                                                              "--workers", str(w)], scratch / "out"))
+        for w in counts:
+            rows.append((f"ckptconv reshard --tp 8 --workers {w}",
+                         [*cli, "reshard", src, scratch / "tp8", "--tp", "8", "--rules", rules, "--quiet", "--workers",
+                          str(w)], scratch / "tp8"))
+        measured = measure_cold(rows)
         if measured is None:
             return
         times, rss = measured
         n = src.stat().st_size
-        floor, convert = times["copy floor (dd O_DIRECT)"], times["ckptconv convert"]
-        print(f"\nscale, cold page cache: generated {n / 1e9:.3f} GB .pt (160 tensors), {REPEAT} rounds")
-        print("| command | median wall s | GB/s | peak RSS MiB | x copy floor | x convert |\n|---|---:|---:|---:|---:|---:|")
+        floor = times["copy floor (dd O_DIRECT)"]
+        print(f"\nscale, cold page cache: generated {n / 1e9:.3f} GB .pt (160 tensors), {REPEAT} rounds, "
+              f"{len(os.sched_getaffinity(0))} cores")
+        print("| command | median wall s | GB/s | peak RSS MiB | x copy floor | x --workers 1 | x convert |\n"
+              "|---|---:|---:|---:|---:|---:|---:|")
         for name, ts in times.items():
+            job, _, w = name.partition(" --workers ")
+            one = times.get(f"{job} --workers 1") if w and w != "1" else None
+            convert = times["ckptconv convert --workers 1"] if name == "ckptconv reshard --tp 8 --workers 1" else None
             print(f"| {name} | {statistics.median(ts):.2f} | {n / statistics.median(ts) / 1e9:.2f} | {rss[name]:.0f} | "
-                  f"{paired(ts, floor)} | {paired(ts, convert) if name.endswith('--tp 8') else ''} |")
+                  f"{paired(ts, floor)} | {paired(ts, one) if one else ''} | {paired(ts, convert) if convert else ''} |")
         sys.stdout.flush()
     finally:
         REPEAT = repeat
