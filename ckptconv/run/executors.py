@@ -100,9 +100,6 @@ class Executor:
         raise NotImplementedError
 
 
-_ERRORS = {}
-
-
 def _error_type(name: str):
     """The CkptError subclass called `name` (a task's error crosses as its class name and line)."""
     from .. import errors
@@ -112,9 +109,9 @@ def _error_type(name: str):
 
 @register("local")
 class LocalExecutor(Executor):
-    """`workers` tasks in flight on this host: worker processes (spawned) pull tasks in plan order and
-    answer; with `kind="thread"`, threads of this process instead (kept for measurement: bench.py's
-    workers scenario)."""
+    """`workers` tasks in flight on this host: worker processes (spawned), each fed the next task in
+    plan order when it answers; with `kind="thread"`, threads of this process instead (kept for
+    measurement: bench.py's workers scenario)."""
 
     def __init__(self, workers: int | None = None, kind: str | None = None):
         super().__init__(workers)
@@ -182,9 +179,20 @@ class LocalExecutor(Executor):
 
         def feed(conn):
             item = next(todo, None)
-            conn.send(item)   # (None: no more, the worker ends)
+            try:
+                conn.send(item)   # (None: no more, the worker ends)
+            except OSError:   # (it ended after its last answer)
+                if item is None:
+                    return
+                lost(conn)
             if item is not None:
                 busy[conn] = item[0]
+
+        def lost(conn):
+            p = workers[conn]
+            p.join(1)
+            raise OutputError(f"a worker process ended ({_how(p.exitcode)}) before its task answered; "
+                              "nothing was published") from None
 
         try:
             with _quiet_children(), _no_main():
@@ -203,10 +211,7 @@ class LocalExecutor(Executor):
                     try:
                         message = conn.recv()
                     except (EOFError, OSError):
-                        p = workers[conn]
-                        p.join(1)
-                        raise OutputError(f"a worker process ended ({_how(p.exitcode)}) before its task answered; "
-                                          "nothing was published") from None
+                        lost(conn)
                     kind = message[0]
                     if kind == "bytes":
                         if progress is not None:

@@ -53,27 +53,35 @@ def address_of(given: str | None) -> str:
     return given or os.environ.get("RAY_ADDRESS") or "auto"
 
 
-def _secret_parts(address: str) -> list:
-    """The parts of ADDRESS that may hold a credential: a user and password before `@`, a query, a
-    fragment (a token in either)."""
+def _bare(address: str) -> tuple:
+    """(ADDRESS without a user and password, a query or a fragment: what a line may show of it, and the
+    parts taken out, each of which may hold a credential)."""
     parts = []
     for mark in ("#", "?"):
         address, sep, tail = address.partition(mark)
         if sep and tail:   # (and each value of it, as a message may show it parsed)
             parts += [tail, *(v for kv in tail.split("&") for v in kv.split("=", 1)[1:] if v)]
-    rest = address.split("://", 1)[-1]
+    scheme, sep, rest = address.rpartition("://")
     if "@" in rest:
-        user = rest.rsplit("@", 1)[0]
-        parts += [user, *([user.split(":", 1)[1]] if ":" in user and user.split(":", 1)[1] else [])]
-    return sorted(parts, key=len, reverse=True)
+        user, _, rest = rest.rpartition("@")
+        parts += [user, *([user.split(":", 1)[1]] if ":" in user else [])]
+        rest = "***@" + rest
+    return scheme + sep + rest, parts
+
+
+SHORTEST_SECRET = 4   # a part of ADDRESS shorter than this is not looked for in a message (it would garble it)
 
 
 def shown(address: str, text: str | None = None) -> str:
-    """`text` (default: ADDRESS itself) as a line may show it: every credential-bearing part of ADDRESS
-    (_secret_parts) and every credential variable's value replaced by ***, bounded."""
+    """`text` (default: ADDRESS itself) as a line may show it: ADDRESS without its credential-bearing
+    parts (_bare), every such part in `text` and every credential variable's value replaced by ***,
+    bounded."""
     from ..storage.urls import hide_secrets
-    text = address if text is None else text
-    for part in _secret_parts(address):
+    bare, parts = _bare(address)
+    if text is None:
+        return brief(hide_secrets(bare), 200)
+    text = text.replace(address, bare)
+    for part in sorted((p for p in parts if len(p) >= SHORTEST_SECRET), key=len, reverse=True):
         text = text.replace(part, "***")
     return brief(hide_secrets(text), 200)
 
@@ -87,8 +95,8 @@ def _error_type(name: str):
 def _probe(address: str):
     """A HOST:PORT that nothing answers at is one line within CONNECT_S (ray.init would wait minutes)."""
     import socket
-    host, sep, port = address.rpartition(":")
-    if not sep or "://" in address or not port.isdigit():
+    host, sep, port = _bare(address)[0].split("://", 1)[-1].rsplit("@", 1)[-1].rstrip("/").rpartition(":")
+    if not sep or not port.isdigit():
         return
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_S).close()

@@ -80,8 +80,9 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
     With --resume, every finished task's answer is kept in the temporary output (tasks.DONE) and a
     rerun of the same job takes those whose files are still as the task left them (tasks.finished):
     only the other tasks run again (a kept task's files are re-hashed first and must give its
-    digests again: `Layout.rehashed`, as the journal's shards are), and nothing else a killed run left there stays (a file of another
-    plan, a half-written one). (A run of one task at a time keeps its own journal instead:
+    digests again: `Layout.rehashed`, as the journal's shards are; a task that read other inputs
+    is redone), and nothing else a killed run left there stays (a file of another plan, a
+    half-written one). (A run of one task at a time keeps its own journal instead:
     layouts/sharded/resume.py; each kind starts afresh from what the other left.)"""
     planned = _tasks.identity(inputs)
     todo = _tasks.tasks_of(job, units)
@@ -90,7 +91,7 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
 
     def publish(tmp):
         nonlocal facts
-        kept = _tasks.finished(tmp, todo, key) if key else {}
+        kept = _tasks.finished(tmp, todo, key, planned) if key else {}
         kept = {i: a for i, a in kept.items() if _rehashed(writer, units, todo[i], a, tmp)}
         if key:
             _tasks.keep_only(tmp, [t for t in todo if t.index in kept])
@@ -105,9 +106,11 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
         facts = writer.finish(tmp, accepted)
         if kept:
             facts.resumed_bytes = sum(t.size for t in todo if t.index in kept)
-            facts.resume_note = facts.resume_note or f"{len(kept)} of {len(todo)} task(s) finished by the interrupted run were kept"
+            facts.resume_note = facts.resume_note or \
+                f"{len(kept)} of {len(todo)} task(s) finished by the interrupted run were kept"
         elif key:
-            facts.resume_note = facts.resume_note or "no task an interrupted run of this job finished was left; started afresh"
+            facts.resume_note = facts.resume_note or \
+                "no task an interrupted run of this job finished was left; started afresh"
 
     with atomic_output(out, options.overwrite, options.resume, inputs, writer.single_file, not_ours) as tmp:
         publish(tmp)

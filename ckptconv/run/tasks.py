@@ -135,17 +135,17 @@ MAX_RECORD = 1 << 30       # bytes of one kept answer (a million tensors' digest
 
 
 def _files_of(tmp, units) -> dict:
-    """{path inside tmp: "size, mtime_ns"} of every file a task's units are (a shard, a rank directory's
-    files): what must still be there, untouched, for a rerun to keep the task."""
+    """{path inside tmp: "mode, size, mtime_ns"} of every entry a task's units are (a shard; a rank
+    directory's files and folders, a link there as a link, never followed): what must still be there,
+    untouched, for a rerun to keep the task."""
     found = {}
     for name, _ in units:
         top = os.path.join(os.fspath(tmp), name)
-        walk = [(top, name)] if not os.path.isdir(top) else \
-            [(os.path.join(d, f), os.path.relpath(os.path.join(d, f), os.fspath(tmp)))
-             for d, _, fs in os.walk(top) for f in fs]
-        for path, rel in walk:
+        walk = [top] if not os.path.isdir(top) or os.path.islink(top) else \
+            [os.path.join(d, f) for d, ds, fs in os.walk(top) for f in [*ds, *fs]]
+        for path in walk:
             st = os.lstat(path)
-            found[rel] = f"{st.st_size}, {st.st_mtime_ns}"
+            found[os.path.relpath(path, os.fspath(tmp))] = f"{st.st_mode:o}, {st.st_size}, {st.st_mtime_ns}"
     return dict(sorted(found.items()))
 
 
@@ -176,9 +176,10 @@ def _keep(task: Task, answer: Answer, tmp):
     os.replace(part, os.path.join(folder, f"{task.index}.json"))
 
 
-def finished(tmp, tasks, key: str) -> dict:
+def finished(tmp, tasks, key: str, planned: dict) -> dict:
     """{task index: Answer} of the tasks an interrupted run of the same job (`key`) finished, whose
-    files are still as the task left them (sizes and modification times); anything else is redone.
+    files are still as the task left them (sizes and modification times) and which read the inputs
+    the run plans with (`planned`, as `identity` gives them); anything else is redone.
     (The runner then re-hashes what it keeps: Layout.rehashed.) Records are read from a directory
     of the run's own, never through a link, at most MAX_RECORD bytes each."""
     from .. import safejson
@@ -191,15 +192,19 @@ def finished(tmp, tasks, key: str) -> dict:
             if not os.path.lexists(path):
                 continue
             with safejson.open_regular(path, "task record", follow=False) as fd:
-                if os.fstat(fd).st_size > MAX_RECORD:
+                size = os.fstat(fd).st_size
+                if size > MAX_RECORD:
                     continue
-                record = safejson.loads(os.read(fd, MAX_RECORD + 1), path, "a task's record")
+                record = safejson.loads(os.read(fd, size), path, "a task's record")
             if not isinstance(record, dict) or record.get("key") != key \
                     or record.get("units") != [list(u) for u in t.units]:
                 continue
             if record.get("files") != _files_of(tmp, t.units):
                 continue
             a = record["answer"]
+            if not isinstance(a, dict) or not isinstance(a.get("inputs"), dict) \
+                    or difference(planned, a["inputs"]) is not None:
+                continue
             kept[t.index] = Answer(a["result"], a["inputs"])
         except (OSError, BadInput, KeyError, TypeError):
             continue
@@ -207,11 +212,12 @@ def finished(tmp, tasks, key: str) -> dict:
 
 
 def keep_only(tmp, kept):
-    """Remove from `tmp` what a killed run left there but the files of the `kept` tasks and their
-    records: a file of another plan, of a task that is redone, a link or anything else planted in
-    the records' directory must not be published (nor written through)."""
+    """Remove from `tmp` what a killed run left there but the units of the `kept` tasks (a file, or
+    a rank directory whole; a unit inside a folder, as a pipeline's component, keeps that folder but
+    nothing else in it) and their records: a file of another plan or of a task that is redone, a link
+    or anything else planted in the records' directory must not be published (nor written through)."""
     import shutil
-    names = {name for t in kept for name, _ in t.units}
+    keep = {name for t in kept for name, _ in t.units}
     records = {f"{t.index}.json" for t in kept}
 
     def remove(entry):
@@ -220,13 +226,21 @@ def keep_only(tmp, kept):
         else:
             os.unlink(entry.path)
 
-    for entry in os.scandir(os.fspath(tmp)):
-        if entry.name == DONE and entry.is_dir(follow_symlinks=False):
-            for record in os.scandir(entry.path):
-                if record.name not in records or not record.is_file(follow_symlinks=False):
-                    remove(record)
-        elif entry.name not in names:
-            remove(entry)
+    def sweep(folder, rel):
+        for entry in os.scandir(folder):
+            path = rel + entry.name
+            if not rel and entry.name == DONE and entry.is_dir(follow_symlinks=False):
+                for record in os.scandir(entry.path):
+                    if record.name not in records or not record.is_file(follow_symlinks=False):
+                        remove(record)
+            elif path in keep:
+                continue
+            elif entry.is_dir(follow_symlinks=False) and any(k.startswith(path + "/") for k in keep):
+                sweep(entry.path, path + "/")
+            else:
+                remove(entry)
+
+    sweep(os.fspath(tmp), "")
 
 
 def forget_done(tmp):

@@ -291,12 +291,12 @@ def test_resume_with_two_workers_keeps_the_finished_tasks(big_pt, tmp_path):
 
 
 def test_resume_rehashes_what_it_keeps(big_pt, tmp_path):
-    """A kept shard edited in place (its size and modification time put back) and a record whose digest
-    was edited are redone, as the one-process journal's shards are: only bytes that give the recorded
-    digests again are kept."""
+    """A kept shard edited in place (its size and modification time put back), a record whose digest
+    was edited, and records of other inputs are redone, as the one-process journal's shards are: only
+    bytes that give the recorded digests again are kept."""
     import json
     out = tmp_path / "out"
-    tmp = _killed(big_pt, out, records=3)
+    tmp = _killed(big_pt, out, records=5)
     records = sorted((tmp / tasks.DONE).glob("*.json"))
     edited = json.loads(records[0].read_text())
     shard = tmp / edited["units"][0][0]
@@ -309,8 +309,13 @@ def test_resume_rehashes_what_it_keeps(big_pt, tmp_path):
     name = forged["units"][0][0]
     forged["answer"]["result"]["files"][name]["sha256"] = "0" * 64
     records[1].write_text(json.dumps(forged))
+    # records whose inputs are not a table, or another file's: redone (not the run's end)
+    for record, inputs in ((records[2], ["x"]), (records[3], {"big.pt": "1 bytes, modified at 0"})):
+        data = json.loads(record.read_text())
+        data["answer"]["inputs"] = inputs
+        record.write_text(json.dumps(data))
     summary = _resumed(big_pt, out)
-    assert summary["resume_note"].startswith(f"{len(records) - 2} of "), summary["resume_note"]
+    assert summary["resume_note"].startswith(f"{len(records) - 4} of "), summary["resume_note"]
     assert run("convert", big_pt, tmp_path / "one", "--max-shard-size", "8MiB", "--workers", "1").exit_code == 0
     same_tree(out, tmp_path / "one")
 

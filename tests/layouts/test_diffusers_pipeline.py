@@ -456,3 +456,41 @@ def test_a_link_in_a_cache_snapshot_reaches_its_blobs_only(ddpm, tmp_path):
     assert r.exit_code == 0, r.stderr
     assert not (tmp_path / "out" / "scheduler" / "notes.txt").exists()
     assert "scheduler/notes.txt (a symbolic link leading outside the source)" in r.stdout
+
+
+KILLED_AFTER = """
+import contextlib, os, sys
+from ckptconv import api
+
+@contextlib.contextmanager
+def progress(total):
+    seen = [0]
+    def update(n):   # (a task's bytes arrive when it answered: its record is kept by then)
+        seen[0] += 1
+        if seen[0] == 3:
+            os._exit(9)   # (as SIGKILL: the temporary output stays; the workers end with the driver)
+    yield update
+
+api.convert(sys.argv[1], sys.argv[2], max_shard_size="50KB", workers=2, resume=True, progress=progress)
+"""
+
+
+def test_resume_with_two_workers_keeps_a_pipeline_s_finished_shards(sd, tmp_path):
+    """Each component's shards are tasks: a killed run's finished ones are re-hashed in their folders
+    and kept; what else the run left in a kept component's folder is removed."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-c", KILLED_AFTER, str(sd), str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    tmp = tmp_path / ".out.ckptconv-tmp"
+    assert r.returncode == 9 and not out.exists() and list((tmp / ".ckptconv-tasks").glob("*.json")), r.stderr
+    kept_folder = next(p.parent for p in tmp.glob("*/*.safetensors"))
+    (kept_folder / "stale.safetensors").write_bytes(b"of another plan")
+    r = run("convert", sd, out, "--max-shard-size", "50KB", "--workers", 2, "--resume", "--json")
+    assert r.exit_code == 0, r.stderr
+    note = json.loads(r.stdout)["resume_note"]
+    assert note.endswith("task(s) finished by the interrupted run were kept") and int(note.split(" of ")[0]) >= 1
+    convert(sd, tmp_path / "one", "--max-shard-size", "50KB")
+    assert tree(out) == tree(tmp_path / "one")

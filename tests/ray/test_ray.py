@@ -129,6 +129,12 @@ def test_the_api_runs_through_ray_as_the_command_does(cluster, llama, tmp_path):
     same_tree(tmp_path / "one", tmp_path / "api")
 
 
+def test_a_ray_address_with_a_credential_and_no_cluster_is_one_line_without_it(llama, tmp_path):
+    r = cli("convert", llama["dir"], tmp_path / "out", "--ray=127.0.0.1:1?token=hunter2", timeout=60)
+    assert r.returncode == 2 and "hunter2" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "no Ray cluster could be joined" in r.stderr
+
+
 def test_a_node_killed_mid_run_its_tasks_rerun_elsewhere(cluster, big, tmp_path):
     node = cluster.add_node(num_cpus=1)   # (a third node, killed: the cluster keeps its two)
     cluster.wait_for_nodes()

@@ -281,7 +281,9 @@ def test_only_the_fp32_partitions_are_read(tmp_path):
                 moment_bytes += size
             else:
                 partitions += size
-                assert held >= size, (f.name, held, size)   # the partition was read whole
+                # the partition was read whole (a few of its pages may be evicted again before they are
+                # counted, on a machine short of memory: one CI run counted 95 % of them)
+                assert held >= size * 0.9, (f.name, held, size)
     assert partitions == 8 << 20 and moment_bytes == 16 << 20
     print(f"read {read} bytes of the optimizer-state files: partitions {partitions}, moments {moments} of {moment_bytes}")
     assert moments <= moment_bytes // 16, (moments, moment_bytes)   # read-around of headers at most

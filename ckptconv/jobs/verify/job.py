@@ -163,7 +163,8 @@ def _verify_tasks(request: VerifyRequest, progress, executor) -> Report:
     layout = detected(path)
     units = layout.check_units(path)
     rows = max((len(r) for r in units.values()), default=0) if units is not None else 0
-    if units is None or not executor.side_by_side(rows, total_bytes(path) if not remote else 0):
+    measured = not remote and executor.auto   # (the bytes decide only an automatic worker count)
+    if units is None or not executor.side_by_side(rows, total_bytes(path) if measured else 0):
         return _verify(request, progress, None)   # (one file, an output ckptconv did not write, or too little to share)
     n = max(1, min(executor.lanes(), rows))
     if request.read is not None:   # (a task parses --against's files with one thread: the tasks are in flight side by side)
