@@ -18,7 +18,7 @@ import signal
 import sys
 
 from .. import signals
-from ..errors import CkptError, OutputError, UsageError
+from ..errors import OutputError, UsageError
 from . import tasks as _tasks
 
 EXECUTORS = {}
@@ -98,13 +98,6 @@ class Executor:
 
     def run(self, tasks, tmp, progress=None) -> list:
         raise NotImplementedError
-
-
-def _error_type(name: str):
-    """The CkptError subclass called `name` (a task's error crosses as its class name and line)."""
-    from .. import errors
-    found = getattr(errors, name, None)
-    return found if isinstance(found, type) and issubclass(found, CkptError) else OutputError
 
 
 @register("local")
@@ -222,7 +215,7 @@ class LocalExecutor(Executor):
                         feed(conn)
                     else:   # ("error", index, type name, line)
                         _, index, name, line = message
-                        raise _error_type(name)(line)
+                        raise _tasks.raised(name, line)
             return [found[i] for i in range(len(items))]
         finally:
             with signals.deferred():
@@ -323,14 +316,8 @@ def _worker(conn, parent: int):
                 conn.send(("bytes", pending[0]))
                 pending[0] = 0
             conn.send(("done", index, value))
-        except CkptError as e:
-            conn.send(("error", index, type(e).__name__, str(e)))
-            break
-        except OSError as e:
-            conn.send(("error", index, "OutputError", f"{e.filename or ''}: {e.strerror or e}"))
-            break
-        except BaseException as e:   # (a bug: its type and line, not a traceback the driver cannot show)
-            conn.send(("error", index, "OutputError", f"task {index} failed: {type(e).__name__}: {e}"))
+        except BaseException as e:
+            conn.send(("error", index, *_tasks.failure(e, f"task {index}")))
             break
     _tasks.forget()
     conn.close()

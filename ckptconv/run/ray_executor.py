@@ -27,8 +27,8 @@ import signal
 import sys
 import time
 
-from .. import errors, signals
-from ..errors import CkptError, OutputError, UsageError, brief
+from .. import signals
+from ..errors import OutputError, UsageError, brief
 from . import tasks as _tasks
 
 MAX_RETRIES = 3          # reruns of a task whose worker or node died (Ray's max_retries)
@@ -84,12 +84,6 @@ def shown(address: str, text: str | None = None) -> str:
     for part in sorted((p for p in parts if len(p) >= SHORTEST_SECRET), key=len, reverse=True):
         text = text.replace(part, "***")
     return brief(hide_secrets(text), 200)
-
-
-def _error_type(name: str):
-    """The CkptError subclass called `name` (a task's error crosses as its class name and line)."""
-    found = getattr(errors, name, None)
-    return found if isinstance(found, type) and issubclass(found, CkptError) else OutputError
 
 
 def _probe(address: str):
@@ -253,7 +247,7 @@ class RayExecutor:
                               "nothing was published") from None
         if kind == "error":
             name, line = rest
-            raise _error_type(name)(line)
+            raise _tasks.raised(name, line)
         return rest[0] if raw else _tasks.Answer(**rest[0])
 
     def _cancel(self, ray, refs):
@@ -307,12 +301,8 @@ def _ray_task(task, tmp: str, tally):
         time.sleep(float(hook))
     try:
         answer = _tasks.run_task(task, tmp, update)
-    except CkptError as e:
-        return ("error", type(e).__name__, str(e))
-    except OSError as e:
-        return ("error", "OutputError", f"{e.filename or ''}: {e.strerror or e}")
-    except Exception as e:   # (a bug: its type and line)
-        return ("error", "OutputError", f"task {task.index} failed: {type(e).__name__}: {e}")
+    except Exception as e:
+        return ("error", *_tasks.failure(e, f"task {task.index}"))
     if pending[0]:
         tally.add.remote(pending[0])
     return ("done", {"result": answer.result, "inputs": answer.inputs, "attempts": _attempt() + 1})
@@ -331,9 +321,5 @@ def _call(fn, args):
     """A call of `map` on a Ray worker, answered as _ray_task answers."""
     try:
         return ("done", fn(*args))
-    except CkptError as e:
-        return ("error", type(e).__name__, str(e))
-    except OSError as e:
-        return ("error", "OutputError", f"{e.filename or ''}: {e.strerror or e}")
     except Exception as e:
-        return ("error", "OutputError", f"{type(e).__name__}: {e}")
+        return ("error", *_tasks.failure(e, "a share of the checks"))

@@ -302,6 +302,26 @@ def accept(writer, units, tasks, answers, tmp, planned_inputs: dict) -> list:
     return results
 
 
+def failure(e: BaseException, what: str) -> tuple:
+    """A task's error as it crosses processes, (class name, line): a ckptconv error as raised; an
+    OSError as an OutputError naming its file; anything else (a bug) its type and line, for `what`
+    (not a traceback the driver cannot show). `raised` makes it an error again in the driver."""
+    from ..errors import CkptError
+    if isinstance(e, CkptError):
+        return type(e).__name__, str(e)
+    if isinstance(e, OSError):
+        return "OutputError", f"{e.filename or ''}: {e.strerror or e}"
+    return "OutputError", f"{what} failed: {type(e).__name__}: {e}"
+
+
+def raised(name: str, line: str):
+    """The error a task answered with (`failure`), as the driver raises it: the CkptError subclass
+    called `name` (OutputError if there is none), so a BadInput stays exit 2 and its one line."""
+    from .. import errors
+    found = getattr(errors, name, None)
+    return (found if isinstance(found, type) and issubclass(found, errors.CkptError) else OutputError)(line)
+
+
 def with_read_workers(source, workers: int):
     """`source` (readers.Source) read with `workers` parse threads: a task parses with one, as
     several tasks are already in flight."""

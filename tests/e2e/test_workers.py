@@ -357,3 +357,17 @@ def test_a_link_planted_for_the_records_is_removed_not_written_through(hf_llama,
     r = run("convert", hf_llama["dir"], tmp_path / "again", *SHARDS, "--workers", "2", "--resume")
     assert r.exit_code == 0, r.stderr
     same_tree(tmp_path / "out", tmp_path / "again")
+
+
+def test_a_task_error_crosses_processes_as_its_class_and_line():
+    """What a worker answers with, and what the driver raises from it: a BadInput stays a BadInput
+    (exit 2); a system error names its file; a bug is its type and line; an unknown name is an
+    OutputError, never a class the answer picks outside ckptconv's errors."""
+    assert tasks.failure(BadInput("m.pt: truncated"), "task 3") == ("BadInput", "m.pt: truncated")
+    assert tasks.failure(FileNotFoundError(2, "No such file or directory", "/x/m.pt"), "task 3") == \
+        ("OutputError", "/x/m.pt: No such file or directory")
+    assert tasks.failure(KeyError("w"), "task 3") == ("OutputError", "task 3 failed: KeyError: 'w'")
+    e = tasks.raised(*tasks.failure(BadInput("m.pt: truncated"), "task 3"))
+    assert type(e) is BadInput and str(e) == "m.pt: truncated"
+    for name in ("ValueError", "SystemExit", "OSError", "brief"):
+        assert type(tasks.raised(name, "line")) is OutputError

@@ -30,7 +30,7 @@ from ..files import Written, check_space, copy_files, finish_dir, plan_shards, w
 from ...storage import files as storage
 from ...storage.targets import as_target
 from ..sharded import ShardedDirectory
-from ..sharded.resume import _keep_only, _plan_id, _rehash, reusable
+from ..sharded.resume import _keep_only, _plan_id, rehashes, reusable
 from .check import check_component, check_units, component_of, verify_pipeline
 
 FRESH = "no interrupted run of this output to resume; started afresh"
@@ -135,18 +135,15 @@ class PipelineDirectory(Layout):
         return written.result(sum(v["size"] for w in reused.values() for v in w.files.values()), note)
 
     def rehashed(self, result, units, tmp) -> bool:
-        """(see Layout.rehashed) Each component's shard read once in its folder: its file digest and its
-        tensors' digests are the result's."""
-        target = as_target(tmp)
+        """(see Layout.rehashed) Each component's shard read once in its folder (resume.rehashes)."""
+        target, shards = as_target(tmp), []
         for unit in units:
             folder, _, name = unit.name.partition("/")
             shard = next((s for s in self.shards.get(folder, ()) if s.name == name), None)
             if shard is None or not target.is_dir(folder):
                 return False
-            file_digest, row = _rehash(None, shard, None, target.sub(folder))
-            if file_digest != result.files[unit.name]["sha256"] or row != bytes(result.digests[unit.name]):
-                return False
-        return True
+            shards.append((unit.name, shard, target.sub(folder)))
+        return rehashes(result, shards)
 
     def _reusable(self, tmp) -> tuple:
         """--resume: each component's shards a killed run finished, re-hashed against the journal in its

@@ -77,6 +77,17 @@ def _rehash(path, shard, progress=None, target=None) -> tuple:
     return file_h.hexdigest(), bytes(done) if h is None and next(tensors, None) is None else None
 
 
+def rehashes(result, shards) -> bool:
+    """Whether every (name in `result`, shard, the Target holding it) of `shards`, read once, gives
+    the result's file digest and tensors' digests: a task a killed run finished is kept only then
+    (Layout.rehashed), as the journal's shards are (`reusable`)."""
+    for name, shard, target in shards:
+        file_digest, row = _rehash(None, shard, None, target)
+        if file_digest != result.files[name]["sha256"] or row != bytes(result.digests[name]):
+            return False
+    return True
+
+
 def _keep_only(tmp, reused: set):
     """What a killed run left in the temporary directory (or under OUT in a store), but the shards
     reused: a shard of another plan, a half-copied model file, must not be published beside the new
