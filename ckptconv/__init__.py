@@ -7,7 +7,8 @@ __version__ = "0.1.0"   # the one place the version is written (pyproject.toml r
 
 from .errors import BadInput, CkptError, OutputError, UnsafePickle, UsageError  # noqa: E402
 # (the jobs behind them, with their typed options, are ckptconv.jobs.convert, .reshard, .verify)
-from .api import ConvertResult, Inspection, Problem, Report, ReshardResult, convert, inspect, reshard, verify  # noqa: E402
+from .api import (ConvertResult, Inspection, Problem, Report, ReshardResult, StorageOptions, convert, inspect,  # noqa: E402
+                  reshard, verify)
 
 __all__ = ["convert", "reshard", "verify", "inspect", "ConvertResult", "ReshardResult", "Report", "Problem", "Inspection",
-           "CkptError", "BadInput", "UnsafePickle", "UsageError", "OutputError", "__version__"]
+           "StorageOptions", "CkptError", "BadInput", "UnsafePickle", "UsageError", "OutputError", "__version__"]

@@ -23,8 +23,8 @@ import click
 from .run.cluster import MAX_PROCESSES
 from . import __version__
 from .api import expected_identity, inspection
-from .cli_options import (_OneLineErrors, cluster_options, distributed_refused, executor_options, command, emit, mesh_options, read_options, verbose,
-                          with_option, write_options)
+from .cli_options import (_OneLineErrors, cluster_options, distributed_refused, executor_options, command, emit, mesh_options, read_options, storage,
+                          verbose, with_option, write_options)
 from .jobs.convert import ConvertOptions, convert
 from . import requests
 from .io import mapped
@@ -150,9 +150,10 @@ def _say_converted(result):
     if result.resume_note:
         say(f"--resume: {result.resume_note}")
     if verbose():
+        out = storage_files.locate(result.out, storage())
         for name in result.files:
-            path = result.out if len(result.files) == 1 and result.out.endswith(".safetensors") \
-                else storage_files.join(result.out, name)
+            path = out if len(result.files) == 1 and result.out.endswith(".safetensors") \
+                else storage_files.join(out, name)
             say(f"  {name}  {format_size(storage_files.size(path))}")
     if result.skipped_files:
         say("not carried into OUT: " + "; ".join(f"{s['name']} ({s['reason']})"
@@ -292,6 +293,7 @@ def verify_cmd(path, against, device, allow_fewer_devices, expect, fmt, read, cl
     """
     expect = expected_identity(expect)
     cluster = cluster(executor)
+    path = storage_files.locate(path, read.storage)   # (one session for the job: listed once)
     size = total_bytes(path) if storage_files.is_dir(path) else storage_files.size(path) \
         if storage_files.is_file(path) else 0
     with byte_progress(size, "verify", quiet) as progress:
@@ -356,7 +358,8 @@ def plan_cmd(src, mesh, hosts, disk_gbps, network_gbps, out, max_shard_size, fmt
     Example: ckptconv plan grok1_tensors.json --tp 8 --hosts 8
     """
     ckpt = open_source(Source(src, fmt, read))
-    result = plan_run(ckpt, hosts, disk_gbps, mesh, requests.write_options(max_shard_size=max_shard_size, spell=requests.flag_name),
+    result = plan_run(ckpt, hosts, disk_gbps, mesh, requests.write_options(max_shard_size=max_shard_size,
+                                                                          storage=read.storage, spell=requests.flag_name),
                       network_gbps, out, read.workers or 1)
     if as_json:
         emit("plan", result.to_json())

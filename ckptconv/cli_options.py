@@ -3,6 +3,7 @@ typed requests (`read_options`, `write_options`, `mesh_options`, `cluster_option
 `command` (--debug, --quiet, --verbose, --json, and every error as one line), the group that answers
 click's own usage errors in one line too, and `emit`, the --json summary an error is also given as.
 """
+import dataclasses
 import functools
 import json
 import sys
@@ -16,7 +17,6 @@ from .jobs.convert import single_file
 from . import requests, signals
 from .io import mapped
 from .sizes import parse_size
-from .storage import files as storage_files
 from .storage.urls import StorageOptions, hide_secrets
 from .errors import CkptError, UsageError, printable
 from .formats.manifest import HUB_STEMS, STEM, stem_problem
@@ -44,11 +44,18 @@ def emit(command_name: str, document: dict):
 
 
 _VERBOSE = "ckptconv.verbose"
+_STORAGE = "ckptconv.storage"
 
 
 def verbose() -> bool:
     """Whether this command was given -v."""
     return click.get_current_context().meta.get(_VERBOSE, False)
+
+
+def storage() -> StorageOptions:
+    """This command's --endpoint-url, --concurrency, --part-size, --retries and --stall-timeout, as the
+    StorageOptions its typed requests (`read`, `write`) carry to every process and task of the job."""
+    return click.get_current_context().meta.get(_STORAGE) or StorageOptions()
 
 
 def command(fn):
@@ -81,7 +88,11 @@ def command(fn):
         with signals.handled():
             try:
                 try:
-                    storage_files.configure(_storage(endpoint_url, concurrency, part_size, retries, stall_timeout))
+                    options = _storage(endpoint_url, concurrency, part_size, retries, stall_timeout)
+                    click.get_current_context().meta[_STORAGE] = options
+                    for name in ("read", "write"):   # (built by the decorators outside this one)
+                        if kwargs.get(name) is not None:
+                            kwargs[name] = dataclasses.replace(kwargs[name], storage=options)
                     return fn(*args, **kwargs)
                 finally:   # one that came while the summary or problems were printed (outside our code)
                     signals.check()

@@ -15,6 +15,7 @@ from .readers import ReadOptions, Source
 from .sizes import parse_size
 from .tp.presets import MeshSpec
 from .layouts.base import WriteOptions
+from .storage.urls import StorageOptions
 
 DTYPES = ("keep", *CAST_TARGETS)     # --dtype: keep, or what a float is cast to
 DEVICES = ("cpu", "cuda", "tpu")     # verify --device
@@ -91,10 +92,31 @@ def optional_text(value, what):
     return value
 
 
+def storage_options(value, spell=python_name) -> StorageOptions:
+    """How to reach object stores: a StorageOptions, a dict of its fields ({"endpoint_url": ...,
+    "concurrency": 16, "part_size": "16MiB", "retries": 10, "stall_seconds": 30}), or None (the defaults)."""
+    if value is None:
+        return StorageOptions()
+    if isinstance(value, StorageOptions):
+        return value
+    if not isinstance(value, dict):
+        raise UsageError(f"{spell('storage')}: expected a StorageOptions or a dict, not {type(value).__name__}")
+    fields = {f for f in StorageOptions.__dataclass_fields__}
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise UsageError(f"{spell('storage')}: {brief(unknown[0], 40)} is not a storage option ({', '.join(sorted(fields))})")
+    given = dict(value)
+    if isinstance(given.get("part_size"), str):
+        given["part_size"] = size(given["part_size"], "part_size")
+    return StorageOptions(**given)
+
+
 def read_options(*, only=(), allow_globals=(), state_dict="auto", skip_unsupported=False, workers=None,
-                 reader_options=None, max_extra_size="256MB", one_shard=False, spell=python_name) -> ReadOptions:
+                 reader_options=None, max_extra_size="256MB", one_shard=False, storage=None,
+                 spell=python_name) -> ReadOptions:
     """How to read a source (every command); `reader_options`: the values of the options readers
-    declare, by dest ({"dequantize": "bf16"}), None for those not given."""
+    declare, by dest ({"dequantize": "bf16"}), None for those not given; `storage`: how to reach an
+    object store (storage_options)."""
     if not isinstance(state_dict, str):
         raise UsageError(f"{spell('state_dict')}: expected a string, not {type(state_dict).__name__}")
     if not isinstance(reader_options, (dict, type(None))):
@@ -106,7 +128,7 @@ def read_options(*, only=(), allow_globals=(), state_dict="auto", skip_unsupport
                        only=texts(only, spell("only")), workers=workers, state_dict=state_dict,
                        declared={k: v for k, v in (reader_options or {}).items() if v is not None},
                        max_extra_size=size(max_extra_size, spell("max_extra_size")),
-                       one_shard=flag(one_shard, spell("one_shard")))
+                       one_shard=flag(one_shard, spell("one_shard")), storage=storage_options(storage, spell))
 
 
 def source(src, format=None, read: ReadOptions = None) -> Source:
@@ -115,14 +137,15 @@ def source(src, format=None, read: ReadOptions = None) -> Source:
 
 
 def write_options(*, max_shard_size="5GB", name=None, overwrite=False, fsync=False, buffered_io=False,
-                  resume=False, max_extras="1MB", spell=python_name) -> WriteOptions:
+                  resume=False, max_extras="1MB", storage=None, spell=python_name) -> WriteOptions:
     """How output files are written and named (convert, reshard)."""
     problem = None if name is None else stem_problem(name) if isinstance(name, str) else "must be a string or None"
     if problem:
         raise UsageError(f"{spell('name')} {brief(name, 80)}: {problem}")
     return WriteOptions(size(max_shard_size, spell("max_shard_size")), flag(fsync, spell("fsync")),
                         not flag(buffered_io, spell("buffered_io")), flag(overwrite, spell("overwrite")),
-                        flag(resume, spell("resume")), name, size(max_extras, spell("max_extras")))
+                        flag(resume, spell("resume")), name, size(max_extras, spell("max_extras")),
+                        storage_options(storage, spell))
 
 
 def mesh(*, tp, ep=1, preset=None, rules=None, heads=None, kv_heads=None, head_dim=None, pad_vocab=False,

@@ -459,6 +459,8 @@ class Checkpoint:
     parts: list = field(default_factory=list)        # Part: a source made of others (a diffusers pipeline's
                                                      # components); `tensors` then lists theirs as PART/NAME
     output: str | None = None                        # the output layout such a source is written as (its name)
+    root: object = None                              # the path it was read from, with its storage backend
+                                                     # (storage/files.locate; set by readers.open_checkpoint)
 
     def __post_init__(self):
         """Every reader's tensors meet the same rules before anything is planned or written: distinct

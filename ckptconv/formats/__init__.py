@@ -59,7 +59,7 @@ def _ours_file(path) -> bool:
     """A safetensors file ckptconv wrote (its header's metadata holds the manifest facts). Opened
     without following a link or waiting on a FIFO; anything but a regular file is not ours."""
     try:
-        if storage.is_url(os.fspath(path)):
+        if isinstance(path, storage.RemotePath):
             f = storage.open_file(path)
             n = int.from_bytes(f.read(0, min(8, f.size)).ljust(8, b"\0"), "little")
             header = safejson.loads(f.read(8, n), path, "safetensors header") \

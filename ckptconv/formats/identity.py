@@ -26,7 +26,6 @@ PREFIX = "sha256:"
 def identity(path) -> str:
     """`sha256:HEX` of the output at `path` (a local path, or a URL: storage/files.py); BadInput if it
     has no SHA256SUMS (or header) to name it."""
-    path = os.fspath(path)
     h = hashlib.sha256()
     if storage.is_dir(path):
         lists = [storage.join(path, SUMS)]
@@ -35,7 +34,7 @@ def identity(path) -> str:
         for p in lists:
             h.update(storage.read_bytes(p, SUMS, limit=1 << 30, follow=False))
         return PREFIX + h.hexdigest()
-    if storage.is_url(path):
+    if isinstance(path, storage.RemotePath):
         f = storage.open_file(path)
         head = f.read(0, min(8, f.size))
         n = int.from_bytes(head, "little") if len(head) == 8 else 0

@@ -124,7 +124,27 @@ class MappedFile:
         finally:
             os.close(fd)
 
-    remote = False   # (storage/files.py: a RemoteFile has the same interface)
+    remote = False   # (storage/remote.py: a RemoteFile has the same interface)
+
+    def buffer(self, offset: int, length: int):
+        """[offset, offset+length), clamped as a slice is: a view of the mapping, nothing copied."""
+        return self.view[offset:offset + length]
+
+    def read_many(self, ranges):
+        """The bytes of each (offset, length) of `ranges` (consumed lazily), in order, by pread:
+        nothing mapped. Every range must lie inside the file (BadInput otherwise, when reached)."""
+        with self.reader() as fill_at:
+            for offset, length in ranges:
+                self.check(offset, length, "a read")
+                out = bytearray(length)
+                fill_at(memoryview(out), offset)
+                yield out
+
+    def pieces(self, offset: int, length: int, piece: int):
+        """[offset, offset+length) front to back, `piece` bytes at a time: views of the mapping."""
+        self.check(offset, length, "a read")
+        for at in range(offset, offset + length, piece):
+            yield self.view[at:at + min(piece, offset + length - at)]
 
     def need(self, offset: int, length: int):
         """`view` holds [offset, offset+length) already: the mapping is the file (a RemoteFile

@@ -12,6 +12,7 @@ from ..recipe import Recipe
 from ..formats.identity import identity
 from ..formats.manifest import source_name, summarised as summarised_extras
 from ..readers import Source, open_source, readers
+from ..storage import files as storage
 from ..storage.urls import is_url, parse
 from ..readers.wrappers import Layout
 from ..tp.rules import read_config
@@ -126,7 +127,7 @@ def _parts_writer(ckpt, src, out, options: ConvertOptions, write: WriteOptions, 
         if part.ckpt is None:
             parts.append(PartContent(part.name, Content({}, model_files=part.files, skipped_files=part.skipped)))
             continue
-        tensors, content, cut = _content(part.ckpt, os.path.join(src, part.name),
+        tensors, content, cut = _content(part.ckpt, storage.join(ckpt.root, part.name),
                                          dataclasses.replace(options, with_files=()), False, read, write.max_extras)
         summarised += [(f"{part.name}/{g}", n, b) for g, n, b in cut]
         content.skipped_files = part.skipped
@@ -149,7 +150,7 @@ def _opened(source: Source, out, options: ConvertOptions, write: WriteOptions) -
     groups summarised) of a convert of `source` into `out`: what the driver and every task derive
     alike from the same request."""
     ckpt = open_source(source)
-    src = source.path
+    src = ckpt.root   # (SRC as given, with its storage backend)
     if not readers()[ckpt.format].holds_data:
         raise UsageError(f"{src}: a {ckpt.format} description holds no tensor data; use `ckptconv plan` with it")
     if not ckpt.tensors:
@@ -168,7 +169,7 @@ def _opened(source: Source, out, options: ConvertOptions, write: WriteOptions) -
 def prepared(source: Source, out, options: ConvertOptions, write: WriteOptions) -> tasks.Prepared:
     """A convert's writer as a task re-derives it (run/tasks.py): from the request alone."""
     ckpt, writer, tensors, _, _ = _opened(source, out, options, write)
-    return tasks.Prepared(writer, tensors, ckpt.reads(source.path), ckpt.check_unchanged)
+    return tasks.Prepared(writer, tensors, ckpt.reads(ckpt.root), ckpt.check_unchanged)
 
 
 def convert(source: Source, out, options: ConvertOptions = None, write: WriteOptions = None, progress=None,
@@ -183,7 +184,7 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
         raise UsageError(f"{out}: --resume applies to a sharded output directory, not to one file")
     ckpt, writer, tensors, content, summarised = _opened(source, out, options, write)
     job = tasks.Job(prepared, (tasks.with_read_workers(source, 1), out, options, write))
-    facts = runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, progress,
+    facts = runner.run(writer, tensors, out, write, ckpt.reads(ckpt.root), ckpt.check_unchanged, progress,
                        job, executor or executors.make("local", workers=source.options.workers))
     seconds = time.perf_counter() - started
     total = sum(t.nbytes for t in tensors)
@@ -193,5 +194,5 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
                            None if ckpt.source.state_dict in (None, "none") else ckpt.source.state_dict,
                            ckpt.source.dropped, ckpt.source.placeholders, ckpt.layout,
                            modules=ckpt.source.modules, summarised=summarised)
-    result.identity = identity(out)
+    result.identity = identity(storage.locate(out, write.storage))
     return result

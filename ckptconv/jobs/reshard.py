@@ -16,6 +16,7 @@ from ..recipe import Recipe
 from ..formats.identity import identity
 from ..formats.manifest import source_name, summarised as summarised_extras
 from ..readers import Source, open_source, readers
+from ..storage import files as storage
 from ..storage.urls import is_url, parse
 from ..sizes import format_size
 from ..tp.layout import REPLICATED_SHARE, plan, plan_summary, silent_replication
@@ -82,11 +83,11 @@ def reshard(source: Source, out, mesh: MeshSpec, options: ReshardOptions = None,
         return result
     total = sum(p.piece_bytes(r) for p in plans for r in range(result.ranks))
     job = tasks.Job(prepared, (tasks.with_read_workers(source, 1), out, mesh, options, write))
-    runner.run(writer, tensors, out, write, ckpt.reads(source.path), ckpt.check_unchanged, progress,
+    runner.run(writer, tensors, out, write, ckpt.reads(ckpt.root), ckpt.check_unchanged, progress,
                job, executor or executors.make("local", workers=source.options.workers))
     seconds = time.perf_counter() - started
     result.out, result.seconds, result.bytes_written = str(out), round(seconds, 3), total
-    result.identity = identity(out)
+    result.identity = identity(storage.locate(out, write.storage))
     result.gb_per_s = round(total / seconds / 1e9, 3) if seconds else None
     return result
 
@@ -94,37 +95,39 @@ def reshard(source: Source, out, mesh: MeshSpec, options: ReshardOptions = None,
 def prepared(source: Source, out, mesh: MeshSpec, options: ReshardOptions, write: WriteOptions) -> tasks.Prepared:
     """A reshard's writer as a task re-derives it (run/tasks.py): from the request alone."""
     ckpt, _, writer, tensors, _ = _opened(source, out, mesh, options, write, False)
-    return tasks.Prepared(writer, tensors, ckpt.reads(source.path), ckpt.check_unchanged)
+    return tasks.Prepared(writer, tensors, ckpt.reads(ckpt.root), ckpt.check_unchanged)
 
 
 def _opened(source: Source, out, mesh: MeshSpec, options: ReshardOptions, write: WriteOptions, dry_run) -> tuple:
     """(the checkpoint, the plan's summary, the writer (None for a dry run), the tensors, their
     TensorPlans): what the driver and every task derive alike from the same request."""
     strip_prefix, target, dtype, with_files = options.strip_prefix, options.target, options.dtype, options.with_files
-    ckpt = open_source(source).whole(source.path, "reshard")
+    opened = open_source(source)
+    src = opened.root   # (SRC as given, with its storage backend)
+    ckpt = opened.whole(src, "reshard")
     cast_to = None if dtype == "keep" else dtypes.CAST_TARGETS[dtype]
     written = layout(target)
     engine, rules = written.engine(ckpt, mesh)   # (an engine's layout: its tensors and the rules that split them)
     recipe = Recipe(strip_prefix, cast_to, engine)
-    tensors, _ = recipe.apply(ckpt.tensors, source.path)
-    described = {**ckpt.source.to_json(), "path": source_name(source.path), **recipe.records(),
+    tensors, _ = recipe.apply(ckpt.tensors, src)
+    described = {**ckpt.source.to_json(), "path": source_name(src), **recipe.records(),
                  **({"only": list(source.options.only)} if source.options.only else {})}
     if rules is None:
         rules = choose_rules(ckpt if tensors is ckpt.tensors else dataclasses.replace(ckpt, tensors=tensors), mesh)
     plans = plan(tensors, rules, mesh.tp, mesh.ep, mesh.pad_vocab)
     if not any(p.axis is not None for p in plans):
-        raise UsageError(f"{source.path}: the {rules.name} rules split no tensor of this checkpoint; an output in "
+        raise UsageError(f"{src}: the {rules.name} rules split no tensor of this checkpoint; an output in "
                          "which nothing is split would be a mistake (check --preset/--rules)")
     result = ReshardResult(**plan_summary(plans, rules, mesh.tp, mesh.ep))
     result.unasked = [{"name": n, "bytes": b} for n, b in silent_replication(plans, rules, mesh.allow_replicate)]
     if result.unasked:
-        result.refusal = f"{source.path}: {replication_refusal(result.unasked, rules)}"
+        result.refusal = f"{src}: {replication_refusal(result.unasked, rules)}"
     if dry_run:
         return ckpt, result, None, tensors, plans
     if result.refusal:
         raise UsageError(result.refusal)
     if not readers()[ckpt.format].holds_data:
-        raise UsageError(f"{source.path}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
+        raise UsageError(f"{src}: a shapes-only description holds no data; use --dry-run or `ckptconv plan`")
     files, made = ckpt.out_files()
     added = read_added(with_files, source.options.max_extra_size, [rel for rel, _ in files])
     if added:
@@ -134,7 +137,7 @@ def _opened(source: Source, out, mesh: MeshSpec, options: ReshardOptions, write:
     if cast_to is not None:
         content.edited.update(transforms.config_with_dtype(read_config(ckpt.model_files, ckpt.made) or {}, cast_to,
                                                            described))
-    writer = written(named_after(write, ckpt, source.path), content, out,
+    writer = written(named_after(write, ckpt, src), content, out,
                      MeshPlan(plans, rules, mesh.tp, mesh.ep, list(tensors)))   # (plans' order)
     return ckpt, result, writer, tensors, plans
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from ..storage import files as storage
 from ..storage.targets import as_target
+from ..storage.urls import StorageOptions
 from ..errors import brief
 from ..formats.manifest import STEM, index_name, indexed, source_stem
 
@@ -72,6 +73,7 @@ class WriteOptions:
     stem: str | None = None   # --name: STEM.safetensors, or STEM-0000k-of-0000n.safetensors and its index;
                               # None: the source's (named_after)
     max_extras: int = 10**6   # --max-extras: JSON bytes of extras the manifest holds whole (formats/manifest.summarised)
+    storage: StorageOptions = field(default_factory=StorageOptions)   # an OUT in an object store: --endpoint-url, ...
 
 
 def named_after(options: WriteOptions, ckpt, src) -> WriteOptions:

@@ -24,7 +24,7 @@ from ..formats.mesh import MESH
 from ..formats.sums import NAME as SUMS, unsafe_name
 from . import unknown
 from ..storage import files as storage
-from ..storage.files import place
+from ..storage.files import locate, place
 from .base import READERS, ReadOptions, Reader, Source
 
 __all__ = ["ReadOptions", "Reader", "Source", "readers", "reader_for", "open_checkpoint", "open_source"]
@@ -81,7 +81,10 @@ def open_source(source: Source):
 
 
 def open_checkpoint(path, fmt=None, options=None):
+    """The Checkpoint at `path` (a local path or a URL, reached with `options.storage`: one storage
+    session for everything the job reads of it), read by the reader `fmt` names or detected."""
     options = options or ReadOptions()
+    path = locate(path, options.storage)
     reader, also = reader_for(path, fmt)
     index = listing_index(place(path)) if place(path).is_file() else None
     if index is not None and not options.one_shard:
@@ -96,7 +99,7 @@ def open_checkpoint(path, fmt=None, options=None):
                        + (f"; {hint}" if ckpt.tensors else "; no tensor safetensors can store is left to convert"))
     if index is not None:
         ckpt.source.more["one_shard"] = True   # (verify --against reads the source the same way)
-    ckpt.format, ckpt.also = reader.name, also
+    ckpt.format, ckpt.also, ckpt.root = reader.name, also, path
     beside = paired_files(place(path)) if place(path).is_file() else []
     files, skipped = carried(ckpt.model_files + beside, source_root(place(path)), options.max_extra_size)
     ckpt.model_files, ckpt.skipped_files = files, ckpt.skipped_files + skipped   # (after what the reader skipped)

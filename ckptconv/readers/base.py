@@ -10,6 +10,8 @@ package is imported when the readers are first listed.
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..storage.urls import StorageOptions
+
 
 @dataclass(frozen=True)
 class ReaderOption:
@@ -36,6 +38,7 @@ class ReadOptions:
     state_dict: str = "auto"                            # --state-dict auto|KEY|none (training wrappers)
     one_shard: bool = False                             # --one-shard: SRC is one shard of an indexed set, alone
     declared: dict = field(default_factory=dict)        # ReaderOption.dest -> value
+    storage: StorageOptions = field(default_factory=StorageOptions)   # object stores: --endpoint-url, ...
 
     def get(self, dest: str):
         return self.declared.get(dest)

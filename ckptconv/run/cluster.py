@@ -149,7 +149,7 @@ def local_paths(paths):
     anything is read."""
     for what, path in paths:
         if is_url(path):
-            shown = printable(re.sub(r"^([^:]+://)[^/@]*@", r"\1", redact(path)), 300)   # (as urls.local_only)
+            shown = printable(re.sub(r"^([^:]+://)[^/@]*@", r"\1", redact(path)), 300)   # (no user or password either)
             raise UsageError(f"{shown}: {what} is an object-store URL; a --distributed job reads and writes local paths "
                              "only: run it as one process, or give a path every process sees")
 

@@ -62,7 +62,7 @@ def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, 
 
     if is_url(os.fspath(out)):
         with bucket_output(out, options.overwrite, options.resume, inputs, writer.single_file, not_ours,
-                           writer.pointer(units), published) as target:
+                           writer.pointer(units), published, options=options.storage) as target:
             publish(target)
     else:
         with atomic_output(out, options.overwrite, options.resume, inputs, writer.single_file, not_ours) as tmp:

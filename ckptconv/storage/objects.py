@@ -7,16 +7,14 @@ reads it stops the run ("changed while it was being read") instead of mixing two
 Each GET is retried on transient failures within the options' budget (`urls.Retry`); obstore's own
 client retries are off for reads, so the count and the seconds are the ones stated.
 """
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
 from ..errors import BadInput
 from ..signals import check
 from .urls import Location, Retry, StorageOptions, Store, failure, open_store, transient
+from .window import Piece, stream as window_stream
 
-GAP = 64 << 10         # ranges at most this far apart are fetched by one GET (the bytes between are dropped)
 MAX_LISTED = 1_000_000  # objects one listing may return
 
 
@@ -33,16 +31,6 @@ class Identity:
 
 
 @dataclass(frozen=True)
-class Piece:
-    """Bytes of the `index`-th range asked of `stream`, starting `offset` bytes into that range. `data`
-    is a view of a part still held by the window: use it (copy, write, hash) before asking for the next."""
-
-    index: int
-    offset: int
-    data: memoryview
-
-
-@dataclass(frozen=True)
 class Entry:
     """An object under a listed prefix: its name relative to the prefix, and its size."""
 
@@ -50,39 +38,9 @@ class Entry:
     size: int
 
 
-@dataclass
-class _Part:
-    start: int
-    end: int
-    pieces: list   # (range index, offset in the range, offset in the part, length)
-
-
 def _bounds(offset, length, size: int, where):
     if type(offset) is not int or type(length) is not int or offset < 0 or length < 0 or offset + length > size:
         raise BadInput(f"{where}: range of {length!r} bytes at offset {offset!r} lies outside its {size} bytes")
-
-
-def _plan(ranges, size: int, part_size: int, where) -> Iterator[_Part]:
-    """Group (offset, length) ranges, in the order given, into GETs of at most `part_size` bytes: a long
-    range is cut into parts, short ones that follow each other (at most GAP apart) share one."""
-    part = None
-    for i, (offset, length) in enumerate(ranges):
-        _bounds(offset, length, size, where)
-        done = 0
-        while done < length:
-            at = offset + done
-            if part is not None and part.end <= at <= part.end + GAP and at - part.start < part_size:
-                take = min(length - done, part.start + part_size - at)
-                part.pieces.append((i, done, at - part.start, take))
-                part.end = at + take
-            else:
-                if part is not None:
-                    yield part
-                take = min(length - done, part_size)
-                part = _Part(at, at + take, [(i, done, 0, take)])
-            done += take
-    if part is not None:
-        yield part
 
 
 class SourceObject:
@@ -93,12 +51,22 @@ class SourceObject:
         self.store, self.location, self.identity = store, location, identity
 
     @classmethod
-    def open(cls, location: Location, options: StorageOptions = StorageOptions(), store: Optional[Store] = None):
-        """The object at `location` (a HEAD, retried like every read). Pass `store` (from `reading`)
-        to share one client among the files of a checkpoint."""
+    def open(cls, location: Location, options: StorageOptions = StorageOptions(), store: Optional[Store] = None,
+             missing_ok: bool = False):
+        """The object at `location` (a HEAD, retried like every read); None when there is none and
+        `missing_ok`. Pass `store` (from `reading`) to share one client among the files of a checkpoint."""
         store = store or reading(location, options)
-        meta = _retrying(store, lambda: _obstore().head(store.handle, location.key),
-                         f"{location}", missing="no such object")
+
+        def head():
+            try:
+                return _obstore().head(store.handle, location.key)
+            except FileNotFoundError:
+                if missing_ok:
+                    return None
+                raise
+        meta = retrying(store, head, f"{location}", "HEAD", missing="no such object")
+        if meta is None:
+            return None
         return cls(store, location, Identity(meta.get("e_tag"), meta["size"], meta.get("version")))
 
     @property
@@ -108,9 +76,13 @@ class SourceObject:
     def __repr__(self) -> str:
         return f"SourceObject({str(self.location)!r}, size={self.size})"
 
-    def _fetch(self, start: int, end: int):
-        """Bytes [start, end), as the object was when opened."""
-        obstore, where = _obstore(), f"{self.location} (bytes {start}-{end})"
+    def check(self, offset: int, length: int, what: str = "a read"):
+        """Refuse a range that does not lie inside the object."""
+        _bounds(offset, length, self.size, self.location)
+
+    def fetch(self, start: int, end: int):
+        """Bytes [start, end), as the object was when opened (one GET, retried)."""
+        obstore, where = _obstore(), f"{self.location}"
         options = {"range": (start, end)}
         if self.identity.etag is not None:
             options["if_match"] = self.identity.etag
@@ -123,46 +95,32 @@ class SourceObject:
             if len(data) != end - start:
                 raise _Short(f"{len(data)} bytes came back of {end - start} asked")
             return data
-        return _retrying(self.store, get, where, missing="changed while it was being read (it is gone)")
+        return retrying(self.store, get, where, f"GET of bytes {start}-{end}",
+                        missing="changed while it was being read (it is gone)")
 
     def read(self, offset: int, length: int) -> bytes:
-        """`length` bytes at `offset` (a header): one GET, or the window's for a long read."""
+        """`length` bytes at `offset` (a header): one GET, or a window's for a long read."""
+        self.check(offset, length)
+        if not length:
+            return b""
         if length <= self.store.options.part_size:
-            _bounds(offset, length, self.size, self.location)
-            return bytes(self._fetch(offset, offset + length)) if length else b""
+            return bytes(self.fetch(offset, offset + length))
         return b"".join(bytes(p.data) for p in self.stream([(offset, length)]))
 
     def stream(self, ranges: Iterable, concurrency: Optional[int] = None, part_size: Optional[int] = None
                ) -> Iterator[Piece]:
-        """The bytes of (offset, length) `ranges` in the order given, as Pieces (a range longer than a
-        part comes in several; an empty one in none). GETs run `concurrency` ahead of the consumer
-        (default: the options'), each at most `part_size`; at most concurrency + 1 parts are held."""
-        concurrency = concurrency or self.store.options.concurrency
-        part_size = part_size or self.store.options.part_size
-        window = deque()
-        with ThreadPoolExecutor(concurrency, thread_name_prefix="ckptconv-get") as pool:
-            try:
-                for part in _plan(ranges, self.size, part_size, self.location):
-                    if len(window) == concurrency:
-                        yield from self._pieces(*window.popleft())
-                    window.append((part, pool.submit(self._fetch, part.start, part.end)))
-                while window:
-                    yield from self._pieces(*window.popleft())
-            finally:
-                for _, future in window:
-                    future.cancel()
-
-    @staticmethod
-    def _pieces(part: _Part, future) -> Iterator[Piece]:
-        view = memoryview(future.result())
-        for index, offset, at, length in part.pieces:
-            yield Piece(index, offset, view[at:at + length])
-        check()   # a signal that arrived while the main thread waited in the pool (signals.py)
+        """The bytes of (offset, length) `ranges` in the order given, as Pieces of at most `part_size`
+        (default: the options'), fetched `concurrency` GETs ahead (window.stream)."""
+        return window_stream(self, ranges, concurrency or self.store.options.concurrency,
+                             part_size or self.store.options.part_size)
 
 
-def listing(location: Location, options: StorageOptions = StorageOptions(), store: Optional[Store] = None) -> list:
-    """Every object under the prefix `location` names ("directory/"), as Entries sorted by name;
-    BadInput past MAX_LISTED objects."""
+def listing(location: Location, options: StorageOptions = StorageOptions(), store: Optional[Store] = None,
+            limit: int = MAX_LISTED) -> list:
+    """Every object under the prefix `location` names ("directory/", all depths), as Entries sorted
+    by name: listed page by page (1,000 names a request), stopped with BadInput as soon as more than
+    `limit` have come, so a prefix of millions of objects, or a server that always says more follow,
+    costs at most `limit` names of memory and the time they take."""
     store = store or reading(location, options)
     prefix = f"{location.key}/" if location.key else ""
     found = []
@@ -172,10 +130,11 @@ def listing(location: Location, options: StorageOptions = StorageOptions(), stor
         for batch in _obstore().list(store.handle, prefix or None, chunk_size=1000):
             for meta in batch:
                 found.append(Entry(meta["path"][len(prefix):], meta["size"]))
-                if len(found) > MAX_LISTED:
-                    raise BadInput(f"{location}: holds more than {MAX_LISTED:,} objects; not a checkpoint to list")
+            if len(found) > limit:
+                raise BadInput(f"{location}: holds more than {limit:,} objects; not a checkpoint to list")
+            check()
         return found
-    _retrying(store, collect, f"{location}", missing="no such prefix")
+    retrying(store, collect, f"{location}", "listing", missing="no such prefix")
     return sorted(found, key=lambda e: e.name)
 
 
@@ -197,9 +156,10 @@ def _obstore():
     return obstore
 
 
-def _retrying(store: Store, call, where: str, missing: str):
+def retrying(store: Store, call, where: str, operation: str, missing: str):
     """`call()`, retried within the store's budget while it fails transiently. Failures become one
-    BadInput line: a changed object, a missing one (`missing`), or the last error and the attempts."""
+    BadInput line: a changed object, a missing one (`missing`), or `operation`, the attempts and the
+    time they took, and the server's last answer (urls.failure)."""
     import obstore.exceptions as ox
     retry = Retry(store.options)
     while True:
@@ -216,5 +176,5 @@ def _retrying(store: Store, call, where: str, missing: str):
             if isinstance(e, _Short) or transient(e):
                 if retry.again():
                     continue
-                raise BadInput(f"{where}: {failure(e)} (gave up after {retry.spent()})") from None
-            raise BadInput(f"{where}: {failure(e)}") from None
+                raise BadInput(f"{where}: {operation} failed after {retry.spent()}: {failure(e)}") from None
+            raise BadInput(f"{where}: {operation} failed: {failure(e)}") from None

@@ -24,8 +24,7 @@ from pathlib import Path
 from ..errors import BadInput, CkptError, OutputError, printable
 from ..signals import check, deferred, published as announce
 from ..io.output import replaceable
-from . import files
-from .urls import is_url, parse, redact
+from .urls import StorageOptions, is_url, parse, redact
 
 
 def write_all(fileobj, data):
@@ -237,6 +236,7 @@ class _Out:
 
     publisher: object
     pointer: str | None
+    session: object = None    # bucket.Session: reads of what is under OUT (a journal, --resume's re-hash)
     share: int = 1
     known: dict = field(default_factory=dict)
 
@@ -341,7 +341,7 @@ class BucketTarget(Target):
 
     def read_bytes(self, rel: str):
         try:
-            return files.read_bytes(self.path(rel), "journal", 1 << 34)
+            return self.out.session.read_bytes(self.path(rel), "journal", 1 << 34)
         except BadInput:
             return None
 
@@ -389,17 +389,17 @@ class BucketTarget(Target):
             del self.out.known[k]
 
     def chunks(self, rel: str, chunk: int):
-        f = files.open_file(self.path(rel))
+        f = self.out.session.open(self.path(rel))
         for at in range(0, f.size, chunk):
             yield f.read(at, min(chunk, f.size - at))
 
 
 def _refuse_inputs(out: str, inputs):
     """OUT may not be or hold an input of the run, nor lie inside a source read from the store."""
-    real = files.realpath(out)
+    real = str(parse(out)).rstrip("/")
     for p in getattr(inputs, "files", inputs):
         if is_url(os.fspath(p)):
-            r = files.realpath(p)
+            r = str(parse(os.fspath(p))).rstrip("/")
             if r == real or r.startswith(real + "/"):
                 raise OutputError(f"{redact(out)}: {'is' if r == real else 'holds'} the input {redact(os.fspath(p))}; "
                                   "write the output somewhere else")
@@ -408,7 +408,7 @@ def _refuse_inputs(out: str, inputs):
                                   "then also be a prefix; write the output somewhere else")
     for root in getattr(inputs, "roots", ()):
         if is_url(os.fspath(root)):
-            r = files.realpath(root)
+            r = str(parse(os.fspath(root))).rstrip("/")
             if real == r or real.startswith(r + "/"):
                 raise OutputError(f"{redact(out)}: lies inside the source {redact(os.fspath(root))}, where a later read "
                                   "of the source would take it for part of the checkpoint; write the output somewhere else")
@@ -426,10 +426,11 @@ def _prepare(target: BucketTarget, taken, overwrite: bool, resume: bool, single:
     deleted for --overwrite), or a previous output, which only --overwrite replaces, and only a
     ckptconv output: it is unpublished (its pointer deleted first), then deleted, before anything is
     written, since a store cannot swap a prefix for another."""
-    publisher, out = target.out.publisher, str(target.out.publisher.out)
+    publisher, session = target.out.publisher, target.out.session
+    out = session.place(str(publisher.out))
     if single:
         try:
-            there = files.open_file(out) is not None
+            there = session.open(out) is not None
         except BadInput:
             there = False
         if not there:
@@ -455,23 +456,25 @@ def _prepare(target: BucketTarget, taken, overwrite: bool, resume: bool, single:
 
 @contextlib.contextmanager
 def bucket_output(out, overwrite=False, resume=False, inputs=(), single_file=False, not_ours=None, pointer=None,
-                  published=None, share: int = 1):
-    """Yield a BucketTarget for the URL `out`; publish it (the `pointer` last, create-only) if the
-    block succeeds, roll it back otherwise, a signal included. `inputs`, `overwrite`, `resume`,
-    `single_file` and `not_ours` as atomic_output takes them; `published(out, names)`: the pointer of
-    the output already there when it is a published one (formats.published); `share`: files written
-    side by side."""
+                  published=None, share: int = 1, options: StorageOptions = None):
+    """Yield a BucketTarget for the URL `out`, reached with `options` (the job's StorageOptions);
+    publish it (the `pointer` last, create-only) if the block succeeds, roll it back otherwise, a
+    signal included. `inputs`, `overwrite`, `resume`, `single_file` and `not_ours` as atomic_output
+    takes them; `published(out, names)`: the pointer of the output already there when it is a
+    published one (formats.published); `share`: files written side by side."""
+    from .bucket import Session
     from .upload import Publisher
+    options = options or StorageOptions()
     out = os.fspath(out)
     location = parse(out)
     _refuse_inputs(out, inputs)
-    publisher = Publisher(location, files.options(), single=single_file)
+    publisher = Publisher(location, options, single=single_file)
+    session = Session(options)
     try:
         taken = publisher.claim(take_over=overwrite or resume)
-        files.forget(out)
-        target = BucketTarget(_Out(publisher, pointer, share))
+        target = BucketTarget(_Out(publisher, pointer, session, share))
         _prepare(target, taken, overwrite, resume, single_file, not_ours or (lambda *a: "unknown"), published)
-        files.forget(out)   # (what was there was read to decide; it may have been deleted since)
+        session.forget(out)   # (what was there was read to decide; it may have been deleted since)
         yield target
         check()   # a signal still pending stops the run before it publishes
         foreign = sorted(set(_listed(publisher)) - set(target.out.known))
@@ -486,8 +489,6 @@ def bucket_output(out, overwrite=False, resume=False, inputs=(), single_file=Fal
         if problems and isinstance(e, CkptError):
             raise OutputError(f"{e}; and rolling back, {problems[0]} (remove what is left under OUT yourself)") from None
         raise
-    finally:
-        files.forget(out)
 
 
 def no_space(target: Target, needed: int):

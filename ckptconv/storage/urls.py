@@ -103,15 +103,6 @@ def is_url(text) -> bool:
     return isinstance(text, str) and bool(_URL.match(text))
 
 
-def local_only(text, what: str):
-    """Refuse an object-store URL where this version takes a local path only (the commands do not
-    reach buckets through this layer yet): one line, never a local directory named `s3:`."""
-    if is_url(text):
-        shown = re.sub(r"^([^:]+://)[^/@]*@", r"\1", redact(str(text)))   # (no user or password either)
-        raise UsageError(f"{printable(shown, 300)}: {what} is an object-store URL; the commands of this "
-                         "version read and write local paths only (copy it to a local disk or mount the bucket)")
-
-
 def _check_key(key: str, shown: str):
     parts = key.split("/")
     if any(p in ("", ".", "..") for p in parts) or not key.isprintable():
@@ -275,17 +266,31 @@ def hide_secrets(text: str) -> str:
     return text
 
 
+_HTTP_KIND = {"Connect": "cannot connect", "Timeout": "timed out", "Interrupted": "the connection was cut",
+              "Decode": "its answer could not be read", "Request": "the request failed"}
+_OS_MESSAGE = re.compile(r'message: "([^"]{1,80})"')
+_HTTP_KIND_AT = re.compile(r"HttpError \{\s*kind: (\w+)")
+_OBSTORE_PREFIX = re.compile(r"^(Generic \w+ error: )?(Error performing [\w ]+ request: )?"
+                             r"(Error performing \w+ \S+ in [^-]*- )?")
+
+
 def failure(e: BaseException) -> str:
-    """A store client's error as part of one line: its first line (obstore's messages go on with a
-    response body and a debug dump), the S3 error code when the body names one, redacted, bounded."""
+    """A store client's error as part of one line: the server's answer when there was one ("the server
+    answered HTTP 503 Service Unavailable (SlowDown)"), else what happened to the connection ("cannot
+    connect (Connection refused)"), else the client's first line without its prefixes; redacted,
+    bounded. obstore's messages go on with a response body and a debug dump: never shown."""
     text = str(e) or type(e).__name__
     code, answered = _XML_CODE.search(text), _ANSWER.search(text)
     if answered:   # "... Server returned non-2xx status code: 503 Service Unavailable: <?xml ..."
         kind = _KINDS.get(type(e).__name__)
-        first = (f"{kind}: " if kind else "") + f"HTTP {answered.group(1).strip()}"
+        first = (f"{kind}: " if kind else "") + f"the server answered HTTP {answered.group(1).strip()}"
         first += f" ({code.group(1)})" if code else ""
+    elif _HTTP_KIND_AT.search(text):
+        first = _HTTP_KIND.get(_HTTP_KIND_AT.search(text).group(1), "the request failed")
+        os_message = _OS_MESSAGE.search(text)
+        first += f" ({os_message.group(1)})" if os_message else ""
     else:
-        first = text.split("\n", 1)[0]
+        first = _OBSTORE_PREFIX.sub("", text.split("\n", 1)[0]) or text.split("\n", 1)[0]
     return printable(redact(first), 400)
 
 

@@ -24,7 +24,8 @@ class Fault:
     `times` times (-1: always). kind: "cut" (forward, send the headers and `after` bytes of the body,
     close), "stall" (the same, then wait `seconds` before closing), "trickle" (the same, then one byte
     every `seconds`), "status" (answer `status` with an S3
-    error `code` without forwarding: 503 SlowDown by default)."""
+    error `code` without forwarding: 503 SlowDown by default), "endless" (answer a ListObjectsV2 page
+    of 1,000 new keys under the prefix `code` that says more follow, without forwarding)."""
 
     kind: str
     method: Optional[str] = None
@@ -45,6 +46,7 @@ class FaultProxy:
         self.faults: list = []
         self.seen: list = []      # (method, path and query, what was done)
         self.signers: set = set()  # the access key ids requests were signed with
+        self.ranges: list = []     # (path, start, end) of every ranged GET
         self.lock = threading.Lock()
         self.stop = threading.Event()
         proxy = self
@@ -73,6 +75,25 @@ class FaultProxy:
                 with proxy.lock:
                     proxy.seen.append((self.command, self.path, fault.kind if fault else "forwarded"))
                     proxy.signers.update([signer.group(1)] if signer else [])
+                    asked = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+                    if asked:
+                        proxy.ranges.append((self.path, int(asked.group(1)), int(asked.group(2)) + 1))
+                if fault is not None and fault.kind == "endless":   # a listing page: 1,000 new keys, more follow
+                    from urllib.parse import parse_qs, urlsplit as split
+                    token = int((parse_qs(split(self.path).query).get("continuation-token") or ["0"])[0])
+                    keys = "".join(f"<Contents><Key>{fault.code}/k{token * 1000 + i:09d}</Key><Size>1</Size>"
+                                   f"<ETag>\"e\"</ETag><LastModified>2026-01-01T00:00:00.000Z</LastModified>"
+                                   "<StorageClass>STANDARD</StorageClass></Contents>" for i in range(1000))
+                    xml = ('<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name>'
+                           f"<Prefix>{fault.code}/</Prefix><KeyCount>1000</KeyCount><MaxKeys>1000</MaxKeys>"
+                           f"<IsTruncated>true</IsTruncated><NextContinuationToken>{token + 1}</NextContinuationToken>"
+                           f"{keys}</ListBucketResult>").encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(xml)))
+                    self.end_headers()
+                    self.wfile.write(xml)
+                    return
                 if fault is not None and fault.kind == "status":
                     xml = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault.code}</Code>'
                            f'<Message>injected by the test proxy</Message></Error>').encode()

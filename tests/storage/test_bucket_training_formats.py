@@ -120,8 +120,8 @@ def test_a_grok_shard_is_parsed_from_its_opcodes(s3, tmp_path, monkeypatch):
     """Reading a Grok-1 directory fetches each shard's opcodes, never its payloads: a few KiB per
     file, whatever the size of its arrays (each tensor fetches its own bytes when it is written)."""
     import numpy as np
-    from ckptconv.readers import open_checkpoint
-    from ckptconv.storage import files, objects
+    from ckptconv.readers import ReadOptions, open_checkpoint
+    from ckptconv.storage import objects
     from ckptconv.storage.urls import StorageOptions
     params = gf.make_params(1, seed=6)
     params["language_model/in_out_embed/embeddings"] = np.ones((8192, 256), np.float32)   # 8 MiB
@@ -138,11 +138,7 @@ def test_a_grok_shard_is_parsed_from_its_opcodes(s3, tmp_path, monkeypatch):
         fetched.append((offset, n)), real_read(self, offset, n, *a, **k))[1])
     monkeypatch.setattr(objects.SourceObject, "stream", lambda self, ranges, *a, **k:
                         real_stream(self, tally(ranges), *a, **k))
-    files.configure(StorageOptions(endpoint_url=s3.endpoint))
-    try:
-        ckpt = open_checkpoint(url)
-    finally:
-        files.configure(StorageOptions())
+    ckpt = open_checkpoint(url, options=ReadOptions(storage=StorageOptions(endpoint_url=s3.endpoint)))
     shards = sorted((tmp_path / "g" / "ckpt-0").iterdir())
     assert len(ckpt.tensors) > len(shards) - 1 and sum(p.stat().st_size for p in shards) > 8 << 20
     assert sum(n for _, n in fetched) <= len(shards) * (32 << 10), sum(n for _, n in fetched)

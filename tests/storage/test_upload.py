@@ -54,7 +54,7 @@ def test_an_upload_failing_at_part_3_of_5_leaves_nothing(s3):
     s3.proxy.add(Fault("status", method="PUT", match=lambda target: "partNumber=3&" in target, times=-1,
                        status=500, code="InternalError"))
     w = ObjectWriter(store, parse(s3.url("out/model.safetensors")), expected_size=25 * MIB)
-    with pytest.raises(OutputError, match=r"out/model.safetensors: upload failed: HTTP 500 .*InternalError"):
+    with pytest.raises(OutputError, match=r"out/model.safetensors: upload failed: the server answered HTTP 500 .*InternalError"):
         for _ in range(25):
             w.write(os.urandom(MIB))
         w.commit()

@@ -108,7 +108,7 @@ def test_messages_never_hold_a_credential(monkeypatch):
     assert "test-secret" not in repr(s3api.Credentials("id", "test-secret-never-printed-0123", "tok"))
     answer = ("x - Server returned non-2xx status code: 503 Service Unavailable: <?xml version='1.0'?>"
               "<Error><Code>SlowDown</Code></Error>")
-    assert failure(RuntimeError(answer)) == "HTTP 503 Service Unavailable (SlowDown)"
+    assert failure(RuntimeError(answer)) == "the server answered HTTP 503 Service Unavailable (SlowDown)"
 
 
 def test_sigv4_signatures_are_botocore_s(monkeypatch):

@@ -31,6 +31,8 @@ def verify(request: "VerifyRequest", progress=None, cluster=None, executor=None)
     (an output's identity, formats/identity.py), the output must also be exactly that one. On several
     processes each checks its share (shards, rank dirs, tensors) and process 0 gathers the report;
     they first agree that they verify the same output the same way."""
+    request = dataclasses.replace(request, path=storage.locate(request.path, request.read.storage if request.read
+                                                               is not None else None))   # (one session for the driver)
     report = unpublished(request.path)
     if report is not None:
         return report
@@ -61,6 +63,12 @@ class VerifyRequest:
     expect: str | None = None
 
 
+def located(request: VerifyRequest):
+    """The output's path with its backend: a URL bound to a storage session with the request's
+    options (a task re-locates it from the request it is given)."""
+    return storage.place(storage.locate(request.path, request.read.storage if request.read is not None else None))
+
+
 def _check_expected(request: VerifyRequest, report: Report):
     """--expect: the output is exactly the one named by its identity (formats/identity.py)."""
     path, expect = request.path, request.expect
@@ -81,8 +89,7 @@ def unpublished(path) -> Report | None:
     SHA256SUMS, or not the file a consumer opens first (its pointer, formats.pointer: written last,
     create-only; docs/storage.md), or (one object) only a run's lock beside it. None for a
     local path and a published output, which verify checks as any other."""
-    path = os.fspath(path)
-    if not storage.is_url(path) or storage.is_file(path):
+    if not isinstance(path, storage.RemotePath) or storage.is_file(path):
         return None
     lock = storage.join(storage.parent(path), f".{storage.name(path)}.ckptconv-lock")
     names = storage.listdir(path) if storage.is_dir(path) else []
@@ -107,7 +114,7 @@ def _verify(request: VerifyRequest, progress, cluster) -> Report:
     """The stages on this process. With a --distributed device check (`cluster`), every process checks
     the files whole (they find the same, and skip alike), then each places its share of the ranks and
     the device stage's findings are merged on process 0 (`_merge`, through JAX's runtime)."""
-    path = storage.place(request.path)
+    path = located(request)
     layout = detected(path)
     report = Report()
 
@@ -159,7 +166,7 @@ def _verify_tasks(request: VerifyRequest, progress, executor) -> Report:
     if request.device is not None and remote:
         raise UsageError("--device loads onto this host's devices (or, across hosts, under --distributed with JAX's "
                          "launcher); --ray checks files only: give one of them")
-    path = storage.place(request.path)
+    path = located(request)
     layout = detected(path)
     units = layout.check_units(path)
     rows = max((len(r) for r in units.values()), default=0) if units is not None else 0
@@ -189,7 +196,7 @@ def _verify_tasks(request: VerifyRequest, progress, executor) -> Report:
 def share_task(request: VerifyRequest, stage: str, i: int, n: int, units: dict, progress=None) -> dict:
     """One share (`i` of `n`) of one verify stage, as a task runs it anywhere: its findings and counts
     (`progress(nbytes)`: the bytes it checks, where the executor feeds the driver's bar from it)."""
-    path = storage.place(request.path)
+    path = located(request)
     layout = detected(path)
     report = Report()
     share = Share(i, n, units)
