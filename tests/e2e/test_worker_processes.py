@@ -48,6 +48,23 @@ def test_a_signal_to_the_driver_mid_run_ends_every_process_of_the_run_before_it_
     _nothing_left(out)
 
 
+def test_sighup_to_the_whole_process_group_is_one_line(hf_llama, tmp_path):
+    """A closed terminal signals the whole group: the driver, its workers and multiprocessing's own
+    helper alike. One line, exit 129, nothing left, no process left (the tracker, ended by the
+    signal before the driver, is reaped by it)."""
+    out = tmp_path / "out"
+    with adopting():
+        r = HeldRun(tmp_path, hf_llama["dir"], out, *SHARDS, "--workers", 2)
+        r.held()
+        os.killpg(r.sid, signal.SIGHUP)
+        code, err = r.ended()
+        left = session(r.sid)
+    assert code == 128 + signal.SIGHUP, err
+    _one_line(err, "interrupted by SIGHUP; no output was published")
+    assert left == []
+    _nothing_left(out)
+
+
 def test_a_worker_killed_mid_run_fails_the_run_and_the_others_are_reaped(hf_llama, tmp_path):
     out = tmp_path / "out"
     with adopting():
