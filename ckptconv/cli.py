@@ -23,8 +23,8 @@ import click
 from .run.cluster import MAX_PROCESSES
 from . import __version__
 from .api import expected_identity, inspection
-from .cli_options import (_OneLineErrors, cluster_options, distributed_refused, executor_options, command, emit, mesh_options, read_options, storage,
-                          verbose, with_option, write_options)
+from .cli_options import (_OneLineErrors, Retired, cluster_options, distributed_refused, executor_options, command, emit,
+                          mesh_options, read_options, retired, storage, verbose, with_option, write_options)
 from .jobs.convert import ConvertOptions, convert
 from . import requests
 from .io import mapped
@@ -281,6 +281,11 @@ def plan_lines(result) -> list:
 @click.option("--expect", metavar="sha256:DIGEST", help="The output's identity as its producer published it "
               "(convert and reshard print it): fail unless PATH is exactly that output.")
 @read_options(leave_out=("only", "skip_unsupported", "one_shard"))
+@retired("verify",
+         Retired("--only", "verify --against reads the part of the source the output records it was made from: "
+                 "convert's own --only", metavar="PREFIX"),
+         Retired("--skip-unsupported", "verify --against reads what safetensors cannot store as facts of the source, "
+                 "compared with what the output records as skipped, never a refusal"))
 @cluster_options
 @executor_options
 @command

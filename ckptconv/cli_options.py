@@ -1,7 +1,8 @@
 """What every command of the command line (cli.py) shares: the click decorators that turn flags into
 typed requests (`read_options`, `write_options`, `mesh_options`, `cluster_options`, `with_option`),
 `command` (--debug, --quiet, --verbose, --json, and every error as one line), the group that answers
-click's own usage errors in one line too, and `emit`, the --json summary an error is also given as.
+click's own usage errors in one line too, `emit`, the --json summary an error is also given as, and
+`retired`: the options a command gave up, accepted for a release with a note.
 """
 import dataclasses
 import functools
@@ -257,6 +258,34 @@ def distributed_refused(command_name: str):
             return fn(*args, **kw)
 
         return wrapper
+    return decorate
+
+
+@dataclasses.dataclass(frozen=True)
+class Retired:
+    """An option a command gave up (docs/README.md#retired-options): `flag`, why it no longer does
+    anything (`why`, said in the note), and `metavar` for one that took a value (accepted as it was:
+    repeatable), None for a flag."""
+
+    flag: str
+    why: str
+    metavar: str | None = None
+
+
+def retired(command_name: str, *options: Retired):
+    """Options `command_name` gave up, still accepted for a release, since an option is never removed
+    silently. Each is hidden from --help, and when given it changes nothing and prints one line on
+    stderr: `ckptconv: note: COMMAND FLAG no longer does anything (WHY); it will be removed in the
+    next release`."""
+    def decorate(fn):
+        for opt in options:
+            def note(ctx, param, value, opt=opt):
+                if value:
+                    click.echo(f"ckptconv: note: {command_name} {opt.flag} no longer does anything ({opt.why}); "
+                               "it will be removed in the next release", err=True)
+            fn = click.option(opt.flag, hidden=True, expose_value=False, callback=note, is_flag=opt.metavar is None,
+                              multiple=opt.metavar is not None, metavar=opt.metavar)(fn)
+        return fn
     return decorate
 
 

@@ -264,3 +264,25 @@ def test_a_ctrl_c_while_the_command_starts_ends_it_without_a_traceback():
     proc = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_IMPORTING], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGINT, proc.stderr
     assert proc.stderr == "" and proc.stdout == ""
+
+
+def test_a_signal_that_finds_no_checkpoint_still_ends_and_reaps_the_workers(tmp_path):
+    """The watcher's way out (os._exit after GRACE_S) runs the pool's cleanup first: every worker and
+    multiprocessing's resource tracker are ended and reaped before the process exits."""
+    import os
+    import subprocess
+    from tests.e2e.processes import STUCK_DRIVER, adopting, session
+    from tests.helpers import ROOT
+    with adopting():
+        p = subprocess.Popen([sys.executable, "-c", STUCK_DRIVER], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert p.stdout.readline() == "stuck\n", p.communicate()
+        assert len([pid for pid, _, _ in session(p.pid)]) == 4   # (the driver, 2 workers, the tracker)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=300)
+        left = session(p.pid)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert err == "ckptconv: error: interrupted by SIGTERM while waiting outside ckptconv's code; no output was " \
+                  "published\n"
+    assert left == []

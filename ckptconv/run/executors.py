@@ -187,44 +187,76 @@ class LocalExecutor(Executor):
             raise OutputError(f"a worker process ended ({_how(p.exitcode)}) before its task answered; "
                               "nothing was published") from None
 
-        try:
-            with _quiet_children(), _no_main():
-                for _ in range(min(self.workers, len(items))):
-                    here, there = ctx.Pipe()
-                    p = ctx.Process(target=_worker, args=(there, os.getpid()), daemon=True)
-                    p.start()
-                    there.close()
-                    workers[here] = p
-            for conn in workers:
-                feed(conn)
-            while len(found) < len(items):
-                ready = wait(list(busy), POLL_S)
-                signals.check()
-                for conn in ready:
-                    try:
-                        message = conn.recv()
-                    except (EOFError, OSError):
-                        lost(conn)
-                    kind = message[0]
-                    if kind == "bytes":
-                        if progress is not None:
-                            progress(message[1])
-                    elif kind == "done":
-                        found[message[1]] = message[2]
-                        del busy[conn]
-                        feed(conn)
-                    else:   # ("error", index, type name, line)
-                        _, index, name, line = message
-                        raise _tasks.raised(name, line)
-            return [found[i] for i in range(len(items))]
-        finally:
-            with signals.deferred():
-                for p in workers.values():
-                    if p.is_alive():
-                        p.kill()
-                for conn, p in workers.items():
-                    p.join()
-                    conn.close()
+        tracker = _Tracker()
+
+        def end():   # every process the pool started, ended and reaped before the driver goes on
+            for p in workers.values():
+                if p.is_alive():
+                    p.kill()
+            for conn, p in workers.items():
+                p.join()
+                conn.close()
+            tracker.stop()
+
+        with signals.on_escape(end):   # (also the watcher's way out, when a signal finds no checkpoint)
+            try:
+                with _quiet_children(), _no_main():
+                    for _ in range(min(self.workers, len(items))):
+                        here, there = ctx.Pipe()
+                        p = ctx.Process(target=_worker, args=(there, os.getpid()), daemon=True)
+                        p.start()
+                        there.close()
+                        workers[here] = p
+                for conn in workers:
+                    feed(conn)
+                while len(found) < len(items):
+                    ready = wait(list(busy), POLL_S)
+                    signals.check()
+                    for conn in ready:
+                        try:
+                            message = conn.recv()
+                        except (EOFError, OSError):
+                            lost(conn)
+                        kind = message[0]
+                        if kind == "bytes":
+                            if progress is not None:
+                                progress(message[1])
+                        elif kind == "done":
+                            found[message[1]] = message[2]
+                            del busy[conn]
+                            feed(conn)
+                        else:   # ("error", index, type name, line)
+                            _, index, name, line = message
+                            raise _tasks.raised(name, line)
+                return [found[i] for i in range(len(items))]
+            finally:
+                with signals.deferred():
+                    end()
+
+
+class _Tracker:
+    """multiprocessing's resource tracker, as a pool sees it. Spawning the first worker starts it: a
+    process of its own, beside the workers, that unlinks the semaphores and shared memory a process
+    leaks, and ends when every process holding its pipe (the driver, each worker) has closed it,
+    i.e. only after the driver exits; nothing then reaps it (a zombie where the system's init does
+    not), and a terminal's SIGHUP ends it before the driver. A pool that started it stops it and
+    reaps it once its workers are reaped, so no process of the run outlives the driver. One that was
+    running before (the program's own) is left alone."""
+
+    def __init__(self):
+        self.before = self._running()
+
+    @staticmethod
+    def _running() -> bool:
+        from multiprocessing import resource_tracker
+        return getattr(resource_tracker._resource_tracker, "_pid", None) is not None   # (launched here)
+
+    def stop(self):
+        if self.before or not self._running():
+            return
+        from multiprocessing import resource_tracker
+        with contextlib.suppress(ChildProcessError):   # (reaped already)
+            resource_tracker._resource_tracker._stop()   # closes its pipe, waits for it (3.8 and later)
 
 
 def _perform(item, update):

@@ -1,7 +1,7 @@
 """The local executor (run/executors.py): --workers N tasks in flight, one output file or rank
 directory each, in worker processes. The same bytes as --workers 1; a task's bad input stops the run
-at once; a signal to the driver ends the workers and leaves nothing; a task that read other inputs
-than the plan is refused."""
+at once; a task that read other inputs than the plan is refused. Signals and the processes of a run:
+test_worker_processes.py."""
 import os
 import signal
 import subprocess
@@ -126,42 +126,6 @@ def _children(pid: int) -> list:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:   # (not the resource tracker)
                 found.append(int(entry))
     return found
-
-
-def test_sigterm_mid_run_ends_the_workers_and_leaves_nothing(big_pt, tmp_path):
-    out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-m", "ckptconv.cli", "convert", str(big_pt), str(out), "--max-shard-size",
-                          "8MiB", "--workers", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    tmp = tmp_path / ".out.ckptconv-tmp"
-    deadline = time.monotonic() + 120
-    while not (tmp.exists() and any(tmp.glob("*.safetensors"))) and time.monotonic() < deadline and p.poll() is None:
-        time.sleep(0.005)
-    workers = _children(p.pid)
-    p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 128 + signal.SIGTERM, err
-    assert "interrupted by SIGTERM" in err and err.count("\n") == 1, err
-    assert workers and not [w for w in workers if Path(f"/proc/{w}").exists()
-                            and "Z" not in Path(f"/proc/{w}/stat").read_text().rsplit(")", 1)[1].split()[0]]
-    _nothing_left(out)
-
-
-def test_sighup_to_the_whole_process_group_is_one_line(big_pt, tmp_path):
-    """A closed terminal signals the whole group: the driver, its workers and multiprocessing's own
-    helper alike. One line, exit 129, nothing left."""
-    out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-m", "ckptconv.cli", "convert", str(big_pt), str(out), "--max-shard-size",
-                          "8MiB", "--workers", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    tmp = tmp_path / ".out.ckptconv-tmp"
-    deadline = time.monotonic() + 120
-    while not (tmp.exists() and any(tmp.glob("*.safetensors"))) and time.monotonic() < deadline and p.poll() is None:
-        time.sleep(0.005)
-    os.killpg(p.pid, signal.SIGHUP)
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 128 + signal.SIGHUP, err
-    assert "interrupted by SIGHUP" in err and err.count("\n") == 1, err
-    _nothing_left(out)
 
 
 def test_one_progress_bar_fed_by_every_task(hf_llama, tmp_path):
