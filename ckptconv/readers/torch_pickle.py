@@ -106,18 +106,10 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         t = None
         extras.update(unpickler.extras_json({k: v for k, v in e.items() if wanted(k, options.only)}, budget))
         skipped += s
-        rest_counts = {}
-        for key, value in found.rest.items():  # the rest of a training wrapper: kept as extras, or dropped
-            wt, we, ws = flatten(value, shard, prefix=key, budget=budget)
-            rest_counts[key] = len(wt) + len(ws)
-            unread = unpickler.unread_in(value)
-            if wt or ws:
-                dropped.append({"name": key, "reason": "tensors outside the state dict"})
-            elif unread is not None:
-                dropped.append({"name": key, "reason": f"{unread.qualname} builds something ckptconv does not read"})
-            else:
-                extras.update(unpickler.extras_json({k: v for k, v in we.items() if wanted(k, options.only)}, budget))
-        layouts.append(wrappers.layout(found, options.state_dict, written, rest_counts))
+        rest = wrappers.set_aside(found.rest, shard, budget, lambda k: wanted(k, options.only))
+        extras.update(rest.extras)
+        dropped += rest.dropped
+        layouts.append(wrappers.layout(found, options.state_dict, written, rest.counts))
         found = None   # (the pickle's records: the sources replace them)
         placeholders.append(unlisted)
     source = SourceFacts(format=NAME, path=str(path), files=[str(p.relative_to(path) if path.is_dir() else p.name)
