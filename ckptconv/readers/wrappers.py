@@ -6,9 +6,12 @@ chgnet's `model.state_dict`), beside optimizer, scheduler and scaler state. `sur
 top-level entry holds; `unwrap` picks the weights (`--state-dict auto`: a top-level `state_dict` as
 before, else the one candidate beside recognisable training state; `KEY` or a dotted path; `none`);
 `Layout` is what inspect and convert say about it (docs/convert.md#training-checkpoints);
-`set_aside` what becomes of the rest. Only entries' names and whether they reach a tensor are
-looked at, each walk charged to the pickle's budget; nothing here changes a tensor.
+`set_aside` what becomes of the rest. A training-state key numbered by its trainer (Lightning's
+`optimizer_0`, `optimizer_1`: a known key, `_`, digits) is that state. Only entries' names and
+whether they reach a tensor are looked at, each walk charged to the pickle's budget; nothing here
+changes a tensor.
 """
+import re
 from dataclasses import dataclass
 
 from ..errors import UsageError, printable
@@ -40,11 +43,16 @@ TOP = "."   # --state-dict for the tensors at a state's top level (a DCP save th
 
 
 _KINDS = {**_TRAINING, **dict.fromkeys(_EMA_KEYS, EMA), **dict.fromkeys(_MODEL_KEYS, MODEL)}
+_NUMBERED = re.compile(r"(.+)_[0-9]+")   # Lightning's optimizer_0, optimizer_1 (strategies/fsdp.py, model_parallel.py)
 
 
 def kind(key: str) -> str:
-    """What an entry of a training checkpoint holds, by its key."""
-    return _KINDS.get(key, OTHER)
+    """What an entry of a training checkpoint holds, by its key: a key of training state followed by
+    `_N` is that state."""
+    found = _KINDS.get(key)
+    if found is None and (numbered := _NUMBERED.fullmatch(key)) is not None:
+        found = _TRAINING.get(numbered.group(1))
+    return found or OTHER
 
 
 def mapping(value):
