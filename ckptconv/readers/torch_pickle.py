@@ -21,8 +21,8 @@ from ..storage import files as storage
 from ..tensor import Checkpoint, SourceFacts
 from ..formats.manifest import index_kind, is_index
 from .pickle.torch_globals import TORCH_OWNED, Storage, flatten, storage_dtype, torch_globals
-from . import (DEEPSPEED_RANK_FILE, ReadOptions, by_shard, check_listed, inside, model_files, source_root,
-               training_state, wanted, weight_map, weights_file)
+from . import (DEEPSPEED_RANK_FILE, LIGHTNING_META, ReadOptions, by_shard, check_listed, inside, model_files,
+               source_root, training_state, wanted, weight_map, weights_file)
 
 NAME = "torch"
 
@@ -55,7 +55,8 @@ def _dir_files(directory: Path) -> list:
     root = source_root(directory)
     files = [p for p in sorted(directory.iterdir()) if p.name.endswith(TORCH_SUFFIXES) and p.is_file()
              and inside(p, root) and not training_state(p.name)   # a link leading elsewhere is not even looked at
-             and not DEEPSPEED_RANK_FILE.fullmatch(p.name)]        # (a ZeRO checkpoint: readers/deepspeed.py)
+             and not DEEPSPEED_RANK_FILE.fullmatch(p.name)         # (a ZeRO checkpoint: readers/deepspeed.py)
+             and not (p.name == LIGHTNING_META and (directory / ".metadata").is_file())]   # (readers/dcp_lightning.py)
     return [p for p in files if _is_torch_file(p)]
 
 
