@@ -88,11 +88,13 @@ dcp-fixtures: setup
 	rm -rf tests/fixtures/data/dcp
 	$(PY) -m tests.fixtures.dcp tests/fixtures/data/dcp
 
-# Training states saved through torch DCP by the real stacks (FSDP1, Lightning's FSDP strategy, a
-# torchtitan step directory, Accelerate's pytorch_model_fsdp_0; CPU, 2 processes with gloo), each
-# compared bit for bit with the stack's own consolidation (not part of `make test`: the venv is about
-# 1.5 GB with torchtitan's dependencies; the fixtures take about a minute). `training-fixtures`
-# remakes the small ones committed under tests/fixtures/data/training_dcp/. See docs/dcp.md#training-states.
+# Training states saved through torch DCP by the real stacks (FSDP1; Lightning's Trainer.fit with the
+# sharded FSDP strategy, one optimizer or two, and Fabric.save; a torchtitan step directory;
+# Accelerate's pytorch_model_fsdp_0; CPU, 2 processes with gloo), each compared bit for bit with the
+# stack's own consolidation (not part of `make test`: the venv is about 1.5 GB with torchtitan's
+# dependencies; the fixtures take about two minutes). `training-fixtures` remakes the small ones
+# committed under tests/fixtures/data/training_dcp/ (KINDS="lightning fabric" remakes those only).
+# See docs/dcp.md#training-states.
 TRAINING_VENV ?= .venv-training
 TRAINING_FIXTURES ?= /tmp/ckptconv-training-dcp-fixtures
 $(TRAINING_VENV)/.installed:
@@ -107,7 +109,7 @@ test-training: setup $(TRAINING_VENV)/.installed
 	CKPTCONV_TRAINING_DCP_FIXTURES=$(abspath $(TRAINING_FIXTURES)) $(PY) -m pytest tests/readers/test_dcp_training.py -v
 
 training-fixtures: $(TRAINING_VENV)/.installed
-	$(TRAINING_VENV)/bin/python -m tests.fixtures.training_dcp --committed
+	$(TRAINING_VENV)/bin/python -m tests.fixtures.training_dcp --committed $(KINDS)
 
 # Orbax checkpoints made by the real Orbax (jax on 8 host CPU devices; a 2-process save with
 # jax.distributed on 127.0.0.1), every variant of tests/fixtures/orbax.py (OCDBT, per-array zarr v2

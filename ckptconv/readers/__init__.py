@@ -195,6 +195,11 @@ _TRAINING_STATE = [
 DEEPSPEED_RANK_FILE = re.compile(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt"
                                  r"|(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
 
+# Lightning's file of a sharded FSDP checkpoint's other state, beside DCP's `.metadata`
+# (lightning.fabric.utilities.load._METADATA_FILENAME): read by the dcp reader (dcp_lightning.py),
+# never taken for a directory's torch weights.
+LIGHTNING_META = "meta.pt"
+
 
 def deepspeed_tag_directory(d: Path) -> bool:
     """A DeepSpeed tag directory inside its checkpoint directory (the parent holds `latest`), whose

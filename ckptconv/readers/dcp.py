@@ -27,7 +27,7 @@ from ..tensor import Checkpoint, SourceFacts
 from .pickle import unpickler
 from .pickle.torch_globals import TORCH_OWNED, flatten, torch_globals
 from .pickle.unpickler import Function, InertClass
-from . import ReadOptions, confined, dcp_training, model_files, source_root, wanted
+from . import LIGHTNING_META, ReadOptions, confined, dcp_lightning, dcp_training, model_files, source_root, wanted
 from .dcp_chunks import _ZIP, DCPReader, _global
 from .dcp_metadata import Loc, _check_coverage, _field, _found, _read_tensor, _record, _storage_index
 from .torch_pickle import load_zip
@@ -90,7 +90,8 @@ def read(path: Path, options: ReadOptions, allow, keep=None) -> Checkpoint:
     """The items of the DCP checkpoint in `path` whose name `keep(fqn)` accepts (the others are checked
     as records, never read), unpickled with `allow` (DCP's records plus a format's own: the megatron
     reader's torch_dist directories). Without `keep` (the dcp reader), a training state's model is
-    unwrapped as --state-dict says (dcp_training.py) and --only selects among the names written."""
+    unwrapped as --state-dict says (dcp_training.py), Lightning's meta.pt beside `.metadata` read with
+    it (dcp_lightning.py), and --only selects among the names written."""
     meta_path = path / ".metadata"
     meta = storage.open_file(confined(meta_path, source_root(path)))
     md = _record(unpickler.load(storage.buffer(meta, 0, meta.size), allow, meta_path), ("Metadata", "MCoreMetadata"),
@@ -101,12 +102,14 @@ def read(path: Path, options: ReadOptions, allow, keep=None) -> Checkpoint:
         raise BadInput(f"{meta_path}: Metadata.state_dict_metadata/storage_data are not dicts")
     where_by_key = _storage_index(storage_data, meta_path)
     reader = DCPReader(path, allow)
-    unwrapped = None
+    unwrapped, lightning, aside = None, None, None
     if keep is None:
         kinds = {fqn: _record(item, ("TensorStorageMetadata", "BytesStorageMetadata"), f"item {fqn!r}", meta_path)
                  .qualname == "TensorStorageMetadata" for fqn, item in sdm.items() if isinstance(fqn, str)}
+        lightning = dcp_lightning.open_meta(path, allow)
+        aside = lightning.set_aside(lambda name: wanted(name, options.only)) if lightning is not None else None
         unwrapped = dcp_training.unwrap(kinds, _field(md, "planner_data", meta_path, None), options.state_dict,
-                                        meta_path)
+                                        meta_path, aside.counts if aside is not None else None)
         names = unwrapped.names if unwrapped is not None else {}
         keep = (lambda fqn: fqn in names and wanted(names[fqn], options.only)) if unwrapped is not None else \
             (lambda fqn: wanted(fqn, options.only))
@@ -146,11 +149,24 @@ def read(path: Path, options: ReadOptions, allow, keep=None) -> Checkpoint:
             if c.numel and not c.transformed:
                 c.source()
         tensors.append(_global(name_of(fqn), dt, shape, chunks, grid))
-    source = SourceFacts(format=NAME, path=str(path), files=sorted(p.name for p in path.glob("*.distcp")),
+    dropped = unwrapped.dropped if unwrapped is not None else []
+    if lightning is not None:   # meta.pt: the rest of the wrapper, or written too when everything is
+        if unwrapped is not None:
+            extras.update(aside.extras)
+            dropped = dropped + [d for d in aside.dropped if d not in dropped]
+        else:
+            t, e, s = lightning.whole(lambda name: wanted(name, options.only))
+            tensors += t
+            extras.update(e)
+            skipped += [(x, lightning.file.path) for x in s]
+    files = sorted(p.name for p in path.glob("*.distcp")) + ([LIGHTNING_META] if lightning is not None else [])
+    source = SourceFacts(format=NAME, path=str(path), files=files,
                          skipped=[s for s, _ in skipped],
-                         **({"state_dict": unwrapped.chosen, "dropped": unwrapped.dropped}
+                         **({"placeholders": unpickler.listing([lightning.unlisted])} if lightning is not None else {}),
+                         **({"state_dict": unwrapped.chosen, "dropped": dropped}
                             if unwrapped is not None else {"state_dict": "none"} if options.state_dict == "none" else {}))
-    return Checkpoint(tensors, extras, source, model_files(path), [meta] + list(reader.files.values()),
+    mapped = [meta] + list(reader.files.values()) + ([lightning.file] if lightning is not None else [])
+    return Checkpoint(tensors, extras, source, model_files(path), mapped,
                       layout=unwrapped.layout if unwrapped is not None else None,
                       unsupported=(f"{skipped[0][1]}: tensor {skipped[0][0]['name']!r} has dtype {skipped[0][0]['reason']}, "
                                    "which safetensors cannot store", "--skip-unsupported leaves it out")

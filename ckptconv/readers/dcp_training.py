@@ -3,10 +3,11 @@
 A DCP checkpoint is a state dict flattened to dotted names; the save planner keeps each name's path
 in the dict it flattened (`Metadata.planner_data`: `"model.layers.0.weight" -> ("model",
 "layers.0.weight")`). So the top level is known without guessing from dots: an FSDP `{model, optim}`
-save, Lightning's `{model, optimizer}`, Accelerate's `{model}` give the model's entry; torchtitan
-flattens the model's own names to the top level beside `optimizer`, `lr_scheduler`, `dataloader` and
-`train_state`, which is the model with the training state left out. The names written are those the
-stack's own consolidation gives (`dcp_to_torch_save`, then the model's key; `merge_fsdp_weights`).
+save, Lightning's `{model, optimizer_0, ...}` (its meta.pt beside: dcp_lightning.py), Accelerate's
+`{model}` give the model's entry; torchtitan flattens the model's own names to the top level beside
+`optimizer`, `lr_scheduler`, `dataloader` and `train_state`, which is the model with the training
+state left out. The names written are those the stack's own consolidation gives (`dcp_to_torch_save`
+or Lightning's consolidate_checkpoint, then the model's key; `merge_fsdp_weights`).
 Without planner data whose paths spell their names (another planner's private data), nothing is
 unwrapped. Only names are looked at here; the reader reads what is kept (readers/dcp.py).
 """
@@ -58,9 +59,11 @@ def _nested(entries, by_top) -> list:
     return out
 
 
-def unwrap(items: dict, planner_data, how: str, where) -> Unwrap | None:
-    """`items`: fqn -> whether it is a tensor item, in file order; `how`: --state-dict. None: every item
-    is written under its own name (no training state, no single model entry in it, or `none`)."""
+def unwrap(items: dict, planner_data, how: str, where, beside=None) -> Unwrap | None:
+    """`items`: fqn -> whether it is a tensor item, in file order; `how`: --state-dict; `beside`: the
+    tensors of each entry of the state saved beside the DCP items (Lightning's meta.pt), shown in the
+    layout. None: every item is written under its own name (no training state, no single model entry
+    in it, or `none`)."""
     if how == "none":
         return None
     found = paths(planner_data, list(items))
@@ -105,7 +108,7 @@ def unwrap(items: dict, planner_data, how: str, where) -> Unwrap | None:
     dropped = [{"name": k, "reason": "tensors outside the state dict"} for k, n in counts.items() if n]
     shown = tuple(Entry(TOP, MODEL) if e.key == TOP else e for e in ([Entry(TOP, OTHER)] if leaves else []) + entries)
     layout = wrappers.layout(Unwrapped(None, {}, chosen, Survey(shown, chosen if how == "auto" else None)), how,
-                             [n for f, n in names.items() if items[f]], counts)
+                             [n for f, n in names.items() if items[f]], {**counts, **(beside or {})})
     return Unwrap(names, dropped, chosen, layout)
 
 

@@ -21,8 +21,8 @@ from ..storage import files as storage
 from ..tensor import Checkpoint, SourceFacts
 from ..formats.manifest import index_kind, is_index
 from .pickle.torch_globals import TORCH_OWNED, Storage, flatten, storage_dtype, torch_globals
-from . import (DEEPSPEED_RANK_FILE, ReadOptions, by_shard, check_listed, inside, model_files, source_root,
-               training_state, wanted, weight_map, weights_file)
+from . import (DEEPSPEED_RANK_FILE, LIGHTNING_META, ReadOptions, by_shard, check_listed, inside, model_files,
+               source_root, training_state, wanted, weight_map, weights_file)
 
 NAME = "torch"
 
@@ -55,7 +55,8 @@ def _dir_files(directory: Path) -> list:
     root = source_root(directory)
     files = [p for p in sorted(directory.iterdir()) if p.name.endswith(TORCH_SUFFIXES) and p.is_file()
              and inside(p, root) and not training_state(p.name)   # a link leading elsewhere is not even looked at
-             and not DEEPSPEED_RANK_FILE.fullmatch(p.name)]        # (a ZeRO checkpoint: readers/deepspeed.py)
+             and not DEEPSPEED_RANK_FILE.fullmatch(p.name)         # (a ZeRO checkpoint: readers/deepspeed.py)
+             and not (p.name == LIGHTNING_META and (directory / ".metadata").is_file())]   # (readers/dcp_lightning.py)
     return [p for p in files if _is_torch_file(p)]
 
 
@@ -106,18 +107,10 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         t = None
         extras.update(unpickler.extras_json({k: v for k, v in e.items() if wanted(k, options.only)}, budget))
         skipped += s
-        rest_counts = {}
-        for key, value in found.rest.items():  # the rest of a training wrapper: kept as extras, or dropped
-            wt, we, ws = flatten(value, shard, prefix=key, budget=budget)
-            rest_counts[key] = len(wt) + len(ws)
-            unread = unpickler.unread_in(value)
-            if wt or ws:
-                dropped.append({"name": key, "reason": "tensors outside the state dict"})
-            elif unread is not None:
-                dropped.append({"name": key, "reason": f"{unread.qualname} builds something ckptconv does not read"})
-            else:
-                extras.update(unpickler.extras_json({k: v for k, v in we.items() if wanted(k, options.only)}, budget))
-        layouts.append(wrappers.layout(found, options.state_dict, written, rest_counts))
+        rest = wrappers.set_aside(found.rest, shard, budget, lambda k: wanted(k, options.only))
+        extras.update(rest.extras)
+        dropped += rest.dropped
+        layouts.append(wrappers.layout(found, options.state_dict, written, rest.counts))
         found = None   # (the pickle's records: the sources replace them)
         placeholders.append(unlisted)
     source = SourceFacts(format=NAME, path=str(path), files=[str(p.relative_to(path) if path.is_dir() else p.name)

@@ -5,17 +5,20 @@ choosing (`state_dict`, `model`, `model_state_dict`, `module`, `net`, an EMA cop
 chgnet's `model.state_dict`), beside optimizer, scheduler and scaler state. `survey` names what each
 top-level entry holds; `unwrap` picks the weights (`--state-dict auto`: a top-level `state_dict` as
 before, else the one candidate beside recognisable training state; `KEY` or a dotted path; `none`);
-`Layout` is what inspect and convert say about it (docs/convert.md#training-checkpoints). Only
-entries' names and whether they reach a tensor are looked at, each walk charged to the pickle's
-budget; nothing here changes a tensor.
+`Layout` is what inspect and convert say about it (docs/convert.md#training-checkpoints);
+`set_aside` what becomes of the rest. A training-state key numbered by its trainer (Lightning's
+`optimizer_0`, `optimizer_1`: a known key, `_`, digits) is that state. Only entries' names and
+whether they reach a tensor are looked at, each walk charged to the pickle's budget; nothing here
+changes a tensor.
 """
+import re
 from dataclasses import dataclass
 
 from ..errors import UsageError, printable
 from ..limits import Budget
 from .pickle import unpickler
 from .pickle.numpy_globals import NumpyArray
-from .pickle.torch_globals import TorchTensor, TorchTensorUnsupported
+from .pickle.torch_globals import TorchTensor, TorchTensorUnsupported, flatten
 
 WRAPPER_KEY = "state_dict"   # PyTorch Lightning, Stable Diffusion: unwrapped by `auto` whenever it holds tensors
 MODEL = "model weights"
@@ -40,11 +43,16 @@ TOP = "."   # --state-dict for the tensors at a state's top level (a DCP save th
 
 
 _KINDS = {**_TRAINING, **dict.fromkeys(_EMA_KEYS, EMA), **dict.fromkeys(_MODEL_KEYS, MODEL)}
+_NUMBERED = re.compile(r"(.+)_[0-9]+")   # Lightning's optimizer_0, optimizer_1 (strategies/fsdp.py, model_parallel.py)
 
 
 def kind(key: str) -> str:
-    """What an entry of a training checkpoint holds, by its key."""
-    return _KINDS.get(key, OTHER)
+    """What an entry of a training checkpoint holds, by its key: a key of training state followed by
+    `_N` is that state."""
+    found = _KINDS.get(key)
+    if found is None and (numbered := _NUMBERED.fullmatch(key)) is not None:
+        found = _TRAINING.get(numbered.group(1))
+    return found or OTHER
 
 
 def mapping(value):
@@ -214,6 +222,34 @@ def _steps(obj, key: str):
 def _same_key(level: dict, key: str):
     """The key object of `level` equal to `key` (a str subclass from a pickle compares equal)."""
     return next(k for k in level if k == key)
+
+
+@dataclass
+class Rest:
+    """What becomes of the rest of a training wrapper (dotted name -> value): the extras kept, the
+    entries dropped ({"name", "reason"}) and the tensors each entry holds (for the Layout)."""
+
+    extras: dict
+    dropped: list
+    counts: dict
+
+
+def set_aside(rest: dict, path, budget: Budget, keep=lambda name: True) -> Rest:
+    """An entry without tensors goes to the extras (those of its names `keep` accepts); one holding
+    tensors, or a record a global of the format's own modules built (a kind of tensor ckptconv does
+    not read), is dropped and named with why. The tensors are never read."""
+    extras, dropped, counts = {}, [], {}
+    for key, value in rest.items():
+        wt, we, ws = flatten(value, path, prefix=key, budget=budget)
+        counts[key] = len(wt) + len(ws)
+        unread = unpickler.unread_in(value)
+        if wt or ws:
+            dropped.append({"name": key, "reason": "tensors outside the state dict"})
+        elif unread is not None:
+            dropped.append({"name": key, "reason": f"{unread.qualname} builds something ckptconv does not read"})
+        else:
+            extras.update(unpickler.extras_json({k: v for k, v in we.items() if keep(k)}, budget))
+    return Rest(extras, dropped, counts)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Training states saved through DCP by the real stacks (tests/fixtures/training_dcp.py: FSDP1,
-Lightning's FSDP strategy, torchtitan, Accelerate; committed under tests/fixtures/data/training_dcp/,
+Lightning's Trainer and Fabric with the sharded FSDP strategy, torchtitan, Accelerate; committed under
+tests/fixtures/data/training_dcp/,
 remade by `make test-training`, which points CKPTCONV_TRAINING_DCP_FIXTURES at fresh ones) convert in
 one command with no flags to what each stack's own consolidation gives, bit for bit, and say which
 entry they took and what they left out; --state-dict picks another or keeps everything."""
@@ -21,8 +22,9 @@ def src_of(kind):
     return source(kind, ROOT) if os.environ.get("CKPTCONV_TRAINING_DCP_FIXTURES") else ROOT / kind
 
 
-CHOSEN = {"fsdp1": ("model", ["optim"]), "lightning": ("model", ["optimizer"]), "torchtitan": (".", ["optimizer"]),
-          "accelerate": ("model", [])}
+CHOSEN = {"fsdp1": ("model", ["optim"]), "lightning": ("model", ["optimizer_0", "callbacks"]),
+          "lightning_two": ("model", ["optimizer_0", "optimizer_1"]), "fabric": ("model", ["optimizer"]),
+          "torchtitan": (".", ["optimizer"]), "accelerate": ("model", [])}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -41,6 +43,7 @@ def test_converts_to_what_the_stacks_consolidation_gives(kind, tmp_path):
     assert [d["name"] for d in source_facts.get("dropped", [])] == dropped
     said = r.stdout + r.stderr
     assert "training checkpoint: model weights " in said and "picked by --state-dict auto" in said
+    assert "also holds" not in said   # (Lightning's meta.pt is the checkpoint's, not a torch file beside it)
     # verify --against reads the source the way convert did
     v = run("verify", out, "--against", src_of(kind))
     assert v.exit_code == 0, v.stdout + v.stderr
@@ -73,8 +76,66 @@ def test_inspect_says_which_entry_it_took(tmp_path):
 
 def test_only_selects_among_the_names_written(tmp_path):
     out = tmp_path / "out"
-    assert run("convert", src_of("lightning"), out, "--only", "layers.", "--quiet").exit_code == 0
-    assert sorted(load_output(out)) == ["layers.0.bias", "layers.0.weight", "layers.1.bias", "layers.1.weight"]
+    assert run("convert", src_of("lightning"), out, "--only", "model.layers.", "--quiet").exit_code == 0
+    assert sorted(load_output(out)) == ["model.layers.0.bias", "model.layers.0.weight", "model.layers.1.bias",
+                                        "model.layers.1.weight"]
+
+
+# What Lightning 2.6.6 writes beside the DCP items in meta.pt (strategies/fsdp.py save_checkpoint: the
+# rest of dump_checkpoint for the Trainer, the user's non-module, non-optimizer state for Fabric), with
+# the values the runs of tests/fixtures/lightning_dcp.py give them (max_steps=2; lr 1e-3; StepLR(1)).
+META_EXTRAS = {
+    "lightning": {"epoch": 1, "global_step": 2, "pytorch-lightning_version": "2.6.6", "hparams_name": "kwargs",
+                  "hyper_parameters.lr": 0.001, "hyper_parameters.two": False, "lr_schedulers.0.last_epoch": 2,
+                  "lr_schedulers.0.step_size": 1, "loops.fit_loop.epoch_progress.total.completed": 1},
+    "lightning_two": {"epoch": 1, "global_step": 2, "pytorch-lightning_version": "2.6.6",
+                      "hyper_parameters.two": True, "lr_schedulers.0.last_epoch": 1,
+                      "loops.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total.completed": 2},
+    "fabric": {"step": 2, "hparams.lr": 0.001, "hparams.name": "tiny", "scheduler.last_epoch": 1,
+               "scheduler.step_size": 1},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(META_EXTRAS))
+def test_lightnings_other_state_lands_in_the_extras_and_its_tensors_are_left_out(kind, tmp_path):
+    """Lightning's consolidation merges meta.pt into the checkpoint's top level; so does convert: its
+    entries without tensors are the extras, `callbacks` (ModelCheckpoint's `kth_value` is a tensor) is
+    left out and said so (the Trainer's run with a ModelCheckpoint); nothing of the optimizers is in
+    the extras."""
+    out = tmp_path / "out"
+    r = run("convert", src_of(kind), out)
+    assert r.exit_code == 0, r.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    extras = manifest["extras"]
+    assert {k: extras.get(k) for k in META_EXTRAS[kind]} == META_EXTRAS[kind]
+    assert not any(k.startswith(("optimizer", "callbacks", "model.")) for k in extras)
+    assert "meta.pt" in manifest["source"]["files"]
+    if kind == "lightning":   # (the other run has no ModelCheckpoint: enable_checkpointing=False)
+        assert "Lightning training state under callbacks: 1 tensor" in r.stdout + r.stderr
+
+
+def test_inspect_names_each_numbered_optimizer(tmp_path):
+    r = run("inspect", src_of("lightning_two"))
+    assert r.exit_code == 0, r.stderr
+    assert ("model weights under model: 8 tensors; optimizer state under optimizer_0: 15 tensors; optimizer state "
+            "under optimizer_1: 3 tensors\n") in r.stdout
+
+
+def test_state_dict_none_writes_meta_pts_tensors_too(tmp_path):
+    """`--state-dict none` keeps everything Lightning's consolidation holds: the DCP items under their
+    FQNs and meta.pt's tensors under their flattened names."""
+    out = tmp_path / "all"
+    r = run("convert", src_of("lightning"), out, "--state-dict", "none", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    names = set(load_output(out))
+    assert len(names) == 33 and "model.model.embed.weight" in names and "optimizer_0.state.model.embed.weight.exp_avg" \
+        in names
+    assert [n for n in names if n.startswith("callbacks.")] == \
+        [n for n in names if n.startswith("callbacks.ModelCheckpoint{") and n.endswith("}.kth_value")]
+    r = run("convert", src_of("lightning_two"), tmp_path / "opt1", "--state-dict", "optimizer_1", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    assert sorted(load_output(tmp_path / "opt1")) == [f"state.model.{n}.momentum_buffer"
+                                                       for n in ("head.weight", "norm.bias", "norm.weight")]
 
 
 def test_a_plain_or_ambiguous_state_is_written_whole(tmp_path):

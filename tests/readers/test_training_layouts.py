@@ -152,3 +152,28 @@ def test_ambiguous_layouts_convert_everything_and_say_so(tmp_path):
     r = run("convert", src, tmp_path / "model", "--state-dict", "model")
     assert r.exit_code == 0 and sorted(load_output(tmp_path / "model")) == sorted(a.state_dict())
     assert "left out: discriminator (tensors outside the state dict)" in r.stdout
+
+
+def test_numbered_training_state_is_training_state(tmp_path):
+    """Lightning numbers its optimizers (`optimizer_0`, `optimizer_1`: strategies/fsdp.py); any known
+    key of training state followed by `_N` is that state, however many there are, and the model beside
+    it is found. A model key or an unknown key numbered so is not."""
+    from ckptconv.readers import wrappers
+    assert [wrappers.kind(k) for k in ("optimizer_0", "optimizer_12", "optim_7", "lr_scheduler_3", "scheduler_1")] \
+        == ["optimizer state"] * 3 + ["scheduler state"] * 2
+    assert [wrappers.kind(k) for k in ("model_0", "optimizer_", "optimizer_x", "weights_0", "_0")] == ["other"] * 5
+    model, opt, sched = _model_and_optimizer(5)
+    _, second, _ = _model_and_optimizer(6)
+    src = tmp_path / "numbered.pt"
+    torch.save({"model": model.state_dict(), "optimizer_0": opt.state_dict(), "optimizer_1": second.state_dict(),
+                "lr_scheduler_0": sched.state_dict(), "epoch": 3}, src)
+    r = run("convert", src, tmp_path / "out")
+    assert r.exit_code == 0, r.stderr
+    got = load_output(tmp_path / "out")
+    assert sorted(got) == sorted(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert_same(got[name], tensor, name)
+    assert "optimizer state under optimizer_0: 18 tensors; optimizer state under optimizer_1: 18 tensors" in r.stdout
+    assert [d["name"] for d in manifest(tmp_path / "out")["source"]["dropped"]] == ["optimizer_0", "optimizer_1"]
+    assert manifest(tmp_path / "out")["extras"]["epoch"] == 3
+    assert manifest(tmp_path / "out")["extras"]["lr_scheduler_0.step_size"] == 10

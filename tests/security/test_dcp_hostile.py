@@ -275,3 +275,22 @@ def test_zstd_corrupt_stream(saved, tmp_path):
     out = tmp_path / "out"
     assert_refused(convert(src, out), out, "chunk of 'model.0.weight' at [0, 0]",
                    "corrupt or unsupported zstd stream")
+
+
+@pytest.mark.parametrize("case", ["os.system", "not-a-dict", "cut-short"])
+def test_a_hostile_lightning_meta_pt_is_refused(tmp_path, case):
+    """Lightning's meta.pt beside `.metadata` (the Trainer's fixture) runs through the allowlisting
+    unpickler like any torch file: a code entry point stops the run though its state would go to the
+    extras, as does a meta.pt that is no dict or is cut short; each in one line naming it."""
+    src = tmp_path / "src"
+    shutil.copytree(hostile.DATA / "training_dcp" / "lightning", src)
+    canary, meta = tmp_path / "canary", src / "meta.pt"
+    if case == "os.system":
+        meta.write_bytes(attacks.torch_zip(attacks.attacks(canary)["os.system"]))
+    elif case == "not-a-dict":
+        torch.save([1, 2], meta)
+    else:
+        meta.write_bytes(meta.read_bytes()[:meta.stat().st_size // 2])
+    out = tmp_path / "out"
+    assert_refused(convert(src, out), out, "meta.pt")
+    assert not canary.exists()

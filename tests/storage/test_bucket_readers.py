@@ -19,7 +19,7 @@ import torch
 
 from tests.fixtures import attacks, models, pipelines, torchscript, values
 from tests.fixtures.attacks import Reduce
-from tests.helpers import run
+from tests.helpers import DATA, run
 from tests.storage.test_bucket_sources import same_tree, upload
 
 
@@ -63,6 +63,8 @@ def sources(tmp_path_factory):
     np.savez(root / "stored.npz", a=rng.random((3, 4)), b=np.arange(10, dtype=np.int16))
     np.savez_compressed(root / "deflated.npz", a=rng.random((30, 4)), b=np.arange(10))
     _dcp(root)
+    # Lightning's Trainer with the sharded FSDP strategy: DCP items and its meta.pt (tests/fixtures/lightning_dcp.py)
+    shutil.copytree(DATA / "training_dcp" / "lightning", root / "lightning-dcp")
     pipelines.ddpm(root / "ddpm")
     split = root / "split.toml"
     split.write_text('layout = "torch"\n[[rule]]\npattern = ".*"\naxis = 0\n')
@@ -72,7 +74,7 @@ def sources(tmp_path_factory):
 
 
 FORMATS = ["zip.pt", "legacy.pt", "train.pt", "bin", "scripted.pt", "array.npy", "stored.npz", "deflated.npz", "dcp",
-           "dcp-zstd", "dcp-safetensors", "ddpm", "mesh"]
+           "dcp-zstd", "dcp-safetensors", "lightning-dcp", "ddpm", "mesh"]
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -85,7 +87,7 @@ def test_each_format_converts_from_a_bucket_as_locally(s3, sources, tmp_path, na
     same_tree(tmp_path / "remote", tmp_path / "local")
 
 
-@pytest.mark.parametrize("name", ["legacy.pt", "dcp", "deflated.npz"])
+@pytest.mark.parametrize("name", ["legacy.pt", "dcp", "lightning-dcp", "deflated.npz"])
 def test_inspect_and_verify_against_read_the_bucket(s3, sources, tmp_path, name):
     src = sources[name]
     url = upload(s3, src, f"src/{name}")
