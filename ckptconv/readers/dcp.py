@@ -27,9 +27,10 @@ from ..tensor import Checkpoint, SourceFacts
 from .pickle import unpickler
 from .pickle.torch_globals import TORCH_OWNED, flatten, torch_globals
 from .pickle.unpickler import Function, InertClass
-from . import ReadOptions, confined, dcp_training, model_files, source_root, wanted
+from . import ReadOptions, confined, damage, dcp_training, model_files, source_root, wanted
 from .dcp_chunks import _ZIP, DCPReader, _global
-from .dcp_metadata import Loc, _check_coverage, _field, _found, _read_tensor, _record, _storage_index
+from .dcp_metadata import (Loc, _check_coverage, _field, _found, _read_tensor, _record, _storage_index,
+                           unread_places)
 from .torch_pickle import load_zip
 
 NAME = "dcp"
@@ -134,6 +135,8 @@ def read(path: Path, options: ReadOptions, allow, keep=None) -> Checkpoint:
     # 2. Every range inside its file; no two items sharing bytes (SAFETENSORS blobs excepted).
     reader.mark_blob_members([c.loc for c in chunked])
     reader.claim([x for _, x in items if isinstance(x, Loc)], [c.loc for c in chunked])
+    # ... and the items not read: the damage their files' sizes show, from .metadata alone (readers/damage.py)
+    damaged = damage.survey(unread_places(where_by_key, {fqn for fqn, _ in items}), reader.size)
 
     # 3. Read: bytes items now, tensor chunks lazily (untransformed ones validated now: headers only).
     tensors, extras, skipped = [], {}, []
@@ -147,7 +150,7 @@ def read(path: Path, options: ReadOptions, allow, keep=None) -> Checkpoint:
                 c.source()
         tensors.append(_global(name_of(fqn), dt, shape, chunks, grid))
     source = SourceFacts(format=NAME, path=str(path), files=sorted(p.name for p in path.glob("*.distcp")),
-                         skipped=[s for s, _ in skipped],
+                         skipped=[s for s, _ in skipped], damaged=damaged,
                          **({"state_dict": unwrapped.chosen, "dropped": unwrapped.dropped}
                             if unwrapped is not None else {"state_dict": "none"} if options.state_dict == "none" else {}))
     return Checkpoint(tensors, extras, source, model_files(path), [meta] + list(reader.files.values()),
