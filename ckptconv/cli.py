@@ -35,13 +35,20 @@ from .progress import byte_progress
 from .jobs.reshard import ReshardOptions, reshard
 from .layouts import targets
 from .jobs.verify import VerifyRequest, total_bytes, verify
-from .readers import Source, open_source, reader_for, readers
+from .readers import Source, damage, open_source, reader_for, readers
 from .sizes import format_size
 
 
 def say(text: str = ""):
     """A line of output that quotes file content (names, paths): escaped, so it stays one line."""
     click.echo(printable(text, limit=1 << 16))
+
+
+def warn_damaged(damaged, src):
+    """The one stderr line for a source whose unread entries lie past its files' ends (readers/damage.py):
+    said with --json too, as an error is."""
+    if damaged:
+        click.echo(f"ckptconv: warning: {damage.line(damaged, src)}", err=True)
 
 
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -132,6 +139,7 @@ def _convert_command(name, pickle_only, help_text):
             emit("convert", result.to_json())
         else:
             _say_converted(result)
+        warn_damaged(result.damaged, src)
         if result.also and not as_json:
             say(f"read the {result.format} weights; {src} also holds {' and '.join(result.also)} weights "
                 f"(--from {result.also[0]} reads those)")
@@ -219,6 +227,7 @@ def reshard_cmd(src, out, mesh, dry_run, strip_prefix, dtype, target, with_files
         raise UsageError("OUT is required unless --dry-run")
     result = reshard(Source(src, fmt, read), out, mesh, ReshardOptions(strip_prefix, target, dtype, with_files), write,
                      dry_run, lambda n: byte_progress(n, "reshard", quiet), executor)
+    warn_damaged(result.damaged, src)
     if as_json:
         emit("reshard", result.to_json())
     elif dry_run:
@@ -407,6 +416,7 @@ def inspect_cmd(path, list_formats, fmt, read, quiet, as_json):
         _formats(as_json)
         return
     found = inspection(Source(path, fmt, read))
+    warn_damaged(found.source.get("damaged"), path)
     if as_json:
         emit("inspect", {"path": found.path, "format": found.format, "source": found.source,
                          "tensor_count": len(found.tensors), "total_bytes": found.total_bytes, "dtypes": found.dtypes,

@@ -402,13 +402,15 @@ class SourceFacts:
     modules: list = field(default_factory=list)        # {"name", "class", "entries"}: pickled nn.Modules read
                                                        # as their state_dict() (readers/torch_modules.py)
     unindexed: list = field(default_factory=list)      # .safetensors files beside an index that lists none
+    damaged: list = field(default_factory=list)        # files cut short where only unread entries lie
+                                                       # (readers/damage.py: {"file", "has", "needs", ...})
     layout: str | None = None          # a reader's layout of its format (Grok-1 "mixtral", Megatron "legacy")
     dequantize: str | None = None      # Grok-1 --dequantize
     to: str | None = None              # Megatron --to
     more: dict = field(default_factory=dict)   # the reader's own facts (tp, pp, tag, zero_stage, rules ...)
 
     _OPTIONAL = ("files", "state_dict", "layout", "dequantize", "to")
-    _LISTS = ("dropped", "placeholders", "skipped", "unindexed", "modules")
+    _LISTS = ("dropped", "placeholders", "skipped", "unindexed", "modules", "damaged")
 
     def to_json(self) -> dict:
         """The facts as the manifest records them: a fact not established is not written."""

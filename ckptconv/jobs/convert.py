@@ -53,11 +53,13 @@ class ConvertResult:
     process: int | None = None                      # on several processes: this one, and how many
     processes: int | None = None
     identity: str | None = None                     # sha256:… naming exactly this output (formats/identity.py)
+    damaged: list = field(default_factory=list)     # the source's files cut short where only entries not written
+                                                    # lie (readers/damage.py; SourceFacts.damaged)
 
     def to_json(self) -> dict:
         """The `--json` summary: the fields that apply to this run."""
         optional = ("resume_note", "skipped_files", "also", "process", "processes", "state_dict", "dropped",
-                    "placeholders", "identity", "layout", "modules", "summarised")
+                    "placeholders", "identity", "layout", "modules", "summarised", "damaged")
         out = {"tensor_count" if k == "tensors" else k: v for k, v in asdict(self).items()
                if k not in optional or v not in (None, [])}
         if self.layout is not None:
@@ -193,6 +195,6 @@ def convert(source: Source, out, options: ConvertOptions = None, write: WriteOpt
                            facts.resume_note, content.skipped_files, ckpt.also,
                            None if ckpt.source.state_dict in (None, "none") else ckpt.source.state_dict,
                            ckpt.source.dropped, ckpt.source.placeholders, ckpt.layout,
-                           modules=ckpt.source.modules, summarised=summarised)
+                           modules=ckpt.source.modules, summarised=summarised, damaged=ckpt.source.damaged)
     result.identity = identity(storage.locate(out, write.storage))
     return result

@@ -51,11 +51,13 @@ class ReshardResult:
     bytes_written: int | None = None
     gb_per_s: float | None = None
     summarised: list = field(default_factory=list)   # extras groups over --max-extras: (name, entries, JSON bytes)
+    damaged: list = field(default_factory=list)      # the source's files cut short where only unread entries lie
+                                                     # (readers/damage.py; SourceFacts.damaged)
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items()
                 if (v is not None or k not in ("out", "seconds", "bytes_written", "gb_per_s", "refusal", "identity"))
-                and (v or k != "summarised")}
+                and (v or k not in ("summarised", "damaged"))}
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,7 @@ def _opened(source: Source, out, mesh: MeshSpec, options: ReshardOptions, write:
         raise UsageError(f"{src}: the {rules.name} rules split no tensor of this checkpoint; an output in "
                          "which nothing is split would be a mistake (check --preset/--rules)")
     result = ReshardResult(**plan_summary(plans, rules, mesh.tp, mesh.ep))
+    result.damaged = ckpt.source.damaged
     result.unasked = [{"name": n, "bytes": b} for n, b in silent_replication(plans, rules, mesh.allow_replicate)]
     if result.unasked:
         result.refusal = f"{src}: {replication_refusal(result.unasked, rules)}"

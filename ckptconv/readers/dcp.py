@@ -27,9 +27,10 @@ from ..tensor import Checkpoint, SourceFacts
 from .pickle import unpickler
 from .pickle.torch_globals import TORCH_OWNED, flatten, torch_globals
 from .pickle.unpickler import Function, InertClass
-from . import LIGHTNING_META, ReadOptions, confined, dcp_lightning, dcp_training, model_files, source_root, wanted
+from . import LIGHTNING_META, ReadOptions, confined, damage, dcp_lightning, dcp_training, model_files, source_root, wanted
 from .dcp_chunks import _ZIP, DCPReader, _global
-from .dcp_metadata import Loc, _check_coverage, _field, _found, _read_tensor, _record, _storage_index
+from .dcp_metadata import (Loc, _check_coverage, _field, _found, _read_tensor, _record, _storage_index,
+                           unread_places)
 from .torch_pickle import load_zip
 
 NAME = "dcp"
@@ -137,6 +138,8 @@ def read(path: Path, options: ReadOptions, allow, keep=None) -> Checkpoint:
     # 2. Every range inside its file; no two items sharing bytes (SAFETENSORS blobs excepted).
     reader.mark_blob_members([c.loc for c in chunked])
     reader.claim([x for _, x in items if isinstance(x, Loc)], [c.loc for c in chunked])
+    # ... and the items not read: the damage their files' sizes show, from .metadata alone (readers/damage.py)
+    damaged = damage.survey(unread_places(where_by_key, {fqn for fqn, _ in items}), reader.size)
 
     # 3. Read: bytes items now, tensor chunks lazily (untransformed ones validated now: headers only).
     tensors, extras, skipped = [], {}, []
@@ -161,7 +164,7 @@ def read(path: Path, options: ReadOptions, allow, keep=None) -> Checkpoint:
             skipped += [(x, lightning.file.path) for x in s]
     files = sorted(p.name for p in path.glob("*.distcp")) + ([LIGHTNING_META] if lightning is not None else [])
     source = SourceFacts(format=NAME, path=str(path), files=files,
-                         skipped=[s for s, _ in skipped],
+                         skipped=[s for s, _ in skipped], damaged=damaged,
                          **({"placeholders": unpickler.listing([lightning.unlisted])} if lightning is not None else {}),
                          **({"state_dict": unwrapped.chosen, "dropped": dropped}
                             if unwrapped is not None else {"state_dict": "none"} if options.state_dict == "none" else {}))

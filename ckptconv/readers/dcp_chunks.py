@@ -24,7 +24,7 @@ from ..storage import files as storage
 from ..formats.safetensors import file_header
 from ..tensor import Concat, TensorSource
 from .pickle.torch_globals import TorchTensor
-from . import confined, source_root
+from . import confined, inside, source_root
 from .dcp_metadata import (ARCHIVE_ALLOWANCE, MAPPED_INFLATED, ZSTD_BYTES_LIMIT, ZSTD_MAX_WINDOW, _PIECE, Chunk, Grid,
                            Loc)
 from .safetensors import file_tensors
@@ -52,6 +52,16 @@ class DCPReader:
                 raise BadInput(f"{p}: .distcp file named by .metadata is missing")
             self.files[rel] = storage.open_file(confined(p, self.root))
         return self.files[rel]
+
+    def size(self, rel):
+        """The bytes file `rel` holds, or None when it is missing, without opening it (a file of
+        unread entries only); a name leading outside the checkpoint is not looked at (-1)."""
+        if rel in self.files:
+            return self.files[rel].size
+        p = self.path / rel
+        if not inside(p, self.root):
+            return -1
+        return storage.size(p) if p.is_file() else None
 
     def claim(self, bytes_locs, chunk_locs):
         """Every item's range must lie inside its file, and items must not share bytes: each one is

@@ -104,6 +104,11 @@ def _dtype(props, where):
     return dt.value
 
 
+def _file_name(rel) -> bool:
+    """A _StorageInfo.relative_path that names a file in the checkpoint's directory (no other)."""
+    return isinstance(rel, str) and bool(rel) and not rel.startswith(".") and "/" not in rel and "\0" not in rel
+
+
 class Loc:
     """Where an item's bytes are: a checked `_StorageInfo` (file name, offset, length, transform)."""
 
@@ -111,7 +116,7 @@ class Loc:
         _record(info, ("_StorageInfo",), f"the storage entry of {what}", where)
         where = f"{where}: {what}"
         rel = _field(info, "relative_path", where)
-        if not isinstance(rel, str) or not rel or rel.startswith(".") or "/" in rel or "\0" in rel:
+        if not _file_name(rel):
             shown = repr(rel[:200]) if isinstance(rel, str) else _found(rel)
             raise BadInput(f"{where}: _StorageInfo.relative_path {shown} is not a file name in the checkpoint")
         self.rel, self.what = rel, what
@@ -258,4 +263,19 @@ def _storage_index(storage, where) -> dict:
         if (fqn, offset) in out:
             raise BadInput(f"{where}: two storage entries for {fqn!r}" + (f" at {list(offset)}" if offset else ""))
         out[(fqn, offset)] = info
+    return out
+
+
+def unread_places(storage, read) -> list:
+    """(file, fqn, start, stop) of every storage entry whose item is not in `read` (the fqns read), as
+    `_storage_index` gives them: what readers/damage.py sets against the files' sizes. Only records
+    that name a file of the checkpoint with an offset and a length are taken (those items are never
+    read: nothing else of them is checked, nor refused)."""
+    out = []
+    for (fqn, _), info in storage.items():
+        if fqn in read or not isinstance(info, InertObject):
+            continue
+        rel, offset, length = (info.state.get(k) for k in ("relative_path", "offset", "length"))
+        if _file_name(rel) and type(offset) is int and type(length) is int and offset >= 0 and length >= 0:
+            out.append((rel, fqn, offset, offset + length))
     return out

@@ -119,9 +119,10 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
         config = mt.hf_config(a)
         made = {"config.json": mt.config_bytes(config)}
     tensors = [t for t in tensors if wanted(t.name, options.only)]
-    files = described.pop("files")
+    files, damaged = described.pop("files"), described.pop("damaged", [])
     source = SourceFacts(format=NAME, path=str(path), layout=described.pop("layout"),
                          files=[f"{tag}/{f}" for f in files] if d != path else files,
+                         damaged=[{**r, "file": f"{tag}/{r['file']}"} for r in damaged] if d != path else damaged,
                          placeholders=described.pop("placeholders", []), to="hf" if to == "hf" else None,
                          dropped=dropped, more={"iteration": tag, **described})
     carried = [(rel, p) for rel, p in model_files(top, [d, d / "metadata.json"]) if rel not in made]

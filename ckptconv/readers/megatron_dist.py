@@ -43,8 +43,8 @@ def _torch_dist(d: Path, root: str, options: ReadOptions, meta: dict):
     extras = unpickler.extras_json({"args": InertObject("argparse.Namespace", state=dict(args)),
                                     "checkpoint_version": top.get("checkpoint_version"),
                                     "iteration": top.get("iteration")}, Budget(common))
-    described = {"layout": "torch_dist", "files": ckpt.source.files or [], "tp": a.tp, "pp": a.pp, "ep": a.ep,
-                 **({"vp": a.vp} if a.vp else {})}
+    described = {"layout": "torch_dist", "files": ckpt.source.files or [], "damaged": ckpt.source.damaged, "tp": a.tp,
+                 "pp": a.pp, "ep": a.ep, **({"vp": a.vp} if a.vp else {})}
     return tensors, a, extras, described, dropped, [m] + ckpt.mapped
 
 

@@ -12,7 +12,7 @@ from ... import signals, transforms
 from ...errors import BadInput, CkptError, brief
 from ...io.hashing import CHUNK
 from ...io.mapped import MappedFile
-from ...readers import ReadOptions, open_checkpoint, readers
+from ...readers import ReadOptions, damage, open_checkpoint, readers
 from ...readers.wrappers import NoSuchEntry
 from ...formats.safetensors import file_header
 from ...recipe import Recipe
@@ -70,6 +70,8 @@ def compare_against(out_path: Path, layout, src, read: ReadOptions, fmt, report:
             if replayed:
                 report.notes.append(f"{out_path}: compared with the part of the source the output records it was "
                                     f"made from: {', '.join(replayed)}")
+    if source.source.damaged and mine("structure", None):   # (what is not read for the output: a note, exit 0)
+        report.notes.append(damage.line(source.source.damaged, source.source.path))
     if mine("structure", None) and document.get("format") == manifest_format.FORMAT:   # (not a foreign output)
         _compare_facts(recorded, document, manifest, source, report, beside=Path(src).is_file())
     try:
@@ -255,6 +257,9 @@ def _as_recorded(read: ReadOptions, manifest: dict, fmt=None) -> ReadOptions:
 # the reader says of the source today.
 _APPLIED = ("path", "cast", "strip_prefix", "only", "skipped_files", "config_edits", "resharded", "target",
             "model_files", "with")
+# What the source's bytes were when the output was made, not what the reader says of its structure: the
+# damage found today is a note of its own (compare_against), whether or not the output recorded it.
+_STATE = ("damaged",)
 
 
 def _compare_facts(recorded: Path, document: dict, manifest: dict, source, report: Report, beside=False):
@@ -279,8 +284,8 @@ def _compare_description(recorded: Path, document: dict, manifest: dict, source,
     entry, less what convert applied), is what the reader says today. Returns the document to compare
     further: when another reader made the output, the source's own facts stand in for what is not
     compared (a note says so)."""
-    fresh = {k: v for k, v in _plain(source.source.to_json()).items() if k != "path"}
-    kept = {k: v for k, v in _plain(manifest).items() if k not in _APPLIED}
+    fresh = {k: v for k, v in _plain(source.source.to_json()).items() if k != "path" and k not in _STATE}
+    kept = {k: v for k, v in _plain(manifest).items() if k not in _APPLIED + _STATE}
     if kept.get("format") != fresh.get("format"):
         report.notes.append(f"{recorded}: made from a {brief(kept.get('format'), 40)} source, compared with a "
                             f"{brief(fresh.get('format'), 40)} one: its tensors and model files are compared, not "
