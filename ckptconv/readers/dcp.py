@@ -28,7 +28,7 @@ from .pickle import unpickler
 from .pickle.torch_globals import TORCH_OWNED, flatten, torch_globals
 from .pickle.unpickler import Function, InertClass
 from . import LIGHTNING_META, ReadOptions, confined, damage, dcp_lightning, dcp_training, model_files, source_root, wanted
-from .dcp_chunks import _ZIP, DCPReader, _global
+from .dcp_chunks import _ZIP, DCPReader, global_tensor
 from .dcp_metadata import (Loc, _check_coverage, _field, _found, _read_tensor, _record, _storage_index,
                            unread_places)
 from .torch_pickle import load_zip
@@ -151,7 +151,7 @@ def read(path: Path, options: ReadOptions, allow, keep=None) -> Checkpoint:
         for c in chunks:
             if c.numel and not c.transformed:
                 c.source()
-        tensors.append(_global(name_of(fqn), dt, shape, chunks, grid))
+        tensors.append(global_tensor(name_of(fqn), dt, shape, chunks, grid))
     dropped = unwrapped.dropped if unwrapped is not None else []
     if lightning is not None:   # meta.pt: the rest of the wrapper, or written too when everything is
         if unwrapped is not None:

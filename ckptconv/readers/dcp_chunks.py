@@ -17,16 +17,16 @@ from pathlib import Path
 import numpy as np
 
 from .. import safejson
-from ..errors import BadInput, OutputError, UsageError
+from ..errors import BadInput, OutputError
 from ..io.mapped import MemoryFile
+from ..io import zstd
 from ..io.spill import SpillFile
 from ..storage import files as storage
 from ..formats.safetensors import file_header
 from ..tensor import Concat, TensorSource
 from .pickle.torch_globals import TorchTensor
 from . import confined, inside, source_root
-from .dcp_metadata import (ARCHIVE_ALLOWANCE, MAPPED_INFLATED, ZSTD_BYTES_LIMIT, ZSTD_MAX_WINDOW, _PIECE, Chunk, Grid,
-                           Loc)
+from .dcp_metadata import ARCHIVE_ALLOWANCE, MAPPED_INFLATED, ZSTD_BYTES_LIMIT, _PIECE, Chunk, Grid, Loc
 from .safetensors import file_tensors
 from .torch_pickle import load_zip
 
@@ -115,27 +115,18 @@ class DCPReader:
 
     def _inflate(self, loc, limit, too_big):
         m = self.file(loc.rel)
-        try:
-            import zstandard
-        except ImportError:
-            raise UsageError(f"{m.path}: {loc.what} is zstd-compressed; install zstandard: "
-                             "pip install 'ckptconv[zstd]'") from None
-        start, size = self._spill.begin(), 0
-        dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
         source = m.view[loc.offset:loc.offset + loc.length] if not m.remote else \
-            _Reading(storage.pieces(m, loc.offset, loc.length, _PIECE))
+            zstd.Pieces(storage.pieces(m, loc.offset, loc.length, _PIECE))
+        stream = zstd.Stream(source, f"{m.path}: {loc.what}", limit, too_big)
+        start, size = self._spill.begin(), 0
         try:
-            with dctx.stream_reader(source, closefd=False) as stream:
+            with stream:
                 while True:
                     piece = stream.read(min(_PIECE, limit + 1 - size))
                     if not piece:
                         break
-                    if size + len(piece) > limit:
-                        raise too_big(limit)
                     self._spill.write(piece, start + size)
                     size += len(piece)
-        except zstandard.ZstdError as e:
-            raise BadInput(f"{m.path}: {loc.what}: corrupt or unsupported zstd stream: {e}") from None
         except OSError as e:
             raise OutputError(f"{tempfile.gettempdir()}: cannot write inflated zstd data of {loc.what} to a "
                               f"temporary file: {e.strerror} (set TMPDIR to a larger disk)") from None
@@ -244,23 +235,6 @@ class DCPReader:
         if not isinstance(info, dict):
             raise BadInput(f"{m.path}: DCP_SHARDING_INFO of the safetensors blob at offset {offset} is not an object")
         return sources, info
-
-
-class _Reading:
-    """Pieces of bytes (files.pieces) as the file-like source a zstd stream reader reads from."""
-
-    def __init__(self, pieces):
-        self._pieces, self._left = pieces, memoryview(b"")
-
-    def read(self, n: int = -1) -> bytes:
-        while not self._left:
-            piece = next(self._pieces, None)
-            if piece is None:
-                return b""
-            self._left = memoryview(piece)
-        n = len(self._left) if n < 0 else n
-        out, self._left = bytes(self._left[:n]), self._left[n:]
-        return out
 
 
 class _Within:
@@ -378,7 +352,7 @@ def _tile_axis(shape, chunks):
     return None
 
 
-def _global(fqn, dt, shape, chunks, grid):
+def global_tensor(fqn, dt, shape, chunks, grid):
     """One chunk: its own source; chunks tiling one axis: a join (keeps slices contiguous); else
     a region-filling tensor. Transformed chunks are always read lazily."""
     live = [c for c in chunks if c.numel]

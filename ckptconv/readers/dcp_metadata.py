@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import BadInput
+from ..io.zstd import ZSTD_MAX_RATIO
 from ..limits import MAX_NDIM, shape_problem
 from ..tensor import TensorSource
 from .pickle.unpickler import InertObject, Marker
@@ -26,12 +27,9 @@ ARCHIVE_ALLOWANCE = 64 << 10
 # BYTE_IO items declare no size. All zstd-compressed ones of a checkpoint together may inflate to
 # this much (real ones are pickled step counters, param groups and RNG states: kilobytes).
 ZSTD_BYTES_LIMIT = 256 << 20
-# The most a zstd stream can inflate per byte: one 4-byte RLE block (3-byte header, 1 byte) per
-# 128 KiB block of output. A chunk that declares more data than this times its stream is refused
-# before anything is read or planned.
-ZSTD_MAX_RATIO = 32768
-# The decoder's window, which a frame header chooses: libzstd's own default limit, made explicit.
-ZSTD_MAX_WINDOW = 1 << 27
+# A chunk that declares more data than ZSTD_MAX_RATIO (io/zstd.py: the most a zstd stream can
+# inflate per byte) times its stream is refused before anything is read or planned; the decoder's
+# window is at most io/zstd.py's ZSTD_MAX_WINDOW.
 _PIECE = 1 << 20                # decompressed bytes read and written at a time
 MAPPED_INFLATED = 16            # inflated chunks kept mapped (more are re-mapped, never re-inflated)
 # The chunk-coverage grid (cut points of all chunk boundaries, per axis) may have this many cells

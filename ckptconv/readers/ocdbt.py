@@ -10,16 +10,17 @@ their values, stored inline or as (data file, offset, length).
 
 Only the latest version is read, and it is always inline in the manifest: version tree nodes (older
 versions) are parsed as manifest entries and never followed. Everything else is checked as it is
-read, against what is present (docs/security.md, "OCDBT"): every encoded manifest and node by its
-magic, length, version and CRC-32C; varints by their width; every node and value range inside its
-data file; every data file path relative, without `..`, resolving inside the checkpoint; node
-heights strictly decreasing from the manifest's root height (so the walk ends), each node read once
-and no two nodes sharing bytes; keys strictly increasing across the whole tree; the statistics a
-parent records about a child (keys, node bytes, indirect value bytes) equal to what the child holds;
-zstd-compressed nodes one whole frame, inflated to at most NODE_MAX_RATIO x their bytes and
-NODE_MAX_DECODED, all nodes together TREE_DECODED_LIMIT; keys at most MAX_KEYS and, beyond KEYS_FREE,
-one per stored byte of the nodes read; all keys together at most KEY_BYTES_LIMIT bytes and one
-table's paths TABLE_BYTES_LIMIT (prefix compression lets a few bytes name 64 KiB).
+read, against what is present (docs/security.md, "OCDBT"). ocdbt_encoding.py checks the bytes: every
+encoded manifest and node by its magic, length, version and CRC-32C; varints by their width; zstd
+nodes one whole frame, inflated to at most NODE_MAX_RATIO x their bytes and NODE_MAX_DECODED; one
+table's paths at most TABLE_BYTES_LIMIT (prefix compression lets a few bytes name 64 KiB). This
+module checks the tree: every node and value range inside its data file; every data file path
+relative, without `..`, resolving inside the checkpoint; node heights strictly decreasing from the
+manifest's root height (so the walk ends), each node read once and no two nodes sharing bytes; keys
+strictly increasing across the whole tree; the statistics a parent records about a child (keys,
+node bytes, indirect value bytes) equal to what the child holds; all nodes together inflated to at
+most TREE_DECODED_LIMIT; keys at most MAX_KEYS and, beyond KEYS_FREE, one per stored byte of the
+nodes read; all keys together at most KEY_BYTES_LIMIT bytes.
 
 A directory with per-process stores (`ocdbt.process_N/`) but no root manifest is a save whose merge
 never ran (Orbax merges at commit): refused as unfinished, never pieced together from the parts.
@@ -27,248 +28,25 @@ never ran (Orbax merges at commit): refused as unfinished, never pieced together
 import bisect
 from typing import NamedTuple
 
-from ..errors import BadInput, UsageError
+from ..errors import BadInput
 from ..storage import files as storage
 from . import confined, source_root
+from .ocdbt_encoding import BTREE_MAGIC, MANIFEST_MAGIC, data_file_table, unwrap
 
 MANIFEST = "manifest.ocdbt"
 
-# --- Limits (docs/security.md, "OCDBT") ---------------------------------------------------------
+# --- Limits (docs/security.md, "OCDBT"; those of the encoding are ocdbt_encoding.py's) -----------
 MANIFEST_MAX_BYTES = 16 << 20     # the manifest: a config and a few version references (Orbax's: ~100 B)
 NODE_MAX_ENCODED = 256 << 20      # one encoded node as stored (Orbax's nodes: up to ~100 MB, see below)
 NODE_MAX_DECODED = 128 << 20      # one node inflated; Orbax configures max_decoded_node_bytes = 100e6
-NODE_MAX_RATIO = 1024             # inflated bytes per stored byte of a zstd node (Orbax, 16,500 keys: 14.7)
-NODE_MIN_DECODED = 64 << 10       # ...but a small node may always inflate to this much
 TREE_DECODED_LIMIT = 1 << 30     # all nodes of the tree together, inflated (each node is read once)
 MAX_KEYS = 1 << 24                # keys of a tree (each costs ~200 bytes of memory here)
 KEYS_FREE = 1 << 16               # ...and beyond this many, at most this many per stored byte of nodes
 KEYS_PER_STORED_BYTE = 1          # read (real trees: 3 to 30 stored bytes per key, see docs/security.md)
 KEY_BYTES_LIMIT = 256 << 20       # all keys of the tree, materialised (a key alone: <= MAX_KEY_LENGTH)
 MAX_KEY_LENGTH = 65535            # tensorstore's kMaxKeyLength
-MAX_PATH_LENGTH = 65535           # tensorstore's kMaxPathLength (a data file's full path)
 MAX_HEIGHT = 32                   # B+tree height; real trees: arity in the thousands, height <= 4
 MAX_ARITY = 1 << 20               # tensorstore's kMaxNodeArity (entries of one node)
-MAX_DATA_FILES = 1 << 16          # data files one table may name
-TABLE_BYTES_LIMIT = 16 << 20      # the paths of one data file table, materialised (real: ~100 B)
-_ZSTD_MAX_WINDOW = 1 << 27
-
-_MANIFEST_MAGIC = 0x0CDB3A2A
-_BTREE_MAGIC = 0x0CDB20DE
-
-
-# --- CRC-32C (Castagnoli, reflected, as absl/riegeli compute it) ----------------------------------
-
-def _crc_table():
-    table = []
-    for n in range(256):
-        c = n
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-_CRC = _crc_table()
-
-
-def _crc_bytes(crc: int, data) -> int:
-    table = _CRC
-    for b in bytes(data):
-        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc
-
-
-def _shift_columns(n: int):
-    """The linear map "feed n zero bytes" on a CRC register, as the images of its 32 unit vectors."""
-    def apply(cols, v):
-        out = 0
-        for i in range(32):
-            if v >> i & 1:
-                out ^= cols[i]
-        return out
-    result = [1 << i for i in range(32)]                       # identity
-    step = [_crc_bytes(1 << i, b"\0") for i in range(32)]      # one zero byte
-    while n:
-        if n & 1:
-            result = [apply(step, c) for c in result]
-        step = [apply(step, c) for c in step]
-        n >>= 1
-    return result
-
-
-_LANE = 1024           # bytes each numpy lane feeds before the lanes are combined
-_SMALL = 16 << 10      # below this, the plain byte loop
-
-
-def crc32c(data) -> int:
-    """CRC-32C of `data`. Long inputs are split into 2**k lanes of about _LANE bytes fed side by side with
-    numpy (the register update is linear, so a lane starting from 0 contributes independently of the
-    others), then combined pairwise: (left shifted by len(right) zero bytes) ^ right."""
-    data = memoryview(data).cast("B")
-    if len(data) < _SMALL:
-        return _crc_bytes(0xFFFFFFFF, data) ^ 0xFFFFFFFF
-    import numpy as np
-    lanes = 1 << ((len(data) // _LANE).bit_length() - 1)
-    width = len(data) // lanes                 # _LANE .. 2 * _LANE - 1; fewer than `lanes` bytes left over
-    body = lanes * width
-    grid = np.frombuffer(data[:body], dtype=np.uint8).reshape(lanes, width).T.copy()
-    table = np.array(_CRC, dtype=np.uint32)
-    state = np.zeros(lanes, dtype=np.uint32)
-    state[0] = 0xFFFFFFFF
-    for row in grid:
-        state = table[(state ^ row) & 0xFF] ^ (state >> 8)
-    while len(state) > 1:
-        cols = _shift_columns(width)
-        left, right = state[0::2], state[1::2]
-        shifted = np.zeros_like(left)
-        for i in range(32):
-            shifted ^= np.where(left >> i & 1, np.uint32(cols[i]), np.uint32(0))
-        state = shifted ^ right
-        width *= 2
-    return _crc_bytes(int(state[0]), data[body:]) ^ 0xFFFFFFFF
-
-
-# --- Decoding ---------------------------------------------------------------------------------
-
-class _Reader:
-    """A cursor over a decoded body; every read is checked against its end (BadInput naming `where`)."""
-
-    def __init__(self, data, where: str):
-        self.data, self.pos, self.where = memoryview(data), 0, where
-
-    def fail(self, what: str):
-        raise BadInput(f"{self.where}: {what}")
-
-    def left(self) -> int:
-        return len(self.data) - self.pos
-
-    def byte(self, what: str) -> int:
-        if self.pos >= len(self.data):
-            self.fail(f"ends inside {what} (truncated or corrupt)")
-        self.pos += 1
-        return self.data[self.pos - 1]
-
-    def varint(self, what: str, bits: int = 64) -> int:
-        """An unsigned LEB128 varint of at most `bits` bits: at most ceil(bits/7) bytes, the last
-        one's unused high bits clear (riegeli's ReadVarint32/64)."""
-        value, shift, most = 0, 0, (bits + 6) // 7
-        for i in range(most):
-            b = self.byte(what)
-            value |= (b & 0x7F) << shift
-            if not b & 0x80:
-                if value >> bits:
-                    self.fail(f"{what}: varint {value} does not fit in {bits} bits")
-                return value
-            shift += 7
-        self.fail(f"{what}: varint longer than {most} bytes")
-
-    def take(self, n: int, what: str):
-        if n > self.left():
-            self.fail(f"{what} needs {n} bytes but {self.left()} remain (truncated or corrupt)")
-        self.pos += n
-        return self.data[self.pos - n:self.pos]
-
-    def u32le(self, what: str) -> int:
-        return int.from_bytes(self.take(4, what), "little")
-
-    def u64le(self, what: str) -> int:
-        return int.from_bytes(self.take(8, what), "little")
-
-    def end(self):
-        if self.left():
-            self.fail(f"{self.left()} bytes after the last field (corrupt)")
-
-
-_ZSTD_MAX_RATIO = 32768   # the most one zstd block can inflate per input byte (4 bytes -> 128 KiB)
-
-
-def _inflate(body, where: str, limit: int):
-    """One zstd frame making up the whole of `body`, inflated to at most `limit` bytes. The input is
-    fed in pieces small enough that no piece can inflate past what is still allowed (by more than
-    64 x _ZSTD_MAX_RATIO), so a bomb is stopped after at most that much work; bytes after the frame,
-    or a frame cut short, are refused."""
-    try:
-        import zstandard
-    except ImportError:
-        raise UsageError(f"{where}: is zstd-compressed; install zstandard: pip install 'ckptconv[zstd]'") from None
-    out, pos, body = bytearray(), 0, bytes(body)
-    try:
-        d = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW).decompressobj(read_across_frames=False)
-        while pos < len(body) and not d.eof:
-            step = max(64, (limit - len(out)) // _ZSTD_MAX_RATIO)
-            out += d.decompress(body[pos:pos + step])
-            pos += step
-            if len(out) > limit:
-                raise BadInput(f"{where}: zstd body inflates beyond {limit} bytes "
-                               f"({NODE_MAX_RATIO} x its {len(body)} bytes, at most {NODE_MAX_DECODED}); refused")
-        if not d.eof:
-            raise BadInput(f"{where}: zstd body ends inside its frame (truncated or corrupt)")
-        if d.unused_data:
-            raise BadInput(f"{where}: {len(d.unused_data) + max(0, len(body) - pos)} bytes after the zstd frame")
-    except zstandard.ZstdError as e:
-        raise BadInput(f"{where}: corrupt zstd body: {e}") from None
-    return bytes(out)
-
-
-def _unwrap(data, magic: int, what: str, where: str, limit: int):
-    """The decoded body of an encoded manifest or node: magic (uint32be), length (uint64le) equal to
-    the bytes present, version varint 0, compression varint (0 none, 1 zstd), body, CRC-32C
-    (uint32le) of everything before it."""
-    data = memoryview(data)
-    if len(data) < 16:
-        raise BadInput(f"{where}: {what} of {len(data)} bytes is shorter than its 16-byte header and checksum")
-    got = int.from_bytes(data[:4], "big")
-    if got != magic:
-        raise BadInput(f"{where}: not an OCDBT {what} (magic {got:#010x}, expected {magic:#010x})")
-    length = int.from_bytes(data[4:12], "little")
-    if length != len(data):
-        raise BadInput(f"{where}: {what} header says {length} bytes but it has {len(data)}")
-    stored, actual = int.from_bytes(data[-4:], "little"), crc32c(data[:-4])
-    if stored != actual:
-        raise BadInput(f"{where}: {what} fails its CRC-32C check (stored {stored:#010x}, computed {actual:#010x})")
-    r = _Reader(data[:-4], where)
-    r.pos = 12
-    version = r.varint(f"the {what} format version", 32)
-    if version != 0:
-        r.fail(f"{what} format version {version} is not supported (only 0)")
-    compression = r.varint(f"the {what} compression format", 32)
-    if compression == 0:
-        return _Reader(data[r.pos:-4], where)
-    if compression == 1:
-        body = data[r.pos:-4]
-        cap = min(limit, max(NODE_MIN_DECODED, NODE_MAX_RATIO * len(body)))
-        return _Reader(_inflate(body, where, cap), where + " (inflated)")
-    r.fail(f"unknown compression format {compression} (0: none, 1: zstd)")
-
-
-def _data_file_table(r: _Reader, transitive: str):
-    """[(full path, base path)] of a data file table: prefix-compressed `base_path + relative_path`
-    strings, each resolved below `transitive` (the base paths of the nodes above)."""
-    n = r.varint("the data file count")
-    if n > MAX_DATA_FILES or n > r.left():
-        r.fail(f"data file table claims {n} files (at most {min(MAX_DATA_FILES, r.left())} fit)")
-    prefix = [0] + [r.varint(f"data file {i}'s path prefix length", 16) for i in range(1, n)]
-    suffix = [r.varint(f"data file {i}'s path suffix length", 16) for i in range(n)]
-    base = [r.varint(f"data file {i}'s base path length", 16) for i in range(n)]
-    out, prev, total = [], b"", 0
-    for i in range(n):
-        total += prefix[i] + suffix[i] + len(transitive)
-        if total > TABLE_BYTES_LIMIT:
-            r.fail(f"data file table's paths add up to more than {TABLE_BYTES_LIMIT} bytes; refused")
-        if prefix[i] > len(prev):
-            r.fail(f"data file {i}'s path shares {prefix[i]} bytes with a previous path of {len(prev)}")
-        path = prev[:prefix[i]] + bytes(r.take(suffix[i], f"data file {i}'s path"))
-        if len(path) + len(transitive) > MAX_PATH_LENGTH:
-            r.fail(f"data file {i}'s path is longer than {MAX_PATH_LENGTH} bytes")
-        if base[i] > len(path):
-            r.fail(f"data file {i}'s base path length {base[i]} exceeds its path length {len(path)}")
-        try:
-            text, base_text = path.decode("utf-8"), path[:base[i]].decode("utf-8")
-        except UnicodeDecodeError:
-            r.fail(f"data file {i}'s path {path[:200]!r} is not UTF-8 (or its base path splits a character)")
-        out.append((transitive + text, transitive + base_text))
-        prev = path
-    return out
 
 
 class _Ref(NamedTuple):
@@ -279,10 +57,19 @@ class _Ref(NamedTuple):
 
 
 class Value(NamedTuple):
+    """Where a value is, as a store's `get(key)` answers: OcdbtStore's, and readers/orbax_zarr.py's
+    DirStore (a directory, one file a value) answers the same."""
+
     file: object          # the storage file holding the value; None when inline
     offset: int
     length: int
-    inline: bytes | None  # the value itself when the tree stores it inline
+    inline: bytes | None  # the value itself when the store holds it inline
+
+    def data(self):
+        """The value's bytes: inline, or a view of its file (storage.buffer)."""
+        if self.inline is not None:
+            return self.inline
+        return storage.buffer(self.file, self.offset, self.length)
 
 
 class _Stats(NamedTuple):
@@ -333,14 +120,12 @@ class OcdbtStore:
         v = self._entries.get(key)
         if v is None:
             raise KeyError(key)
-        if v.inline is not None:
-            return v.inline
-        return storage.buffer(v.file, v.offset, v.length)
+        return v.data()
 
     # -- the manifest
 
     def _manifest(self, data, where):
-        r = _unwrap(data, _MANIFEST_MAGIC, "manifest", where, NODE_MAX_DECODED)
+        r = unwrap(data, MANIFEST_MAGIC, "manifest", where, NODE_MAX_DECODED)
         r.take(16, "the database uuid")
         kind = r.byte("the manifest kind")
         if kind == 1:
@@ -358,7 +143,7 @@ class OcdbtStore:
             r.take(4, "the zstd level")
         elif method != 0:
             r.fail(f"unknown compression method {method} (0: none, 1: zstd)")
-        table = _data_file_table(r, "")
+        table = data_file_table(r, "")
         n = r.varint("the number of inline versions")
         if not 1 <= n <= (1 << arity):
             r.fail(f"{n} inline versions; 1..{1 << arity} allowed by version_tree_arity_log2 {arity}")
@@ -463,7 +248,7 @@ class OcdbtStore:
         self._claim(ref, f, where)
         here = f"{f.path} at offset {ref.offset}"
         data = storage.buffer(f, ref.offset, ref.length)
-        r = _unwrap(data, _BTREE_MAGIC, "b-tree node", here, NODE_MAX_DECODED)
+        r = unwrap(data, BTREE_MAGIC, "b-tree node", here, NODE_MAX_DECODED)
         self._decoded += len(r.data)
         self._stored += ref.length
         if self._decoded > TREE_DECODED_LIMIT:
@@ -471,7 +256,7 @@ class OcdbtStore:
         got = r.byte("the node height")
         if got != height:
             r.fail(f"node height {got}, but its parent says {height}")
-        table = _data_file_table(r, ref.base)
+        table = data_file_table(r, ref.base)
         n = r.varint("the entry count", 32)
         if n == 0 or n > MAX_ARITY or n > r.left():
             r.fail(f"node claims {n} entries ({min(MAX_ARITY, r.left())} at most fit; 0 is not allowed)")

@@ -6,10 +6,10 @@ SRC is an item directory (what `Checkpointer.save` writes: `_METADATA`, `_CHECKP
 CheckpointManager directory holding numbered steps: the latest complete step is read unless --step
 names one (a step whose write did not finish is skipped, and refused when named), and the item
 holding the parameters unless --item names one (orbax_steps.py). `_METADATA` names the arrays
-(their PyTree paths joined with "."); each array is zarr v2 or v3, read lazily from its chunks
-(orbax_zarr.py). A training state's `params` is written by default, under names relative to it
-(`--state-dict auto`, as for torch training wrappers); the rest is listed as left out; `--state-dict
-KEY` writes another top-level entry, `none` everything.
+(their PyTree paths joined with "."); each array is zarr v2 or v3 (zarr_meta.py), read lazily from
+its chunks (orbax_zarr.py, decoded by zarr_codecs.py). A training state's `params` is written by
+default, under names relative to it (`--state-dict auto`, as for torch training wrappers); the rest
+is listed as left out; `--state-dict KEY` writes another top-level entry, `none` everything.
 """
 import bisect
 import os
@@ -22,7 +22,8 @@ from ..tensor import Checkpoint, SourceFacts
 from . import ReadOptions, confined, source_root, wanted, wrappers
 from . import orbax_steps as steps
 from .ocdbt import MANIFEST, OcdbtStore
-from .orbax_zarr import Counter, DirStore, array_source, read_meta
+from .orbax_zarr import Counter, DirStore, array_source
+from .zarr_meta import read_meta
 
 NAME = "orbax"
 PARAMS = "params"

@@ -1,6 +1,7 @@
 """Outputs pinned byte for byte: the SHA-256 of every file that convert and reshard write for a set of
 deterministic inputs (torch.save files of every layout, a Llama-shaped .bin directory, Grok-1 and DCP
-checkpoints), recorded in tests/fixtures/data/pinned_outputs.json. Restructuring must not change a byte; an
+checkpoints, and the Orbax checkpoints committed under tests/fixtures/data/orbax/: OCDBT, zarr v2 and
+v3, their codecs and layouts), recorded in tests/fixtures/data/pinned_outputs.json. Restructuring must not change a byte; an
 issue that changes the output contract re-records them (CKPTCONV_PIN_RECORD=1) and says so.
 
 Inputs are made with torch and numpy only (no transformers or huggingface_hub, whose versions would
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from tests.fixtures import grok as grok_fixtures, models as fixtures, values
-from tests.helpers import DATA, ROOT
+from tests.helpers import DATA, ROOT, run
 
 PINS = DATA / "pinned_outputs.json"
 RECORD = os.environ.get("CKPTCONV_PIN_RECORD") == "1"
@@ -99,6 +100,13 @@ JOBS = {
     "dcp": ["convert", "dcp"],
     "adapter": ["convert", "lora/adapter_model.bin"],
 }
+# the committed Orbax checkpoints (made by the real Orbax: tests/fixtures/orbax.py), read where they are;
+# converted in this process (a few ms each, where a process each would add ~4.5 s to make test)
+ORBAX = ["flax-ocdbt", "flax-zarr2", "flax-zarr3", "flax-ocdbt-zarr3", "flax-raw", "flax-2proc", "flax-2proc-zarr",
+         "manager", "manager-zarr", "mixed", "zarr2-layouts", "zarr3-layouts"]
+JOBS.update({f"orbax-{name}": ["convert", str(DATA / "orbax" / name)] for name in ORBAX})
+JOBS.update({f"orbax-{name}-all": ["convert", str(DATA / "orbax" / name), "--state-dict", "none"]
+             for name in ("manager", "manager-zarr")})   # the optimizer state's arrays too
 
 
 def digests(out: Path) -> dict:
@@ -112,6 +120,11 @@ def outputs(tmp_path_factory):
     make_inputs(root)
     got = {}
     for job, (command, src, *extra) in JOBS.items():
+        if job.startswith("orbax-"):
+            r = run(command, src, root / f"out-{job}", *extra, "--quiet")
+            assert r.exit_code == 0, (job, r.stderr)
+            got[job] = digests(root / f"out-{job}")
+            continue
         r = subprocess.run([sys.executable, "-m", "ckptconv.cli", command, src, f"out-{job}", *extra, "--quiet"],
                            cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert r.returncode == 0, (job, r.stderr)
@@ -136,3 +149,4 @@ def test_pins_cover_every_kind_of_output(outputs):
     assert "model.safetensors" in pinned["layouts"] and not any("index" in f for f in pinned["layouts"])
     assert "model.safetensors.index.json" in pinned["dtypes"] and "rank-00000/model.safetensors" in pinned["llama-tp2"]
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(pinned["adapter"])
+    assert all(f"orbax-{name}" in pinned for name in ORBAX)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ckptconv.errors import BadInput, UsageError
-from ckptconv.readers.ocdbt import MANIFEST, OcdbtStore, crc32c
+from ckptconv.io.crc32c import crc32c
+from ckptconv.readers.ocdbt import MANIFEST, OcdbtStore
 
 DATA = Path(__file__).parent.parent / "fixtures" / "data" / "ocdbt"
 STORES = ["small", "empty", "deep", "merged", "orbax", "orbax2", "orbax/ocdbt.process_0"]

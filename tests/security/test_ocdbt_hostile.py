@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptconv.errors import BadInput
-from ckptconv.readers import ocdbt
-from ckptconv.readers.ocdbt import MANIFEST, OcdbtStore, crc32c
+from ckptconv.io.crc32c import crc32c
+from ckptconv.readers import ocdbt, ocdbt_encoding
+from ckptconv.readers.ocdbt import MANIFEST, OcdbtStore
 
 DATA = Path(__file__).parent.parent / "fixtures" / "data" / "ocdbt"
 MANIFEST_MAGIC, BTREE_MAGIC = 0x0CDB3A2A, 0x0CDB20DE
@@ -528,7 +529,7 @@ def test_zstd_frame_cut_short_or_followed(tmp_path):
 
 def test_data_file_table_bomb(tmp_path, monkeypatch):
     """Prefix compression lets 3 bytes name a 64 KiB path; a table's paths together are bounded."""
-    monkeypatch.setattr(ocdbt, "TABLE_BYTES_LIMIT", 1 << 20)
+    monkeypatch.setattr(ocdbt_encoding, "TABLE_BYTES_LIMIT", 1 << 20)
     n = 100
     first = b"d/" + b"x" * 60000
     tbl = varint(n) + b"".join(varint(len(first)) for _ in range(n - 1))

@@ -177,7 +177,7 @@ def test_a_shard_index_that_does_not_match_its_crc_is_refused(tmp_path):
 
 
 def _crc32c(data):
-    from ckptconv.readers.orbax_zarr import crc32c
+    from ckptconv.io.crc32c import crc32c
     return crc32c(data)
 
 
