@@ -70,7 +70,8 @@ def command(fn):
     @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout (docs/json.md).")
     @click.option("--endpoint-url", metavar="URL", help="The S3 API endpoint for s3:// URLs (MinIO, Ceph, R2, a local "
                   "server: http:// accepted when given here); default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, then "
-                  "AWS's own (docs/storage.md).")
+                  "AWS's own. For gs:// URLs, the GCS endpoint (an emulator); default: GOOGLE_BASE_URL, then "
+                  "Google's (docs/storage.md).")
     @click.option("--concurrency", type=click.IntRange(1, 256), default=16, show_default=True,
                   help="Ranged GETs of an object-store source in flight at once (memory: this x --part-size).")
     @click.option("--part-size", default="16MiB", show_default=True, metavar="SIZE",

@@ -495,13 +495,24 @@ class Publisher:
                 # what was committed, and what any writer was given (deleting a key never written is a no-op)
                 doomed = self.created + sorted(self.started - set(self.created))
                 for at in range(0, len(doomed), 1000):
-                    attempt(obstore.delete, self.store.handle, doomed[at:at + 1000])
+                    attempt(self._sweep, doomed[at:at + 1000])
                 self.created.clear()
                 self.started.clear()
                 if multipart and self.out.kind == "s3":   # (obstore aborts what fails; a sweep for what it could not)
                     attempt(self.abort_pending, multipart)
             attempt(self.release)
         return problems
+
+    def _sweep(self, keys: list):
+        """Delete `keys`, some of which may never have been written: S3 says nothing of a key that is
+        not there, GCS answers 404 (obstore's FileNotFoundError), the others are deleted one by one."""
+        import obstore
+        try:
+            obstore.delete(self.store.handle, keys)
+        except FileNotFoundError:
+            for key in keys:
+                with contextlib.suppress(FileNotFoundError):
+                    obstore.delete(self.store.handle, key)
 
     def pending(self) -> Optional[list]:
         """The multipart uploads pending under OUT (s3api.Pending), or None where the store offers no

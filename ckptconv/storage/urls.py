@@ -7,7 +7,8 @@ or a fragment is refused without being repeated. Credentials come the way each e
 (obstore reads the environment, web identity, container and instance credentials; for S3 without
 AWS_ACCESS_KEY_ID in the environment and boto3 installed, boto3's whole chain, config files and
 profiles included). An endpoint (`--endpoint-url`, else AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL)
-points S3 requests at an S3-compatible store; plain http is allowed only for an endpoint given so.
+points S3 requests at an S3-compatible store, and GCS requests (`--endpoint-url`, else GOOGLE_BASE_URL)
+at another GCS endpoint (an emulator); plain http is allowed only for an endpoint given so.
 
 Every message that can leave this package goes through `failure`/`redact`: one line, no query
 strings, no value of a credential variable (docs/security.md, "Bounds").
@@ -144,10 +145,14 @@ def parse(url: str) -> Location:
     return Location(scheme, host, key, account)
 
 
-def endpoint(options: StorageOptions) -> Optional[str]:
-    """The S3 endpoint given explicitly (the option, else AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL),
-    checked: http or https, a host, nothing else that could hold a secret."""
-    given = options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+_ENDPOINT_VARIABLES = {"s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"), "gs": ("GOOGLE_BASE_URL",)}
+
+
+def endpoint(options: StorageOptions, kind: str = "s3") -> Optional[str]:
+    """The endpoint of a store of `kind` (s3, gs) given explicitly: the option, else (S3)
+    AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, (GCS) GOOGLE_BASE_URL, obstore's own name; checked: http
+    or https, a host, nothing else that could hold a secret."""
+    given = options.endpoint_url or next(filter(None, map(os.environ.get, _ENDPOINT_VARIABLES[kind])), None)
     if not given:
         return None
     parts = urlsplit(given)
@@ -223,10 +228,15 @@ def open_store(location: Location, options: StorageOptions = StorageOptions(), r
                 config["region"] = region
             handle = S3Store(location.bucket, config=config, client_options=client, retry_config=retry,
                              credential_provider=provider)
-        elif options.endpoint_url:
-            raise UsageError(f"{location}: --endpoint-url applies to s3:// URLs only")
         elif location.kind == "gs":
-            handle = GCSStore(location.bucket, client_options=client, retry_config=retry)
+            config = {}
+            url = endpoint(options, "gs")
+            if url:   # (an emulator, a private endpoint: obstore's base URL)
+                config["base_url"] = url
+                client["allow_http"] = url.startswith("http://")
+            handle = GCSStore(location.bucket, config=config, client_options=client, retry_config=retry)
+        elif options.endpoint_url:
+            raise UsageError(f"{location}: --endpoint-url applies to s3:// and gs:// URLs only")
         else:
             config = {"account_name": location.account} if location.account else {}
             handle = AzureStore(location.bucket, config=config, client_options=client, retry_config=retry)

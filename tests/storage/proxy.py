@@ -1,6 +1,6 @@
 """A fault-injecting HTTP proxy between ckptconv and the S3 server the tests start (moto's): it
 forwards each request and can, for the requests a Fault matches, cut the response after N bytes of
-body, answer 503 SlowDown (or another error) instead of forwarding, or stall mid-body.
+body, cut the request mid-way (an upload whose connection drops), answer 503 SlowDown (or another error) instead of forwarding, or stall mid-body.
 
     proxy = FaultProxy("http://127.0.0.1:PORT")        # moto's endpoint
     proxy.add(Fault("cut", method="GET", after=1000))   # the next GET: 1000 bytes of body, then closed
@@ -22,7 +22,9 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy
 class Fault:
     """What to do to the requests it matches (`method`, and `match(path_and_query)` when given),
     `times` times (-1: always). kind: "cut" (forward, send the headers and `after` bytes of the body,
-    close), "stall" (the same, then wait `seconds` before closing), "trickle" (the same, then one byte
+    close), "drop" (read `after` bytes of the request's body, close: never forwarded, never answered),
+    "lose" (forward, then close without answering: done, and the client cannot know it),
+    "stall" (the same, then wait `seconds` before closing), "trickle" (the same, then one byte
     every `seconds`), "status" (answer `status` with an S3
     error `code` without forwarding: 503 SlowDown by default), "endless" (answer a ListObjectsV2 page
     of 1,000 new keys under the prefix `code` that says more follow, without forwarding)."""
@@ -69,8 +71,15 @@ class FaultProxy:
                 return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
             def _handle(self):
-                body = self._body()
                 fault = proxy._take(self.command, self.path)
+                if fault is not None and fault.kind == "drop":   # `after` bytes of the request's body, then closed
+                    self.rfile.read(min(fault.after, int(self.headers.get("Content-Length") or 0)))
+                    with proxy.lock:
+                        proxy.seen.append((self.command, self.path, "drop"))
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                body = self._body()
                 signer = re.search(r"Credential=([^/,]+)/", self.headers.get("Authorization", ""))
                 with proxy.lock:
                     proxy.seen.append((self.command, self.path, fault.kind if fault else "forwarded"))
@@ -110,6 +119,10 @@ class FaultProxy:
                 answer = conn.getresponse()
                 data = answer.read()
                 conn.close()
+                if fault is not None and fault.kind == "lose":   # done upstream, its answer never comes
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
                 self.send_response(answer.status, answer.reason)
                 for k, v in answer.getheaders():
                     if k.lower() not in HOP:

@@ -87,8 +87,29 @@ def test_plain_http_only_for_an_endpoint_given_explicitly(monkeypatch):
     with pytest.raises(UsageError, match="may not carry credentials") as e:
         open_store(where, StorageOptions(endpoint_url="http://user:hunter2secret@127.0.0.1:9000"))
     assert "hunter2secret" not in str(e.value)
-    with pytest.raises(UsageError, match="s3:// URLs only"):
-        open_store(parse("gs://bucket/x"), StorageOptions(endpoint_url="http://127.0.0.1:9000"))
+    with pytest.raises(UsageError, match="s3:// and gs:// URLs only"):
+        open_store(parse("az://container/x"), StorageOptions(endpoint_url="http://127.0.0.1:9000"))
+
+
+def test_a_gcs_endpoint_is_obstore_s_base_url_and_plain_http_only_when_given(monkeypatch):
+    """An emulator or a private GCS endpoint (docs/storage.md): `--endpoint-url`, else GOOGLE_BASE_URL;
+    AWS's endpoint variables are S3's only."""
+    pytest.importorskip("obstore")
+    where = parse("gs://bucket/model")
+    monkeypatch.delenv("GOOGLE_BASE_URL", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9001")
+
+    def opened(options=StorageOptions()):
+        handle = open_store(where, options).handle
+        return handle.config.get("base_url"), str(handle.client_options["allow_http"]).lower() == "true"
+    assert opened() == (None, False)
+    assert opened(StorageOptions(endpoint_url="http://127.0.0.1:4443")) == ("http://127.0.0.1:4443", True)
+    assert opened(StorageOptions(endpoint_url="https://gcs.internal/")) == ("https://gcs.internal", False)
+    monkeypatch.setenv("GOOGLE_BASE_URL", "http://127.0.0.1:4444")
+    assert opened() == ("http://127.0.0.1:4444", True)
+    with pytest.raises(UsageError, match="may not carry credentials") as e:
+        open_store(where, StorageOptions(endpoint_url="http://user:hunter2secret@127.0.0.1:4443"))
+    assert "hunter2secret" not in str(e.value)
 
 
 def test_options_are_checked():
