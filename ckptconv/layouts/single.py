@@ -65,7 +65,7 @@ class SingleFile(Layout):
         finally:
             pipeline.close()
         # the same header with the real digests (of the same length: header_pieces checks it), in place
-        # (in a store: in the first part, held until the object is published: storage/upload.PointerWriter)
+        # (in a store: in the first part, held until the object is published: storage/writer.PointerWriter)
         final = dataclasses.replace(unit, metadata=metadata(self.content, dict(written.by_tensor([unit]))))
         as_target(tmp).patch(unit.name, 0, final.header(), self.options.fsync)
         return written.result()

@@ -6,7 +6,7 @@ run leaves its uploads pending, invisible to a listing of objects and billed; `-
 abort them through these. obstore 0.12 completes a multipart upload unconditionally (its create-only
 mode is one PUT); S3 takes `If-None-Match: *` on CompleteMultipartUpload (since August 2024; moto
 too) and answers 412 when the key exists, so an output's pointer larger than one PUT is still
-written create-only (upload.PointerWriter).
+written create-only (writer.PointerWriter).
 
 Requests are signed here with AWS Signature Version 4 (the canonical request, the string to sign,
 the derived key: docs.aws.amazon.com/IAM/latest/UserGuide/create-signed-request.html), path-style,
@@ -208,7 +208,7 @@ class Multipart:
     `upload_concurrency` parts in flight, each retried within the options' budget; the caller waits
     when that many are), `complete(create_only)` waits for every part and completes it, with
     `If-None-Match: *` when `create_only` (Refused with status 412 when the key exists), `abort()`
-    leaves nothing. Parts may be uploaded in any order (part 1 last: upload.PointerWriter)."""
+    leaves nothing. Parts may be uploaded in any order (part 1 last: writer.PointerWriter)."""
 
     def __init__(self, location: Location, options: StorageOptions):
         self.location, self.options = location, options

@@ -3,7 +3,7 @@
 A `Target` is an output being written, named by paths relative to it (`model-00001-of-00002.safetensors`,
 `rank-00000/manifest.json`): a local directory (`LocalTarget`: the temporary directory of
 io/output.atomic_output, published by one rename, as before) or an object-store prefix
-(`BucketTarget`: every file an object of upload.Publisher's, uploaded as it is written, the pointer
+(`BucketTarget`: every file an object of publisher.Publisher's, uploaded as it is written, the pointer
 last and create-only). Layouts never name a local path: they `create` the shard files the write
 pipeline feeds (io/hashing.Pipeline: the same staging buffers and digests either way, each file's
 SHA-256 in the pass that writes it), `open` the small ones (JSON, SHA256SUMS, files carried), and
@@ -463,7 +463,7 @@ def bucket_output(out, overwrite=False, resume=False, inputs=(), single_file=Fal
     takes them; `published(out, names)`: the pointer of the output already there when it is a
     published one (formats.published); `share`: files written side by side."""
     from .bucket import Session
-    from .upload import Publisher
+    from .publisher import Publisher
     options = options or StorageOptions()
     out = os.fspath(out)
     location = parse(out)

@@ -12,7 +12,7 @@ import pytest
 
 from ckptconv import cli_options
 from ckptconv.errors import OutputError
-from ckptconv.storage.upload import Publisher
+from ckptconv.storage.publisher import Publisher
 from ckptconv.storage.urls import open_store, parse
 from tests.helpers import run
 from tests.storage.conftest import GCS_KEY_ID, GCS_PRIVATE_KEY

@@ -152,7 +152,7 @@ def test_an_upload_failing_at_part_3_of_5_leaves_no_object_and_no_pending_upload
 
 KILLED = r"""
 import sys
-from ckptconv.storage import upload
+from ckptconv.storage import writer as upload
 from ckptconv.cli import main
 send = upload.ObjectWriter._send
 

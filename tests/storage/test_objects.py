@@ -141,7 +141,7 @@ MEMORY = r"""
 import hashlib, json, os, sys
 from ckptconv.storage.urls import StorageOptions, parse
 from ckptconv.storage.objects import SourceObject
-from ckptconv.storage.upload import ObjectWriter
+from ckptconv.storage.writer import ObjectWriter
 from ckptconv.storage.urls import open_store
 url, endpoint, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 options = StorageOptions(endpoint_url=endpoint, concurrency=2, part_size=8 << 20, upload_concurrency=2)

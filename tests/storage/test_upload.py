@@ -14,7 +14,8 @@ import pytest
 
 from ckptconv.errors import BadInput, OutputError, UsageError
 from ckptconv.storage.objects import SourceObject
-from ckptconv.storage.upload import MAX_PARTS, MIN_PART, ObjectWriter, PointerWriter, Publisher, part_size_for
+from ckptconv.storage.publisher import Publisher
+from ckptconv.storage.writer import MAX_PARTS, MIN_PART, ObjectWriter, PointerWriter, part_size_for
 from ckptconv.storage.urls import open_store, parse
 from tests.helpers import ROOT
 from tests.storage.conftest import CREDENTIALS
@@ -157,7 +158,7 @@ def test_a_run_that_fails_is_rolled_back_whole(s3):
 
 KILLED = r"""
 import os, sys, time
-from ckptconv.storage.upload import Publisher
+from ckptconv.storage.publisher import Publisher
 from ckptconv.storage.urls import StorageOptions, parse
 from ckptconv.signals import Interrupted, handled
 options = StorageOptions(endpoint_url=sys.argv[2], part_size=5 << 20, upload_concurrency=2, retries=1)
@@ -215,13 +216,13 @@ def test_a_lock_without_a_heartbeat_goes_stale_and_its_run_cannot_publish(s3):
     time.sleep(1.5)                          # beats keep it live
     with pytest.raises(OutputError, match="another ckptconv run .* is writing it"):
         second.claim(take_over=True)
-    first._stop.set()                        # as if its host went away (another host: no pid to look at)
-    first._beater.join()
+    first.lease._stop.set()                        # as if its host went away (another host: no pid to look at)
+    first.lease._beater.join()
     time.sleep(3.5)
     taken = second.claim(take_over=True)
     assert taken.run == first.me["run"]
-    first._stop.clear()
-    first._beat_start()                      # it comes back, and finds its lock gone
+    first.lease._stop.clear()
+    first.lease._beat_start()                # it comes back, and finds its lock gone
     time.sleep(0.6)
     with pytest.raises(OutputError, match="another run took over its lock"):
         first.put("late.bin", b"x")
