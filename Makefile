@@ -147,7 +147,8 @@ test-cloud: setup $(CLOUD)/.installed
 
 # The Ray executor (--ray) on a 2-node local Ray cluster (ray.cluster_utils, one CPU a node): convert,
 # reshard, verify byte-identical to --workers 1; a node killed mid-run; the driver killed, then --resume;
-# SRC changed under the tasks (not part of `make test`: Ray is about 285 MB and a cluster takes about
+# SRC changed under the tasks; a node without ckptconv (shipped to it, or one line naming it)
+# (not part of `make test`: Ray is about 285 MB and a cluster takes about
 # 10 s to start). Its own venv from the main dependencies plus the `ray` extra. See docs/distributed.md.
 RAY_VENV ?= .venv-ray
 $(RAY_VENV)/.installed: pyproject.toml setup.py

@@ -627,6 +627,45 @@ def bench_ray(layers):
         cluster.shutdown()
 
 
+def bench_ray_start(rounds=5):
+    """What shipping ckptconv with the job costs at the start of a --ray run (run/ray_nodes.py), on a
+    fresh 2-node local cluster each round (ray.cluster_utils, one CPU a node): the driver's join
+    (ray.init; shipped, it zips the package and uploads it, unless the cluster holds it already) and
+    the check of every node (one task a node: its first worker, started in the job's runtime_env,
+    the shipped package fetched and unpacked there first), for the first run on the cluster (fresh),
+    the next (warm) and with CKPTCONV_RAY_SHIP=0 (installed). Medians and ranges of `rounds`."""
+    try:
+        from ray.cluster_utils import Cluster
+    except ImportError:
+        print("\nray-start: skipped (Ray is not installed in this interpreter: .venv-ray/bin/python bench/bench.py "
+              "ray-start)")
+        return
+    script = ("import json, logging, os, sys, time\nimport ray\nfrom ckptconv.run import ray_executor\n"
+              "ex = ray_executor.RayExecutor(sys.argv[1])\nt0 = time.perf_counter()\n"
+              "ray.init(address=sys.argv[1], runtime_env=ex._valid_env(ray), logging_level=logging.ERROR, "
+              "log_to_driver=False)\nt1 = time.perf_counter()\nex._check_nodes(ray)\nt2 = time.perf_counter()\n"
+              "ray.shutdown()\nprint(json.dumps([t1 - t0, t2 - t1]))\n")
+    found = {}
+    for _ in range(rounds):
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        try:
+            for case, ship in (("shipped, fresh cluster", "1"), ("shipped, warm cluster", "1"), ("installed", "0")):
+                r = subprocess.run([PY, "-c", script, cluster.address], cwd=scratch_dir(), check=True,
+                                   capture_output=True, text=True, env={**os.environ, "CKPTCONV_RAY_SHIP": ship})
+                for phase, seconds in zip(("join", "check"), json.loads(r.stdout.strip().splitlines()[-1])):
+                    found.setdefault((case, phase), []).append(seconds)
+        finally:
+            cluster.shutdown()
+    print(f"\nray-start: a fresh 2-node local cluster each round, {rounds} rounds")
+    print("| ckptconv on the nodes | driver joins (ray.init) s | every node checked s |\n|---|---:|---:|")
+    for case in ("shipped, fresh cluster", "shipped, warm cluster", "installed"):
+        cells = [found[(case, phase)] for phase in ("join", "check")]
+        print(f"| {case} | " + " | ".join(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for v in cells)
+              + " |")
+
+
 def split_all_rules(scratch) -> Path:
     """A rules file that splits every tensor on its first axis (an optimizer state has no model type)."""
     rules = scratch / "split-all.toml"
@@ -1278,7 +1317,7 @@ def bench_orbax(gigabytes=(2.2, 4.4)):
 SCENARIOS = {"convert": lambda: (bench_convert(18), bench_convert(36)), "grok": lambda: bench_grok(20),
              "dcp": lambda: bench_dcp(18), "reshard": lambda: (bench_reshard(18), bench_reshard(36)),
              "verify": lambda: bench_verify(18),
-             "workers": lambda: bench_workers(18), "ray": lambda: bench_ray(18),
+             "workers": lambda: bench_workers(18), "ray": lambda: bench_ray(18), "ray-start": bench_ray_start,
              "vllm": lambda: bench_vllm(18), "cold": lambda: bench_cold(18), "many": bench_many, "plan": bench_plan,
              "scale": bench_scale, "deepspeed": bench_deepspeed, "megatron": bench_megatron, "s3": bench_s3,
              "orbax": bench_orbax}

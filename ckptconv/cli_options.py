@@ -297,12 +297,18 @@ def executor_options(fn):
                   help="Run every task (an output file, a rank directory; verify: a share of the checks) on "
                   "the Ray cluster at ADDRESS (without one: RAY_ADDRESS, else auto, the cluster this host is "
                   "in). SRC and OUT must be on storage every node sees. Put it after SRC and OUT, or write "
-                  "--ray=ADDRESS. Needs pip install 'ckptconv[ray]'. See docs/distributed.md.")
+                  "--ray=ADDRESS. Needs pip install 'ckptconv[ray]'. ckptconv itself travels with the "
+                  "tasks (runtime_env py_modules; CKPTCONV_RAY_SHIP=0: every node has it installed). "
+                  "See docs/distributed.md.")
+    @click.option("--ray-runtime-env", "ray_runtime_env", metavar="JSON",
+                  help="Ray's runtime_env for --ray's tasks, as `ray job submit --runtime-env-json` takes it "
+                  "(pip, env_vars, py_modules, ...): merged over the Ray Job's own, with ckptconv's package "
+                  "in py_modules beside yours.")
     @functools.wraps(fn)
-    def wrapper(*args, ray_address, **kw):
+    def wrapper(*args, ray_address, ray_runtime_env, **kw):
         from .run import executors
         read = kw.get("read")
-        kw["executor"] = executors.chosen(ray_address, read.workers if read is not None else None)
+        kw["executor"] = executors.chosen(ray_address, read.workers if read is not None else None, ray_runtime_env)
         return fn(*args, **kw)
 
     return wrapper

@@ -18,7 +18,8 @@ import signal
 import sys
 
 from .. import signals
-from ..errors import OutputError, UsageError
+from ..errors import BadInput, OutputError, UsageError
+from ..safejson import loads
 from . import tasks as _tasks
 
 EXECUTORS = {}
@@ -44,22 +45,41 @@ def make(name: str = "local", **options):
     return EXECUTORS[name](**options)
 
 
-def chosen(ray, workers: int | None):
+def chosen(ray, workers: int | None, runtime_env=None):
     """The executor a command asked for: None (the local one, made by the job from `workers`) without
-    `ray`; else the Ray executor at `ray` (an address; "" or True: RAY_ADDRESS, else auto). Both at
-    once is refused (--workers sets this host's tasks, the cluster's CPUs set Ray's), and so is
-    --ray without Ray installed, before anything is read."""
+    `ray`; else the Ray executor at `ray` (an address; "" or True: RAY_ADDRESS, else auto), its tasks
+    in `runtime_env` (--ray-runtime-env: a dict, or its JSON text) merged with ckptconv's own
+    (ray_nodes.py). Both `ray` and `workers` at once is refused (--workers sets this host's tasks,
+    the cluster's CPUs set Ray's), and so is --ray without Ray installed, before anything is read."""
     if ray is None or ray is False:
+        if runtime_env is not None:
+            raise UsageError("--ray-runtime-env is the runtime_env of --ray's tasks: give --ray too")
         return None
     if workers is not None:
         raise UsageError("--workers sets this host's tasks in flight; with --ray the cluster's CPUs do "
                          "(one a task): give one of them")
     if ray is not True and not isinstance(ray, str):
         raise UsageError(f"ray: expected an address, True or None, not {type(ray).__name__}")
+    runtime_env = _runtime_env(runtime_env)
     import importlib.util
     if importlib.util.find_spec("ray") is None:   # (Ray itself is imported when it runs)
         raise UsageError("--ray needs Ray: pip install 'ckptconv[ray]'")
-    return make("ray", address=None if ray is True else (ray or None))
+    return make("ray", address=None if ray is True else (ray or None), runtime_env=runtime_env)
+
+
+def _runtime_env(given) -> dict | None:
+    """--ray-runtime-env as a dict: a JSON object (as `ray job submit --runtime-env-json` takes it)."""
+    if given is None or isinstance(given, dict):
+        return given
+    if not isinstance(given, str):
+        raise UsageError(f"ray_runtime_env: expected a dict or its JSON text, not {type(given).__name__}")
+    try:
+        value = loads(given, "--ray-runtime-env", "its value")
+    except BadInput as e:
+        raise UsageError(str(e)) from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--ray-runtime-env: expected a JSON object (Ray's runtime_env), not {type(value).__name__}")
+    return value
 
 
 CORES_PER_TASK = 2   # a task's writer and its two SHA-256 streams keep about 1.6 cores busy (benchmarks.md)

@@ -2,7 +2,10 @@
 'ckptconv[ray]'`). Ray is imported only when a run asks for it.
 
 The driver (the `ckptconv` process) joins the cluster (`ray.init(ADDRESS)`: without a value
-RAY_ADDRESS, Ray's own convention, else "auto", the cluster this host is in), submits one Ray task
+RAY_ADDRESS, Ray's own convention, else "auto", the cluster this host is in) with ckptconv itself in
+the job's runtime_env (ray_nodes.py: py_modules, merged with the Ray Job's and --ray-runtime-env;
+CKPTCONV_RAY_SHIP=0 leaves it out), checks that every node with CPUs imports what a task needs (one
+line naming the node and the module, before any task runs), submits one Ray task
 per unit of the plan (an output file, a rank directory), gathers the answers in plan order and hands
 them back to the runner, which checks and publishes them exactly as for the local executor. A task
 re-opens the source from the request on its node, so SRC and OUT must be on storage every node sees
@@ -29,6 +32,7 @@ import time
 
 from .. import signals
 from ..errors import OutputError, UsageError, brief
+from . import ray_nodes
 from . import tasks as _tasks
 
 MAX_RETRIES = 3          # reruns of a task whose worker or node died (Ray's max_retries)
@@ -36,6 +40,9 @@ POLL_S = 0.2             # how often the driver looks at its tasks (and a pendin
 TALLY_S = 0.5            # how often it asks the tally for bytes and starts
 CONNECT_S = 10           # how long ADDRESS may take to answer before the run says there is no cluster
 CANCEL_WAIT_S = 30       # how long it waits for cancelled tasks to end before it lets the output go
+NODE_CHECK_S = 120       # how long a node may take to answer the check of what it imports (its first
+                         # worker, the shipped package unpacked); one that does not is left to its tasks
+OVERRIDE_JOB_ENV = "RAY_OVERRIDE_JOB_RUNTIME_ENV"   # (Ray's: ray.init's runtime_env over the Job's)
 PROGRESS_BYTES = 16 << 20
 
 
@@ -105,11 +112,15 @@ class RayExecutor:
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, workers: int | None = None, retries: int = MAX_RETRIES):
+    def __init__(self, address: str | None = None, workers: int | None = None, retries: int = MAX_RETRIES,
+                 runtime_env: dict | None = None):
         self.workers = workers
         self.address = address_of(address)
         self.retries = retries
         self.notes = []
+        self.ship = ray_nodes.shipped()
+        self.runtime_env = ray_nodes.runtime_env(runtime_env, ray_nodes.job_runtime_env(), self.ship)
+        self.checked = False
 
     def parallel(self, tasks) -> bool:
         return True   # (asked for: every unit goes to the cluster, even one)
@@ -119,23 +130,101 @@ class RayExecutor:
 
     def connect(self):
         ray = import_ray()
-        if ray.is_initialized():
+        if ray.is_initialized():   # (an API caller that joined the cluster itself: its runtime_env stands)
+            self._check_nodes(ray)
             return ray
         _probe(self.address)
+        env = self._valid_env(ray)
         saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        override = os.environ.get(OVERRIDE_JOB_ENV)
+        if ray_nodes.JOB_CONFIG_ENV in os.environ:
+            os.environ[OVERRIDE_JOB_ENV] = "1"   # (env holds the Job's own runtime_env, merged field by field)
         try:
             ray.init(address=self.address, logging_level=logging.ERROR, log_to_driver=False,
-                     configure_logging=True, namespace="ckptconv")
+                     configure_logging=True, namespace="ckptconv", runtime_env=env)
         except (ConnectionError, RuntimeError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise OutputError(f"--ray {shown(self.address)}: no Ray cluster could be joined "
-                              f"({shown(self.address, first)}); "
+                              f"({self._hidden(shown(self.address, first))}); "
                               "start one (`ray start --head`) or give its address") from None
         finally:
             for s, h in saved.items():   # (ckptconv's own handlers: the driver decides how a signal ends it)
                 if h is not None:
                     signal.signal(s, h)
+            if override is None:
+                os.environ.pop(OVERRIDE_JOB_ENV, None)
+            else:
+                os.environ[OVERRIDE_JOB_ENV] = override
+        try:
+            self._check_nodes(ray)
+        except BaseException:
+            with signals.deferred():
+                ray.shutdown()   # (joined here: a caller of the API may join again, with another runtime_env)
+            raise
         return ray
+
+    def _valid_env(self, ray):
+        """The runtime_env, as Ray checks it before the driver joins (a field of the wrong type, a
+        py_modules entry that is not there): one line, exit 2."""
+        if not self.runtime_env:
+            return None
+        try:
+            from ray.runtime_env import RuntimeEnv
+            RuntimeEnv(**self.runtime_env)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UsageError(f"--ray-runtime-env: Ray refuses the runtime_env "
+                             f"({self._hidden(brief(first, 300))})") from None
+        return self.runtime_env
+
+    def _hidden(self, text: str) -> str:
+        """`text` without the values of the runtime_env's env_vars (a key the user handed the tasks)."""
+        for value in sorted((v for v in (self.runtime_env.get("env_vars") or {}).values()
+                             if isinstance(v, str) and len(v) >= SHORTEST_SECRET), key=len, reverse=True):
+            text = text.replace(value, "***")
+        return text
+
+    def _check_nodes(self, ray):
+        """Every live node with CPUs imports what a task needs (ray_nodes.node_report, one task pinned
+        to each, pickled by value), else one line naming the node and the module, before any task runs
+        (a task that cannot be unpickled there would be retried, then lost). Once an executor."""
+        if self.checked:
+            return
+        self.checked = True
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        ray.cloudpickle.register_pickle_by_value(ray_nodes)
+        nodes = [n for n in ray.nodes() if n.get("Alive") and (n.get("Resources") or {}).get("CPU", 0) >= 1]
+        needed, compiled = ray_nodes.wanted()
+        check = ray.remote(ray_nodes.node_report)
+        refs = {check.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            n["NodeID"], soft=False)).remote(needed, compiled): n for n in nodes}
+        reports, pending, deadline = [], list(refs), time.monotonic() + NODE_CHECK_S
+        try:
+            while pending and time.monotonic() < deadline:
+                done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+                for ref in done:
+                    reports.append((refs[ref], self._report(ray, ref, refs[ref])))
+                signals.check()
+        finally:
+            if pending:   # (a node that does not answer in time: its tasks will say what it lacks)
+                self._cancel(ray, pending)
+        line, notes = ray_nodes.verdict([(n, r) for n, r in reports if r is not None],
+                                        ray_nodes.version_here(), self.ship)
+        if line:
+            raise OutputError(f"--ray {shown(self.address)}: {line}")
+        for note in notes:
+            print(f"ckptconv: note: {note}", file=sys.stderr)
+
+    def _report(self, ray, ref, node):
+        """A node's report, or None where the node went away meanwhile (Ray schedules nothing there)."""
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayError as e:
+            if not any(n.get("NodeID") == node.get("NodeID") and n.get("Alive") for n in ray.nodes()):
+                return None
+            first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+            raise OutputError(f"--ray {shown(self.address)}: {ray_nodes.named(node)} cannot run a task "
+                              f"({type(e).__name__}: {self._hidden(brief(first, 300))})") from None
 
     def run(self, tasks, tmp, progress=None) -> list:
         if not tasks:
