@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-slow dcp-fixtures test-training training-fixtures test-cloud test-ray test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures test-orbax orbax-fixtures demo bench fuzz clean
+.PHONY: setup test test-slow dcp-fixtures test-training training-fixtures test-cloud test-ray test-vllm test-deepspeed deepspeed-fixtures test-megatron megatron-fixtures test-orbax orbax-fixtures test-quant quant-fixtures demo bench fuzz clean
 
 setup: $(VENV)/.installed
 
@@ -132,6 +132,34 @@ test-orbax: setup $(ORBAX_VENV)/.installed
 orbax-fixtures: $(ORBAX_VENV)/.installed
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(ORBAX_VENV)/bin/python -m tests.fixtures.orbax --committed
 
+# Quantized checkpoints made by the real producers on the CPU (tests/fixtures/quant.py): llm-compressor's
+# model_free_ptq and oneshot (compressed-tensors: FP8_DYNAMIC, FP8_BLOCK, W8A16, W4A16, W4A16_ASYM, NVFP4A16,
+# MXFP4A16, W8A8, naive FP8; a Qwen3-MoE), transformers' FineGrainedFP8 quantizer (DeepSeek-V3's
+# weight_scale_inv form), gpt-oss's MXFP4 layout, GPTQModel's quantize (sym + desc_act, asym) and AutoAWQ's
+# GEMM packing, each beside the producer's own decoding in fp32 and its native dtype (not part of `make
+# test`: the venv is about 1.6 GB; fixtures and checks take about 30 s here). torch is installed first and pinned,
+# so nothing pulls a CUDA build; AutoAWQ without its dependencies (it asks for no torch release but its
+# kernels' packages are GPU-only). `quant-fixtures` remakes the small ones committed under
+# tests/fixtures/data/quant/. See tests/fixtures/data/quant/README.md.
+QUANT_VENV ?= .venv-quant
+QUANT_FIXTURES ?= /tmp/ckptconv-quant-fixtures
+$(QUANT_VENV)/.installed:
+	python3 -m venv $(QUANT_VENV)
+	$(QUANT_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	echo torch==2.13.0 > $(QUANT_VENV)/constraints.txt
+	$(QUANT_VENV)/bin/python -m pip install --quiet -c $(QUANT_VENV)/constraints.txt llmcompressor==0.14.0.1 \
+		compressed-tensors==0.19.0 transformers==5.17.0 gptqmodel==7.3.6 safetensors
+	$(QUANT_VENV)/bin/python -m pip install --quiet --no-deps autoawq==0.2.9
+	touch $@
+
+test-quant: setup $(QUANT_VENV)/.installed
+	rm -rf $(QUANT_FIXTURES)
+	$(QUANT_VENV)/bin/python -m tests.fixtures.quant $(QUANT_FIXTURES)
+	CKPTCONV_QUANT_FIXTURES=$(abspath $(QUANT_FIXTURES)) $(PY) -m pytest tests/quant -v
+
+quant-fixtures: $(QUANT_VENV)/.installed
+	$(QUANT_VENV)/bin/python -m tests.fixtures.quant --committed
+
 # Azure Blob Storage through Azurite, Microsoft's emulator (npm), on 127.0.0.1, and the client the tests
 # use to make containers (azure-storage-blob, installed beside it): az:// sources and outputs checked
 # like s3:// ones against moto in `make test` (not part of `make test`: npm and about 60 MB; the tests
@@ -175,4 +203,4 @@ fuzz: setup
 	$(PY) -m fuzz.fuzz_parsers fuzz/corpus -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10
 
 clean:
-	rm -rf $(VENV) $(RAY_VENV) $(VLLM_VENV) $(DS_VENV) $(MEGATRON_VENV) $(ORBAX_VENV) $(TRAINING_VENV) build *.egg-info
+	rm -rf $(VENV) $(RAY_VENV) $(VLLM_VENV) $(DS_VENV) $(MEGATRON_VENV) $(ORBAX_VENV) $(TRAINING_VENV) $(QUANT_VENV) build *.egg-info
