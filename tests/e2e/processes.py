@@ -154,13 +154,22 @@ def stuck_share(i, progress=None):
 # A driver stuck where no checkpoint comes (its progress callback waits in the standard library):
 # a signal is left pending there, and the watcher thread ends the process itself (signals.py).
 STUCK_DRIVER = """
-import sys, threading
+import os, sys, threading, time
 from ckptconv import signals
 from ckptconv.run import executors
 from tests.e2e.processes import stuck_share
 
-def progress(n):
+def say_when_waiting(tid):   # "stuck" once the main thread sleeps in the wait below, not before
+    deadline = time.monotonic() + 5   # (a kernel that hides wchan says "0": then after 5 s)
+    while time.monotonic() < deadline:
+        with open(f"/proc/self/task/{tid}/wchan") as f:
+            if "futex" in f.read():
+                break
+        time.sleep(0.01)
     print("stuck", flush=True)
+
+def progress(n):
+    threading.Thread(target=say_when_waiting, args=(threading.get_native_id(),), daemon=True).start()
     threading.Event().wait()
 
 with signals.handled():
