@@ -296,8 +296,8 @@ def executor_options(fn):
     @click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
                   help="Run every task (an output file, a rank directory; verify: a share of the checks) on "
                   "the Ray cluster at ADDRESS (without one: RAY_ADDRESS, else auto, the cluster this host is "
-                  "in). SRC and OUT must be on storage every node sees. Put it after SRC and OUT, or write "
-                  "--ray=ADDRESS. Needs pip install 'ckptconv[ray]'. ckptconv itself travels with the "
+                  "in). SRC and OUT must be on storage every node sees (a shared file system or a bucket). "
+                  "Put it after SRC and OUT, or write --ray=ADDRESS. Needs pip install 'ckptconv[ray]'. ckptconv itself travels with the "
                   "tasks (runtime_env py_modules; CKPTCONV_RAY_SHIP=0: every node has it installed). "
                   "See docs/distributed.md.")
     @click.option("--ray-runtime-env", "ray_runtime_env", metavar="JSON",

@@ -137,7 +137,7 @@ class LocalExecutor(Executor):
             return []
         if not self.parallel(tasks):   # one at a time, in this process: as a run always was
             return [_tasks.run_task(t, tmp, progress) for t in tasks]
-        found = self._pool([("task", t, os.fspath(tmp)) for t in tasks], progress)
+        found = self._pool([("task", t, _tasks.portable(tmp)) for t in tasks], progress)
         return [_tasks.Answer(**a) for a in found]
 
     def lanes(self) -> int:
@@ -285,7 +285,7 @@ def _perform(item, update):
     if item[0] == "task":
         _, task, tmp = item
         answer = _tasks.run_task(task, tmp, update)
-        return {"result": answer.result, "inputs": answer.inputs}
+        return {"result": answer.result, "inputs": answer.inputs, "extra": answer.extra}
     _, fn, args = item
     return fn(*args, progress=update)
 

@@ -231,7 +231,7 @@ class RayExecutor:
             return []
         ray = self.connect()
         try:
-            return self._run(ray, tasks, os.fspath(tmp), progress)
+            return self._run(ray, tasks, _tasks.portable(tmp), progress)
         finally:
             with signals.deferred():
                 ray.shutdown()
@@ -372,7 +372,7 @@ class Tally:
         return n, dict(self.starts)
 
 
-def _ray_task(task, tmp: str, tally):
+def _ray_task(task, tmp, tally):
     """One task on a Ray worker: ("done", Answer fields) or ("error", the CkptError's class name, its
     line). A ckptconv error is an answer, not an exception: it is the input's fault, a rerun would
     fail alike (and Ray does not rerun what returns)."""
@@ -394,7 +394,8 @@ def _ray_task(task, tmp: str, tally):
         return ("error", *_tasks.failure(e, f"task {task.index}"))
     if pending[0]:
         tally.add.remote(pending[0])
-    return ("done", {"result": answer.result, "inputs": answer.inputs, "attempts": _attempt() + 1})
+    return ("done", {"result": answer.result, "inputs": answer.inputs, "attempts": _attempt() + 1,
+                     "extra": answer.extra})
 
 
 def _attempt() -> int:

@@ -4,7 +4,8 @@ plan run. Given a job (tasks.Job) and an executor that runs tasks side by side (
 --workers N on this host, --ray on a cluster), every unit is a task: the answers are checked and
 the driver finishes and publishes (`run_tasks`). Otherwise the driver writes every unit itself, into
 the atomic output (io/output.atomic_output), or an OUT in an object store into a bucket output
-(storage/targets.bucket_output: claimed, published pointer last)."""
+(storage/bucket_out.bucket_output: claimed, published pointer last; its tasks write into it through a
+BucketTask)."""
 import contextlib
 import dataclasses
 import hashlib
@@ -13,7 +14,7 @@ import os
 
 from ..errors import UsageError
 from ..formats import not_ours, published
-from ..storage.targets import bucket_output
+from ..storage.bucket_out import BucketTask, bucket_output
 from ..storage.urls import is_url, redact
 from ..layouts.base import RunFacts
 from ..layouts.files import check_space
@@ -44,11 +45,11 @@ def run(writer, tensors, out, options, inputs=(), check_unchanged=lambda: None, 
     re-derives this run) and an `executor` that runs tasks side by side (executors.py), every unit
     is a task: see `run_tasks`."""
     units = writer.plan(tensors)
-    remote = executor is not None and executor.name != "local"
-    if remote and is_url(os.fspath(out)):
-        raise UsageError(f"{redact(os.fspath(out))}: an object-store OUT is written by one process; --{executor.name} "
-                         "writes OUT on a file system every node sees (SRC may be in a bucket)")
-    if job is not None and executor is not None and not is_url(os.fspath(out)) \
+    bucket = is_url(os.fspath(out))
+    if bucket and options.resume and executor is not None and executor.name != "local":
+        raise UsageError(f"{redact(os.fspath(out))}: --resume of an object-store OUT is the driver's own (it re-checks "
+                         f"what a killed run left there); run it without --{executor.name}")
+    if job is not None and executor is not None and not (bucket and options.resume) \
             and executor.parallel(_tasks.tasks_of(job, units)):
         return run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, progress, job, executor)
     facts = RunFacts()
@@ -86,7 +87,8 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
     layouts/sharded/resume.py; each kind starts afresh from what the other left.)"""
     planned = _tasks.identity(inputs)
     todo = _tasks.tasks_of(job, units)
-    key = run_key(writer, tensors, units, planned) if options.resume else None
+    bucket = is_url(os.fspath(out))
+    key = run_key(writer, tensors, units, planned) if options.resume and not bucket else None
     facts = RunFacts()
 
     def publish(tmp):
@@ -97,12 +99,16 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
             _tasks.keep_only(tmp, [t for t in todo if t.index in kept])
         left = [t for t in todo if t.index not in kept]
         check_space(tmp, sum(t.size for t in left))   # (each task checks only its own unit's room)
+        where = BucketTask(os.fspath(out), options.storage, writer.single_file) if bucket else tmp
         with (progress or _no_progress)(sum(t.size for t in left)) as update:
-            ran = executor.run([dataclasses.replace(t, record=key) for t in left] if key else left, tmp, update)
+            ran = executor.run([dataclasses.replace(t, record=key) for t in left] if key else left, where, update)
         answers = {**kept, **{t.index: a for t, a in zip(left, ran)}}
+        if bucket:
+            _tasks.adopt(tmp, left, ran)
         check_unchanged()
         accepted = _tasks.accept(writer, units, todo, [answers[t.index] for t in todo], tmp, planned)
-        _tasks.forget_done(tmp)
+        if key:
+            _tasks.forget_done(tmp)
         facts = writer.finish(tmp, accepted)
         if kept:
             facts.resumed_bytes = sum(t.size for t in todo if t.index in kept)
@@ -112,8 +118,13 @@ def run_tasks(writer, tensors, units, out, options, inputs, check_unchanged, pro
             facts.resume_note = facts.resume_note or \
                 "no task an interrupted run of this job finished was left; started afresh"
 
-    with atomic_output(out, options.overwrite, options.resume, inputs, writer.single_file, not_ours) as tmp:
-        publish(tmp)
+    if bucket:
+        with bucket_output(out, options.overwrite, options.resume, inputs, writer.single_file, not_ours,
+                           writer.pointer(units), published, options=options.storage, tasks=True) as target:
+            publish(target)
+    else:
+        with atomic_output(out, options.overwrite, options.resume, inputs, writer.single_file, not_ours) as tmp:
+            publish(tmp)
     return dataclasses.replace(facts, units=[u.name for u in units], unit_bytes=sum(u.size for u in units))
 
 

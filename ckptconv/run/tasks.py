@@ -22,6 +22,7 @@ from ..errors import OutputError, brief
 from ..io.output import Inputs
 from ..layouts.base import ResultError
 from ..storage import files as storage
+from ..storage.bucket_out import BucketTask, written
 from ..storage.urls import is_url
 
 
@@ -122,12 +123,42 @@ def run_task(task: Task, tmp, progress=None) -> Answer:
             raise OutputError(f"task {task.index} ({brief(name, 100)}): the unit the driver planned with {size} bytes "
                               f"is {found}; its source or options differ from the driver's")
         mine.append(unit)
+    if isinstance(tmp, BucketTask):   # (a bucket OUT the driver claimed: this task's objects, named in its answer)
+        target = tmp.target()
+        try:
+            result = made.writer.write(mine, target, progress, task.share)
+            made.check_unchanged()
+        except BaseException:
+            target.out.publisher.rollback()
+            raise
+        return Answer(result.to_json(), identity(made.inputs), extra={"objects": written(target)})
     result = made.writer.write(mine, tmp, progress, task.share)
     made.check_unchanged()
     answer = Answer(result.to_json(), identity(made.inputs))
     if task.record:
         _keep(task, answer, tmp)
     return answer
+
+
+def portable(tmp):
+    """Where tasks write, as it crosses processes: a local temporary directory's path, or the BucketTask."""
+    return tmp if isinstance(tmp, BucketTask) else os.fspath(tmp)
+
+
+def adopt(target, tasks, answers):
+    """The objects each task wrote into the driver's bucket OUT (`target`), as its answer names them,
+    become the run's: known to the target (its checks, the publication's), rolled back with the rest.
+    Only names inside the task's own units are taken (OutputError otherwise)."""
+    publisher = target.out.publisher
+    for task, answer in zip(tasks, answers):
+        objects = answer.extra.get("objects")
+        mine = [name for name, _ in task.units]
+        if not isinstance(objects, dict) or not all(
+                isinstance(k, str) and type(v) is int and any(k == n or k.startswith(n + "/") for n in mine)
+                for k, v in objects.items()):
+            raise OutputError(f"{task.name}: its task's answer names objects outside its unit; nothing was published")
+        target.out.known.update(objects)
+        publisher.adopt([publisher.place(k).key for k in objects])
 
 
 DONE = ".ckptconv-tasks"   # in the temporary output, with --resume: each finished task's answer

@@ -171,10 +171,11 @@ class Publisher:
             self.release()
         return done
 
-    def rollback(self) -> list:
-        """Abort what is open, delete what was created, abort uploads of this run's keys left pending,
-        let the lock go; each step is tried whatever the others did, and what failed is returned (one
-        line each). Nothing is deleted once the lock was taken over (it is the other run's OUT now)."""
+    def rollback(self, everything: bool = False) -> list:
+        """Abort what is open, delete what was created, abort uploads of this run's keys left pending
+        (with `everything`: every upload pending under OUT, a task's too), let the lock go; each step
+        is tried whatever the others did, and what failed is returned (one line each). Nothing is
+        deleted once the lock was taken over (it is the other run's OUT now)."""
         import obstore
         problems = []
 
@@ -198,8 +199,8 @@ class Publisher:
                     attempt(self._sweep, doomed[at:at + 1000])
                 self.created.clear()
                 self.started.clear()
-                if multipart and self.out.kind == "s3":   # (obstore aborts what fails; a sweep for what it could not)
-                    attempt(self.abort_pending, multipart)
+                if (multipart or everything) and self.out.kind == "s3":   # (obstore aborts what fails; a sweep
+                    attempt(self.abort_pending, None if everything else multipart)   # for what it could not)
             attempt(self.release)
         return problems
 

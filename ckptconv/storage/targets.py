@@ -9,11 +9,7 @@ pipeline feeds (io/hashing.Pipeline: the same staging buffers and digests either
 SHA-256 in the pass that writes it), `open` the small ones (JSON, SHA256SUMS, files carried), and
 look at what is there (`stat`, `entries`) for --resume.
 
-`bucket_output` is atomic_output's counterpart for a URL: it claims OUT (a create-only lock object),
-decides what may be replaced (as check_target does, with --overwrite replacing only a previous
-ckptconv output, after unpublishing it: a store cannot swap a prefix), yields the target, and
-publishes it (the pointer, create-only) or rolls it back (every object the run created deleted,
-every multipart upload aborted), on an error or a signal alike.
+A bucket OUT's life (claimed, prepared, published or rolled back) is bucket_out.py's.
 """
 import contextlib
 import os
@@ -394,103 +390,6 @@ class BucketTarget(Target):
             yield f.read(at, min(chunk, f.size - at))
 
 
-def _refuse_inputs(out: str, inputs):
-    """OUT may not be or hold an input of the run, nor lie inside a source read from the store."""
-    real = str(parse(out)).rstrip("/")
-    for p in getattr(inputs, "files", inputs):
-        if is_url(os.fspath(p)):
-            r = str(parse(os.fspath(p))).rstrip("/")
-            if r == real or r.startswith(real + "/"):
-                raise OutputError(f"{redact(out)}: {'is' if r == real else 'holds'} the input {redact(os.fspath(p))}; "
-                                  "write the output somewhere else")
-            if real.startswith(r + "/"):   # (a key below an object's: the source would read as a prefix after)
-                raise OutputError(f"{redact(out)}: lies under the input object {redact(os.fspath(p))}, which would "
-                                  "then also be a prefix; write the output somewhere else")
-    for root in getattr(inputs, "roots", ()):
-        if is_url(os.fspath(root)):
-            r = str(parse(os.fspath(root))).rstrip("/")
-            if real == r or real.startswith(r + "/"):
-                raise OutputError(f"{redact(out)}: lies inside the source {redact(os.fspath(root))}, where a later read "
-                                  "of the source would take it for part of the checkpoint; write the output somewhere else")
-
-
-def _listed(publisher) -> dict:
-    """{path under OUT: size} of every object there now (one listing, all pages)."""
-    from .objects import listing
-    return {e.name: e.size for e in listing(publisher.out, publisher.options, publisher.store)}
-
-
-def _prepare(target: BucketTarget, taken, overwrite: bool, resume: bool, single: bool, not_ours, published):
-    """What is under OUT before the run writes, decided as check_target decides it for a directory:
-    nothing, a killed run's leftovers (its lock `taken` over: this run's now, kept for --resume,
-    deleted for --overwrite), or a previous output, which only --overwrite replaces, and only a
-    ckptconv output: it is unpublished (its pointer deleted first), then deleted, before anything is
-    written, since a store cannot swap a prefix for another."""
-    publisher, session = target.out.publisher, target.out.session
-    out = session.place(str(publisher.out))
-    if single:
-        try:
-            there = session.open(out) is not None
-        except BadInput:
-            there = False
-        if not there:
-            return
-        replaceable(out, overwrite, not_ours, True)
-        publisher.adopt([publisher.out.key])
-        publisher.delete([publisher.out.key])
-        return
-    found = _listed(publisher)
-    if not found:
-        return
-    shown = published(out, found) if published else None   # (the pointer of a published output)
-    if taken is None or (shown is not None and not overwrite):
-        replaceable(out, overwrite, not_ours, False)
-    publisher.adopt([publisher.place(k).key for k in found])
-    target.out.known.update(found)
-    if taken is None or not resume:   # (--resume keeps a killed run's objects: its layout re-checks them)
-        if shown is not None:
-            target.remove(shown)   # unpublished at once: a consumer no longer finds it
-        publisher.delete([publisher.place(k).key for k in target.out.known])
-        target.out.known.clear()
-
-
-@contextlib.contextmanager
-def bucket_output(out, overwrite=False, resume=False, inputs=(), single_file=False, not_ours=None, pointer=None,
-                  published=None, share: int = 1, options: StorageOptions = None):
-    """Yield a BucketTarget for the URL `out`, reached with `options` (the job's StorageOptions);
-    publish it (the `pointer` last, create-only) if the block succeeds, roll it back otherwise, a
-    signal included. `inputs`, `overwrite`, `resume`, `single_file` and `not_ours` as atomic_output
-    takes them; `published(out, names)`: the pointer of the output already there when it is a
-    published one (formats.published); `share`: files written side by side."""
-    from .bucket import Session
-    from .publisher import Publisher
-    options = options or StorageOptions()
-    out = os.fspath(out)
-    location = parse(out)
-    _refuse_inputs(out, inputs)
-    publisher = Publisher(location, options, single=single_file)
-    session = Session(options)
-    try:
-        taken = publisher.claim(take_over=overwrite or resume)
-        target = BucketTarget(_Out(publisher, pointer, session, share))
-        _prepare(target, taken, overwrite, resume, single_file, not_ours or (lambda *a: "unknown"), published)
-        session.forget(out)   # (what was there was read to decide; it may have been deleted since)
-        yield target
-        check()   # a signal still pending stops the run before it publishes
-        foreign = sorted(set(_listed(publisher)) - set(target.out.known))
-        if foreign:   # (someone else's objects would be published as part of this output)
-            raise OutputError(f"{redact(out)}: {printable(foreign[0], 200)} appeared under OUT while the run wrote it "
-                              f"({len(foreign)} object(s) not this run's); nothing was published")
-        with deferred():
-            publisher.publish_pointer()
-            announce(out)   # (a signal after this: "published before it and is complete")
-    except BaseException as e:
-        problems = publisher.rollback()
-        if problems and isinstance(e, CkptError):
-            raise OutputError(f"{e}; and rolling back, {problems[0]} (remove what is left under OUT yourself)") from None
-        raise
-
-
 def no_space(target: Target, needed: int):
     """OutputError when `target` cannot take `needed` more bytes (never, for an object store)."""
     free = target.free()
@@ -498,4 +397,4 @@ def no_space(target: Target, needed: int):
         raise OutputError(f"{target.path()}: not enough free disk space for {needed} bytes")
 
 
-__all__ = ["Target", "LocalTarget", "BucketTarget", "as_target", "bucket_output", "no_space", "write_all"]
+__all__ = ["Target", "LocalTarget", "BucketTarget", "as_target", "no_space", "write_all"]

@@ -47,7 +47,10 @@ def test_convert_and_reshard_from_a_bucket_at_two_workers_are_one_worker_s_bytes
     ranged_gets_fit_the_part_size(s3)
 
 
-def test_a_bucket_out_and_its_verify_at_two_workers(s3, model, tmp_path):
+def test_a_bucket_out_and_its_verify_at_two_workers(s3, model, tmp_path, monkeypatch):
+    from ckptconv.run import tasks
+    adopted, adopt = [], tasks.adopt
+    monkeypatch.setattr(tasks, "adopt", lambda target, ts, answers: (adopted.append(len(ts)), adopt(target, ts, answers)))
     url = upload(s3, model, "src/m.pt")
     outs = {}
     for workers in (1, 2):
@@ -57,6 +60,7 @@ def test_a_bucket_out_and_its_verify_at_two_workers(s3, model, tmp_path):
         outs[workers] = sorted(k.split("/", 2)[2] for k in s3.keys(f"out/w{workers}/"))
         v = run("verify", out, "--against", url, *flags(s3, workers))
         assert v.exit_code == 0, v.stdout + v.stderr
+    assert adopted and adopted[0] >= 3   # (--workers 2: the shards written by tasks in worker processes)
     assert outs[1] == outs[2] and len(outs[1]) >= 5
     for name in outs[1]:
         one = s3.client.get_object(Bucket=s3.bucket, Key=f"out/w1/{name}")["Body"].read()
@@ -82,3 +86,16 @@ def _rules(tmp_path):
     path = tmp_path / "rules.toml"
     path.write_text('layout = "torch"\n[[rule]]\npattern = ".*"\naxis = 0\n')
     return path
+
+
+def test_a_task_failing_mid_upload_leaves_nothing_under_out(s3, model, tmp_path):
+    """A task's upload refused: the run stops in one line, and neither that task's objects, the other
+    tasks' shards nor any pending multipart upload is left under OUT (the driver sweeps OUT)."""
+    from tests.storage.proxy import Fault
+    url = upload(s3, model, "src/m.pt")
+    s3.proxy.add(Fault("status", method="PUT", match=lambda p: "model-00003" in p, times=-1, status=403,
+                       code="AccessDenied"))
+    r = run("convert", url, s3.url("out/failed"), "--max-shard-size", "600KB", *flags(s3, 2))
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "model-00003" in r.stderr and "AccessDenied" in r.stderr, r.stderr
+    assert s3.keys("out/") == [] and s3.uploads() == []
