@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from .jobs import convert as _convert, reshard as _reshard, verify as _verify
 from . import requests
 from .run import executors as _executors
-from .layouts import targets
+from .layouts import target_choices
 from .errors import BadInput, UsageError, brief, printable
 from .readers import Source, open_source
-from .readers.wrappers import Layout
+from .readers.wrappers import TrainingParts
 from .rowview import RowView
 
 ConvertResult, ReshardResult, Report, Problem = _convert.ConvertResult, _reshard.ReshardResult, _verify.Report, _verify.Problem
@@ -98,7 +98,7 @@ def reshard(src, out, tp, *, ep=1, preset=None, rules=None, heads=None, kv_heads
                                     reader_options, max_extra_size, one_shard, storage),
                             None if out is None else requests.path(out, "out"), mesh,
                             _reshard.ReshardOptions(requests.optional_text(strip_prefix, "strip_prefix"),
-                                                    requests.choice(target, tuple(targets()), "target"),
+                                                    requests.choice(target, tuple(target_choices()), "target"),
                                                     requests.choice(dtype, requests.DTYPES, "dtype"),
                                                     requests.paths(with_files, "with_files")),
                             requests.write_options(max_shard_size=max_shard_size, name=name, overwrite=overwrite,
@@ -155,7 +155,7 @@ class Inspection:
     model_files: list = field(default_factory=list)
     skipped_files: list = field(default_factory=list)
     also: list = field(default_factory=list)
-    layout: Layout | None = None   # a training checkpoint's parts and which convert writes (readers/wrappers.py)
+    layout: TrainingParts | None = None   # a training checkpoint's parts and which convert writes (readers/wrappers.py)
     placeholders: list = field(default_factory=list)   # classes on no allowlist, recorded as inert data
     components: list = field(default_factory=list)     # a diffusers pipeline's: {"name", "library", "class",
                                                        # "format" (None: no weights), "variant", "tensor_count",

@@ -20,7 +20,7 @@ if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
 
 import click
 
-from .run.cluster import MAX_PROCESSES
+from .jobs.verify.cluster import MAX_PROCESSES
 from . import __version__
 from .api import expected_identity, inspection
 from .cli_options import (_OneLineErrors, Retired, cluster_options, distributed_refused, executor_options, command, emit,
@@ -33,7 +33,7 @@ from .errors import BadInput, UsageError, printable
 from .jobs.plan import NETWORK_GBPS, plan_run
 from .progress import byte_progress
 from .jobs.reshard import ReshardOptions, reshard
-from .layouts import targets
+from .layouts import target_choices
 from .jobs.verify import VerifyRequest, total_bytes, verify
 from .readers import Source, damage, open_source, reader_for, readers
 from .sizes import format_size
@@ -206,8 +206,8 @@ pickle shards) to sharded safetensors in OUT. The same as `convert`, refusing no
               "(before the rules match them).")
 @click.option("--dtype", type=click.Choice(requests.DTYPES), default="keep", show_default=True,
               help="Cast floating tensors (round to nearest even); integers are kept; config.json says so.")
-@click.option("--target", type=click.Choice(list(targets())), default="mesh", show_default=True,
-              help="The layout written. " + "; ".join(f"{name}: {line}" for name, line in targets().items()) + ".")
+@click.option("--target", type=click.Choice(list(target_choices())), default="mesh", show_default=True,
+              help="The layout written. " + "; ".join(f"{name}: {line}" for name, line in target_choices().items()) + ".")
 @with_option
 @write_options(resume=False)
 @read_options

@@ -12,8 +12,8 @@ import traceback
 
 import click
 
-from .run.cluster import MAX_PROCESSES, join
-from .tp.layout import MAX_RANKS
+from .jobs.verify.cluster import MAX_PROCESSES, join
+from .tp.intervals import MAX_RANKS
 from .jobs.convert import single_file
 from . import requests, signals
 from .io import mapped

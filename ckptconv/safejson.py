@@ -264,6 +264,3 @@ def _read_limited(fd, path, what, limit) -> bytes:
         raise BadInput(f"{path}: cannot read the {what}: {e.strerror}") from None
 
 
-def load_file(path, what="JSON", limit: int = 1 << 30, follow: bool = True) -> object:
-    """`loads` of a file read by `read`."""
-    return loads(read(path, what, limit, follow), path, what)

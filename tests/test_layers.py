@@ -10,11 +10,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ckptconv"
 LAYERS = [
     ["errors", "limits", "sizes", "dtypes", "safejson", "safetoml", "signals", "progress", "rowview", "_mapguard", "_sha256x"],
     ["io", "storage"],                          # bytes in and out: files, and objects in a store
-    ["tensor", "transforms"],
+    ["tensor", "checkpoint", "transforms"],
     ["formats"],
     ["tp", "readers.pickle", "readers.ziparchive"],
     ["readers"],
-    ["run.cluster", "run.share"],   # processes and the balancer: what layouts share work by
+    ["run.share"],                              # the balancer: what layouts share work by
     ["layouts"],
     ["recipe", "requests"],
     ["run"],                                    # the job runner drives layouts

@@ -11,7 +11,7 @@ from ckptconv import dtypes
 from ckptconv.formats.manifest import shard_name
 from ckptconv.io.mapped import MappedFile
 from ckptconv.tensor import ArraySource, Concat, MappedView, Stacked, iter_blocks
-from ckptconv.tp.layout import plan
+from ckptconv.tp.intervals import plan
 from ckptconv.tp.rules import Rule, RuleSet
 from ckptconv.layouts.files import plan_shards
 

@@ -264,7 +264,7 @@ def _boxed(p) -> bool:
 
 
 def recorded_cut(p) -> dict:
-    """How mesh.json (and the plan) records a TensorPlan's (tp/layout.py) uneven cut: `ranges` along
+    """How mesh.json (and the plan) records a TensorPlan's (tp/intervals.py) uneven cut: `ranges` along
     `axis`, or `boxes` for a piece cut on two axes (docs/output.md); {} for an even split or a
     replicated tensor."""
     if p.axis is None or p.even:

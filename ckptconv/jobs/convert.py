@@ -1,7 +1,6 @@
 """convert: any supported source -> sharded safetensors, or one .safetensors file (reader ->
 transforms -> writer), atomically, by one driver whose tasks may run on this host or a cluster (run/runner.py)."""
 import dataclasses
-import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -14,7 +13,7 @@ from ..formats.manifest import source_name, summarised as summarised_extras
 from ..readers import Source, open_source, readers
 from ..storage import files as storage
 from ..storage.urls import is_url, parse
-from ..readers.wrappers import Layout
+from ..readers.wrappers import TrainingParts
 from ..tp.rules import read_config
 from ..layouts import layout
 from ..layouts.base import Content, PartContent, WriteOptions, named_after, source_id
@@ -37,7 +36,7 @@ class ConvertResult:
     format: str                 # the reader that read the source
     tensors: int
     bytes: int
-    files: list                 # of OUT (this process's shard files, on several processes)
+    files: list                 # of OUT
     seconds: float
     gb_per_s: float | None
     resumed_bytes: int = 0
@@ -47,18 +46,16 @@ class ConvertResult:
     state_dict: str | None = None                   # the training wrapper's key unwrapped (--state-dict)
     dropped: list = field(default_factory=list)     # parts of the wrapper not written: {"name", "reason"}
     placeholders: list = field(default_factory=list)  # classes on no allowlist, recorded as inert data
-    layout: Layout | None = None                    # a training checkpoint's parts, and which were written
+    layout: TrainingParts | None = None                    # a training checkpoint's parts, and which were written
     modules: list = field(default_factory=list)     # pickled nn.Modules read as their state_dict()
     summarised: list = field(default_factory=list)  # extras groups over --max-extras: (name, entries, JSON bytes)
-    process: int | None = None                      # on several processes: this one, and how many
-    processes: int | None = None
     identity: str | None = None                     # sha256:… naming exactly this output (formats/identity.py)
     damaged: list = field(default_factory=list)     # the source's files cut short where only entries not written
                                                     # lie (readers/damage.py; SourceFacts.damaged)
 
     def to_json(self) -> dict:
         """The `--json` summary: the fields that apply to this run."""
-        optional = ("resume_note", "skipped_files", "also", "process", "processes", "state_dict", "dropped",
+        optional = ("resume_note", "skipped_files", "also", "state_dict", "dropped",
                     "placeholders", "identity", "layout", "modules", "summarised", "damaged")
         out = {"tensor_count" if k == "tensors" else k: v for k, v in asdict(self).items()
                if k not in optional or v not in (None, [])}

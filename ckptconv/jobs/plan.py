@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..storage.urls import is_url, parse
 
 from ..run.share import assign
-from ..tp.layout import plan as reshard_plan
+from ..tp.intervals import plan as reshard_plan
 from ..tp.presets import MeshSpec, choose_rules
 from ..layouts import layout
 from ..layouts.base import Content, MeshPlan, PartContent, WriteOptions, named_after

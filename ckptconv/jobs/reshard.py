@@ -1,6 +1,6 @@
 """reshard: per-rank tensor-parallel (and expert-parallel) output for a target mesh.
 
-The layout (tp/layout.py) says, as pure data, which intervals of each tensor every rank holds; the
+The layout (tp/intervals.py) says, as pure data, which intervals of each tensor every rank holds; the
 mesh layout (layouts/mesh) then hands each rank lazy slices of the source, so only what a rank
 needs is read. Layout of the output, mesh.json, `ranges` and `boxes`: docs/output.md.
 """
@@ -19,7 +19,7 @@ from ..readers import Source, open_source, readers
 from ..storage import files as storage
 from ..storage.urls import is_url, parse
 from ..sizes import format_size
-from ..tp.layout import REPLICATED_SHARE, plan, plan_summary, silent_replication
+from ..tp.intervals import REPLICATED_SHARE, plan, plan_summary, silent_replication
 from ..tp.presets import MeshSpec, choose_rules
 from ..tp.rules import read_config
 from ..layouts import layout
@@ -64,7 +64,7 @@ class ReshardResult:
 class ReshardOptions:
     """What reshard does to the tensors besides slicing them, and what it carries along: names without
     `strip_prefix` and floating tensors cast to `dtype` (as convert's), in the layout `target` names
-    (layouts.targets()), every rank directory also holding the files `with_files` names (--with)."""
+    (layouts.target_choices()), every rank directory also holding the files `with_files` names (--with)."""
 
     strip_prefix: str | None = None
     target: str = "mesh"

@@ -24,7 +24,7 @@ def layout(name: str) -> type:
     return LAYOUTS[name]
 
 
-def targets() -> dict:
+def target_choices() -> dict:
     """{name: help line} of the layouts `reshard --target` writes (rank directories), mesh first."""
     found = {name: cls.target for name, cls in sorted(LAYOUTS.items(), key=lambda kv: (kv[1].order, kv[0]))
              if cls.target}
@@ -43,4 +43,4 @@ def detected(path) -> type:
     raise UsageError(f"{path}: neither an output directory nor a .safetensors file")
 
 
-__all__ = ["LAYOUTS", "Layout", "layout", "targets", "engine_of", "for_target", "detected"]
+__all__ = ["LAYOUTS", "Layout", "layout", "target_choices", "engine_of", "for_target", "detected"]

@@ -10,7 +10,7 @@ the job runner (run/runner.py):
   Pure data: `ckptconv plan` prints exactly what a run will do.
 - `write(units, tmp, progress, share) -> result`: write the units this process was given into the
   temporary output directory. The result is the layout's `Result` type (FilesResult, or the mesh
-  layout's MeshResult); it crosses processes as its `to_json()` (packed digests as hex, run/cluster.py),
+  layout's MeshResult); it crosses processes as its `to_json()` (packed digests as hex: a task's answer, run/tasks.py),
   and process 0 reads another's back with `received` (`Result.from_json`, then `accepts`).
 - `finish(tmp, results) -> RunFacts`: on process 0, once every process's result is in (in process
   order): the index, manifest, SHA256SUMS, mesh.json ...; returns facts for the summary.
@@ -178,7 +178,7 @@ class FilesResult:
     note: str | None = None
 
     def to_json(self) -> dict:
-        """As it crosses processes (cluster.py): the packed digests as hex."""
+        """As it crosses processes (a task's answer, run/tasks.py): the packed digests as hex."""
         return {"files": self.files, "digests": {name: row.hex() for name, row in self.digests.items()},
                 "reused": self.reused, "note": self.note}
 
@@ -228,7 +228,7 @@ class RunFacts:
 
 @dataclass(frozen=True)
 class MeshPlan:
-    """What a layout of rank directories writes (reshard): the tensors' layout (tp/layout.py's
+    """What a layout of rank directories writes (reshard): the tensors' layout (tp/intervals.py's
     TensorPlans, in order), the rules that made it, the mesh, and each planned tensor's lazy source
     (in the layout's order; none when only planning)."""
 
@@ -304,7 +304,7 @@ class Layout:
         raise NotImplementedError
 
     def received(self, data, units, tmp):
-        """Another process's result, from the JSON it crossed as (cluster.py): read with
+        """Another process's result, from the JSON it crossed as (a task's answer, run/tasks.py): read with
         `Result.from_json`, then checked to fit the `units` it was given (`accepts`); ResultError
         saying why not. A result crossed a network: it is read, not trusted."""
         result = self.Result.from_json(data)

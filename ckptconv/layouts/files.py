@@ -141,7 +141,7 @@ class OutputStream:
         """(file, file hash) of the shard that holds tensor `t`: tensors come in plan order, so it
         is the open shard's next one, or the first of a later shard (those before it were reused by
         --resume), which is opened and the one before closed. No lookup table per tensor; a shard's
-        tensors are compared by name (a reshard's are made when asked for, tp/layout.RankPieces)."""
+        tensors are compared by name (a reshard's are made when asked for, tp/intervals.RankPieces)."""
         shard = self.shards[self._current] if self._current is not None else None
         planned = shard.tensors[self._next] if shard is not None and self._next < len(shard.tensors) else None
         if planned is None or planned.name != t.name:

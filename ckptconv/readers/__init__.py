@@ -17,7 +17,6 @@ import re
 import stat
 from pathlib import Path
 
-from .. import safejson
 from ..errors import BadInput, UsageError, brief, encodable, printable
 from ..formats.manifest import MANIFEST, index_kind
 from ..formats.mesh import MESH

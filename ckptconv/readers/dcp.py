@@ -23,7 +23,7 @@ from .base import Reader, register
 from ..errors import BadInput, UnsafePickle
 from ..limits import Budget
 from ..storage import files as storage
-from ..tensor import Checkpoint, SourceFacts
+from ..checkpoint import Checkpoint, SourceFacts
 from .pickle import unpickler
 from .pickle.torch_globals import TORCH_OWNED, flatten, torch_globals
 from .pickle.unpickler import Function, InertClass

@@ -28,7 +28,7 @@ class Unwrap:
     names: dict            # fqn -> name written; an fqn absent is not read
     dropped: list          # {"name", "reason"}
     chosen: str | None     # the entry written (TOP: the top level), None: everything
-    layout: object         # wrappers.Layout or None
+    layout: object         # wrappers.TrainingParts or None
 
 
 def paths(planner_data, fqns) -> dict | None:

@@ -46,10 +46,11 @@ from .. import dtypes
 from ..errors import BadInput, brief, printable
 from ..io.mapped import SEQUENTIAL
 from ..storage import files as storage
-from ..tensor import Checkpoint, SourceFacts, MappedView, TensorSource, cast
+from ..checkpoint import Checkpoint, SourceFacts
+from ..tensor import MappedView, TensorSource, cast
 from . import (DEEPSPEED_RANK_FILE, ReadOptions, confined, deepspeed_tag_directory, model_files, one_save,
                source_root, wanted)
-from .deepspeed_files import (Layout, ModelStates, OptimRank, _found, _layout, _model_files, read_layer, read_model,
+from .deepspeed_files import (ZeroFiles, ModelStates, OptimRank, _found, _layout, _model_files, read_layer, read_model,
                               read_optim)
 from .deepspeed_tensors import _check_names, _frozen, _stage12, _stage3
 from .pickle import unpickler
@@ -139,14 +140,14 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
     return Checkpoint(kept, {}, source, files_beside, mapped)
 
 
-def _one_stage(layout: Layout, root: str, allow, mapped: list) -> tuple:
+def _one_stage(layout: ZeroFiles, root: str, allow, mapped: list) -> tuple:
     """The fp32 masters of one model-parallel rank's files (the whole model, or a pipeline stage's
     parameters): (tensors, its first OptimRank, its first ModelStates, (states, tops), the files'
     facts of their save for one_save)."""
     return _masters(layout, *_read_stage(layout, root, allow, mapped))
 
 
-def _read_stage(layout: Layout, root: str, allow, mapped: list) -> tuple:
+def _read_stage(layout: ZeroFiles, root: str, allow, mapped: list) -> tuple:
     """One model-parallel rank's files read and checked: (ranks, states, tops, their facts of the save)."""
     ranks = _optim_ranks(layout, root, allow, mapped)
     first = ranks[0]
@@ -160,7 +161,7 @@ def _read_stage(layout: Layout, root: str, allow, mapped: list) -> tuple:
     return ranks, states, tops, saves
 
 
-def _masters(layout: Layout, ranks: list, states: list, tops: list, saves: list) -> tuple:
+def _masters(layout: ZeroFiles, ranks: list, states: list, tops: list, saves: list) -> tuple:
     """The tensors of one model-parallel rank's files, read by _read_stage."""
     world, first, s0 = len(layout.optim), ranks[0], states[0]
     stage, pipeline = first.stage, layout.layers is not None
@@ -176,7 +177,7 @@ def _masters(layout: Layout, ranks: list, states: list, tops: list, saves: list)
     return tensors, first, s0, (states, tops), saves
 
 
-def _pipeline(layout: Layout, root: str, allow, mapped: list) -> tuple:
+def _pipeline(layout: ZeroFiles, root: str, allow, mapped: list) -> tuple:
     """A PipelineModule's checkpoint as DeepSpeed's own load_checkpoint gives it: every stage's fp32
     masters under the module's names (`N.param` for the layer of global index N,
     `tied_modules.KEY.param` for a TiedLayerSpec's module, taken from the first stage that holds it,
@@ -245,7 +246,7 @@ def _layer_key(name: str, stage: int, shape, names_by_layer: dict, path):
     names_by_layer.setdefault(int(head), {})[key] = (stage, shape)
 
 
-def _layer_buffers(layout: Layout, root: str, allow, mapped: list, names_by_layer: dict, tied: dict,
+def _layer_buffers(layout: ZeroFiles, root: str, allow, mapped: list, names_by_layer: dict, tied: dict,
                    dropped: list) -> list:
     """Each layer file read and checked against what the stages name: every name `N.key` held by
     layer N's file (a trained parameter with the shape param_shapes gives it; the 16-bit copy is never
@@ -299,7 +300,7 @@ def _a_tied_module(held: dict, tied: dict) -> bool:
                for members in tied.values())
 
 
-def _optim_ranks(layout: Layout, root: str, allow, mapped: list) -> list:
+def _optim_ranks(layout: ZeroFiles, root: str, allow, mapped: list) -> list:
     """Every rank's OptimRank (its file mapped into `mapped`), checked to be of one run and one world."""
     world = len(layout.optim)
     ranks = []
@@ -325,7 +326,7 @@ def _optim_ranks(layout: Layout, root: str, allow, mapped: list) -> list:
     return ranks
 
 
-def _model_states(layout: Layout, stage: int, root: str, allow, mapped: list, first: OptimRank,
+def _model_states(layout: ZeroFiles, stage: int, root: str, allow, mapped: list, first: OptimRank,
                   pipeline=False) -> tuple:
     """(the ModelStates of the model-state file(s), their top-level dicts), checked against the
     optimizer state and each other; their files mapped into `mapped`."""
@@ -361,7 +362,7 @@ def _buffers(s0: ModelStates) -> list:
     return tensors
 
 
-def _facts(path: Path, layout: Layout, tag: str, first: OptimRank, s0: ModelStates, by_name: dict,
+def _facts(path: Path, layout: ZeroFiles, tag: str, first: OptimRank, s0: ModelStates, by_name: dict,
            dropped=None) -> SourceFacts:
     """What the source description says: the files read, the run's numbers, what DeepSpeed leaves out."""
     stage, world = first.stage, len(layout.optim)

@@ -1,6 +1,6 @@
 """The DeepSpeed reader's files (readers/deepspeed.py reads with them): what one optimizer- or
 model-state file says, checked (OptimRank, ModelStates), and the tag directory's rank files by name
-(Layout). Registers nothing: deepspeed.py is the reader.
+(ZeroFiles). Registers nothing: deepspeed.py is the reader.
 """
 import math
 import re
@@ -59,8 +59,8 @@ class ModelStates:
 
 
 @dataclass
-class Layout:
-    """The tag directory's files, by rank, checked by name (a pipeline's: one Layout per stage in
+class ZeroFiles:
+    """The tag directory's files, by rank, checked by name (a pipeline's: one ZeroFiles per stage in
     `stages`, each with its stage's optimizer- and model-state files, `layers` the layer files)."""
 
     directory: Path
@@ -68,7 +68,7 @@ class Layout:
     model: dict                       # (rank or None, mp rank) -> Path, as named
     mp: int = 0                       # the model-parallel rank these files are of (a pipeline's stage)
     layers: dict | None = None        # a pipeline's: global layer index -> Path
-    stages: list | None = None        # a pipeline's: stage -> Layout
+    stages: list | None = None        # a pipeline's: stage -> ZeroFiles
 
 
 def _field(obj, key, path, kinds, what=None, default=KeyError):
@@ -279,7 +279,7 @@ def read_layer(m: MappedFile, allow) -> dict:
 
 # --- The tag directory ---------------------------------------------------------------------------
 
-def _layout(directory: Path) -> Layout:
+def _layout(directory: Path) -> ZeroFiles:
     """The rank files by name: every rank once, one model-parallel rank, no pipeline or expert files."""
     try:
         names = storage.listdir(directory)
@@ -329,7 +329,7 @@ def _layout(directory: Path) -> Layout:
         raise BadInput(f"{directory}: the optimizer state of rank {missing} is missing "
                        f"(zero_pp_rank_{missing}_mp_rank_00_optim_states.pt; {len(optim)} rank files for ranks "
                        f"0-{world - 1}); refused")
-    return Layout(directory, [optim[(r, 0)] for r in range(world)], model)
+    return ZeroFiles(directory, [optim[(r, 0)] for r in range(world)], model)
 
 
 def _layer_file(directory: Path, n: str, match, layers: dict):
@@ -346,7 +346,7 @@ def _layer_file(directory: Path, n: str, match, layers: dict):
     layers[index] = directory / n
 
 
-def _pipeline_layout(directory: Path, optim: dict, model: dict, mp: dict, layers: dict) -> Layout:
+def _pipeline_layout(directory: Path, optim: dict, model: dict, mp: dict, layers: dict) -> ZeroFiles:
     """A PipelineModule's tag directory: per stage S (its model-parallel rank, tensor parallelism
     being 1) the optimizer state of every data-parallel rank R (zero_pp_rank_R_mp_rank_SS_...) and
     one mp_rank_SS_model_states.pt; stages 0..P-1 all present, each with the same rank count."""
@@ -369,12 +369,12 @@ def _pipeline_layout(directory: Path, optim: dict, model: dict, mp: dict, layers
                            f"({prefix}zero_pp_rank_{miss}_mp_rank_{s:02d}_optim_states.pt; {len(ranks)} rank files of "
                            f"the stage, {world} data-parallel ranks in the directory); refused")
         files = {k: p for k, p in model.items() if k[1] == s}
-        stages.append(Layout(directory, [ranks[r] for r in range(world)], files, mp=s, layers=layers))
+        stages.append(ZeroFiles(directory, [ranks[r] for r in range(world)], files, mp=s, layers=layers))
     first = stages[0]
-    return Layout(directory, first.optim, model, layers=layers, stages=stages)
+    return ZeroFiles(directory, first.optim, model, layers=layers, stages=stages)
 
 
-def _model_files(layout: Layout, stage: int) -> list:
+def _model_files(layout: ZeroFiles, stage: int) -> list:
     d, model, mp = layout.directory, layout.model, layout.mp
     world = len(layout.optim)
     if stage < 3:

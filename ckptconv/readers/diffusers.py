@@ -9,7 +9,7 @@ listed as not carried. A folder without weights (scheduler/, tokenizer/, feature
 part carried whole. Every file read, in every part, resolves inside SRC (`readers.within`).
 
 The checkpoint lists every component's tensors as COMPONENT/NAME (what inspect and plan show) and
-its parts (tensor.Part), which the pipeline layout writes folder by folder (layouts/diffusers.py).
+its parts (checkpoint.Part), which the pipeline layout writes folder by folder (layouts/diffusers.py).
 """
 import re
 from pathlib import Path
@@ -19,7 +19,7 @@ from ..errors import BadInput, UsageError
 from ..formats.manifest import MANIFEST, VARIANT, index_kind, source_stem
 from ..formats.pipeline import MODEL_INDEX, components
 from ..formats.sums import NAME as SUMS
-from ..tensor import Checkpoint, Part, SourceFacts
+from ..checkpoint import Checkpoint, Part, SourceFacts
 from .base import ReadOptions, Reader, register
 from . import (carried, confined, detect as readers_detecting, model_files, open_checkpoint, source_root,
                training_files, weight_suffixes, weights_name, within)

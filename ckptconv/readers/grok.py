@@ -23,7 +23,8 @@ from .pickle import unpickler
 from ..errors import BadInput, UsageError
 from ..storage import files as storage
 from .pickle.numpy_globals import NUMPY_OWNED, NumpyArray, numpy_globals, numpy_source
-from ..tensor import Checkpoint, SourceFacts, Computed, Concat, cast
+from ..checkpoint import Checkpoint, SourceFacts
+from ..tensor import Computed, Concat, cast
 from .pickle.fetch import fetch_opcodes
 from .pickle.unpickler import StandIn
 from . import ReadOptions, confined, first_missing, model_files, source_root, wanted

@@ -29,7 +29,7 @@ from pathlib import Path
 from .base import Reader, ReaderOption, register
 from ..storage import files as storage
 from ..errors import BadInput, UsageError, printable
-from ..tensor import Checkpoint, SourceFacts
+from ..checkpoint import Checkpoint, SourceFacts
 from ..tp import megatron as mt
 from . import ReadOptions, confined, model_files, source_root, wanted
 from .megatron_dist import _torch_dist

@@ -14,7 +14,7 @@ from ..limits import Budget
 from ..storage import files as storage
 from ..tensor import TensorSource
 from ..tp import megatron as mt
-from ..tp.layout import joined
+from ..tp.intervals import joined
 from ..tp.presets import PRESETS
 from . import ReadOptions, confined, first_missing, one_save
 from . import ziparchive

@@ -15,7 +15,8 @@ from ..formats.mesh import (MAX_METADATA, MESH, MeshDoc, MeshEntry, intervals, o
                             rank_number, read_regular)
 from ..storage import files as storage
 from ..tp.rules import check_recorded
-from ..tensor import Checkpoint, SourceFacts, Concat
+from ..checkpoint import Checkpoint, SourceFacts
+from ..tensor import Concat
 from . import ReadOptions, model_files, wanted
 from . import safetensors as st
 

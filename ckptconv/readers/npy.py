@@ -27,7 +27,8 @@ from ..errors import BadInput, OutputError, printable
 from ..io.spill import SpillFile
 from ..storage import files as storage
 from ..limits import MAX_NDIM, shape_problem
-from ..tensor import Checkpoint, SourceFacts, MappedView, Strided, TensorSource
+from ..checkpoint import Checkpoint, SourceFacts
+from ..tensor import MappedView, Strided, TensorSource
 from . import ReadOptions, confined, inside, model_files, source_root, wanted
 from . import ziparchive
 from .base import Reader, register

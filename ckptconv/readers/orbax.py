@@ -18,7 +18,7 @@ from pathlib import Path
 from .base import Reader, ReaderOption, register
 from ..errors import BadInput
 from ..storage import files as storage
-from ..tensor import Checkpoint, SourceFacts
+from ..checkpoint import Checkpoint, SourceFacts
 from . import ReadOptions, confined, source_root, wanted, wrappers
 from . import orbax_steps as steps
 from .ocdbt import MANIFEST, OcdbtStore
@@ -158,7 +158,7 @@ def load(path: Path, options: ReadOptions) -> Checkpoint:
             parts = [wrappers.Part(key, wrappers.MODEL, len(tensors))] + [wrappers.Part(k, _kind(k), n)
                                                                           for k, n in rest.items() if n]
         parts = [p for p in parts if p.tensors or p.key == key]
-        layout = wrappers.Layout(tuple(parts), chosen, options.state_dict)
+        layout = wrappers.TrainingParts(tuple(parts), chosen, options.state_dict)
     took = []
     if step is not None:
         took.append(f"step {step}")

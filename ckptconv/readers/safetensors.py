@@ -12,7 +12,8 @@ from ..io.mapped import MappedFile
 from ..storage import files as storage
 from ..formats.manifest import index_kind, is_index
 from ..formats.safetensors import file_header
-from ..tensor import Checkpoint, SourceFacts, MappedView
+from ..checkpoint import Checkpoint, SourceFacts
+from ..tensor import MappedView
 from . import ReadOptions, by_shard, check_listed, model_files, source_root, wanted, weight_map, weights_file
 
 NAME = "safetensors"

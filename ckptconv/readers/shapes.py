@@ -16,7 +16,8 @@ from ..storage import files as storage
 from .. import dtypes
 from ..errors import BadInput, brief
 from ..limits import shape_problem
-from ..tensor import Checkpoint, SourceFacts, TensorSource
+from ..checkpoint import Checkpoint, SourceFacts
+from ..tensor import TensorSource
 from . import ReadOptions, wanted
 
 NAME = "shapes"

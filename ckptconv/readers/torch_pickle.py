@@ -18,7 +18,7 @@ from .base import Reader, register
 from ..errors import BadInput, brief
 from ..limits import Budget
 from ..storage import files as storage
-from ..tensor import Checkpoint, SourceFacts
+from ..checkpoint import Checkpoint, SourceFacts
 from ..formats.manifest import index_kind, is_index
 from .pickle.torch_globals import TORCH_OWNED, Storage, flatten, storage_dtype, torch_globals
 from . import (DEEPSPEED_RANK_FILE, LIGHTNING_META, ReadOptions, by_shard, check_listed, inside, model_files,

@@ -23,7 +23,7 @@ from .torch_pickle import archive_prefix, justified, load_zip
 from ..errors import BadInput, printable
 from ..storage import files as storage
 from ..limits import MAX_DEPTH, Budget
-from ..tensor import Checkpoint, SourceFacts
+from ..checkpoint import Checkpoint, SourceFacts
 
 NAME = "torchscript"
 BOOKKEEPING = ("training", "_is_full_backward_hook")   # every nn.Module's, not model state

@@ -5,7 +5,7 @@ choosing (`state_dict`, `model`, `model_state_dict`, `module`, `net`, an EMA cop
 chgnet's `model.state_dict`), beside optimizer, scheduler and scaler state. `survey` names what each
 top-level entry holds; `unwrap` picks the weights (`--state-dict auto`: a top-level `state_dict` as
 before, else the one candidate beside recognisable training state; `KEY` or a dotted path; `none`);
-`Layout` is what inspect and convert say about it (docs/convert.md#training-checkpoints);
+`TrainingParts` is what inspect and convert say about it (docs/convert.md#training-checkpoints);
 `set_aside` what becomes of the rest. A training-state key numbered by its trainer (Lightning's
 `optimizer_0`, `optimizer_1`: a known key, `_`, digits) is that state. Only entries' names and
 whether they reach a tensor are looked at, each walk charged to the pickle's budget; nothing here
@@ -227,7 +227,7 @@ def _same_key(level: dict, key: str):
 @dataclass
 class Rest:
     """What becomes of the rest of a training wrapper (dotted name -> value): the extras kept, the
-    entries dropped ({"name", "reason"}) and the tensors each entry holds (for the Layout)."""
+    entries dropped ({"name", "reason"}) and the tensors each entry holds (for the TrainingParts)."""
 
     extras: dict
     dropped: list
@@ -266,7 +266,7 @@ def _tensors(n: int) -> str:
 
 
 @dataclass(frozen=True)
-class Layout:
+class TrainingParts:
     """What was found in a training checkpoint and what was done with it: its entries that hold
     tensors (at most SHOWN of other kinds named, the rest counted in `more`), the key whose tensors
     were written under their own names (None: everything under flattened names) and `--state-dict`
@@ -309,8 +309,8 @@ class Layout:
                 **({"more_entries": self.more[0], "more_tensors": self.more[1]} if self.more[0] else {})}
 
 
-def layout(unwrapped: Unwrapped, how: str, written: list, rest_counts: dict) -> Layout | None:
-    """The Layout of one file: `written` the names of the tensors (and skipped ones) of the part
+def layout(unwrapped: Unwrapped, how: str, written: list, rest_counts: dict) -> TrainingParts | None:
+    """The TrainingParts of one file: `written` the names of the tensors (and skipped ones) of the part
     written, `rest_counts` {dotted name: tensors} of the rest of the wrapper."""
     if unwrapped.survey is None and unwrapped.key is None:
         return None
@@ -334,5 +334,5 @@ def layout(unwrapped: Unwrapped, how: str, written: list, rest_counts: dict) -> 
     named = [c for c in counted if c[1] != OTHER] + [c for c in counted if c[1] == OTHER][:SHOWN]
     beyond = [c for c in counted if c[1] == OTHER][SHOWN:]
     keep = {c[0] for c in named}
-    return Layout(tuple(Part(k, w, n) for k, w, n in counted if k in keep), unwrapped.key, how,
+    return TrainingParts(tuple(Part(k, w, n) for k, w, n in counted if k in keep), unwrapped.key, how,
                   (len(beyond), sum(c[2] for c in beyond)))

@@ -2,5 +2,5 @@
 verify's stages), tasks.py (a unit of the plan as a task any process can run from the typed
 request), executors.py (what runs the tasks: `local`, --workers N on this host), ray_executor.py
 (`ray`, --ray: the tasks on a Ray cluster, imported when asked for), share.py (the one balancer:
-which share does which unit, by bytes) and cluster.py (the processes of a --distributed verify
---device, through JAX's runtime)."""
+which share does which unit, by bytes). The processes of a --distributed verify --device are
+verify's own (jobs/verify/cluster.py)."""

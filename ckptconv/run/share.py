@@ -17,11 +17,6 @@ def assign(sizes, processes: int) -> list:
     return owner
 
 
-def owners(units, processes: int) -> list:
-    """The owner of each unit (anything with a `size`), in unit order."""
-    return assign([u.size for u in units], processes)
-
-
 @dataclass
 class Share:
     """What this process checks of a verify split over processes: `units` maps a kind ("rank",

@@ -17,7 +17,7 @@ from ..errors import BadInput, CkptError, OutputError, printable
 from ..signals import check, deferred, published as announce
 from ..io.output import replaceable
 from .publisher import Publisher
-from .targets import BucketTarget, _Out
+from .targets import BucketTarget, BucketOut
 from .urls import StorageOptions, is_url, parse, redact
 
 
@@ -28,14 +28,14 @@ class BucketTask:
     url: str
     options: StorageOptions
     single: bool = False
-    share: int = 1
+    side_by_side: int = 1
 
     def target(self) -> BucketTarget:
         """The OUT as a target in the task's process: objects written are tracked (`written`), never
         the pointer, never the lock."""
         from .bucket import Session
-        return BucketTarget(_Out(TaskPublisher(parse(self.url), self.options, single=self.single), None,
-                                 Session(self.options), self.share))
+        return BucketTarget(BucketOut(TaskPublisher(parse(self.url), self.options, single=self.single), None,
+                                 Session(self.options), self.side_by_side))
 
 
 def written(target: BucketTarget) -> dict:
@@ -133,12 +133,12 @@ def _prepare(target: BucketTarget, taken, overwrite: bool, resume: bool, single:
 
 @contextlib.contextmanager
 def bucket_output(out, overwrite=False, resume=False, inputs=(), single_file=False, not_ours=None, pointer=None,
-                  published=None, share: int = 1, options: StorageOptions = None, tasks: bool = False):
+                  published=None, side_by_side: int = 1, options: StorageOptions = None, tasks: bool = False):
     """Yield a BucketTarget for the URL `out`, reached with `options` (the job's StorageOptions);
     publish it (the `pointer` last, create-only) if the block succeeds, roll it back otherwise, a
     signal included. `inputs`, `overwrite`, `resume`, `single_file` and `not_ours` as atomic_output
     takes them; `published(out, names)`: the pointer of the output already there when it is a
-    published one (formats.published); `share`: files written side by side. `tasks`: other processes
+    published one (formats.published); `side_by_side`: files written at once. `tasks`: other processes
     write units into it too (`BucketTask`), so a rollback deletes everything under OUT and aborts
     every upload pending there, whoever started it."""
     from .bucket import Session
@@ -151,7 +151,7 @@ def bucket_output(out, overwrite=False, resume=False, inputs=(), single_file=Fal
     session = Session(options)
     try:
         taken = publisher.claim(take_over=overwrite or resume)
-        target = BucketTarget(_Out(publisher, pointer, session, share))
+        target = BucketTarget(BucketOut(publisher, pointer, session, side_by_side))
         _prepare(target, taken, overwrite, resume, single_file, not_ours or (lambda *a: "unknown"), published)
         session.forget(out)   # (what was there was read to decide; it may have been deleted since)
         yield target

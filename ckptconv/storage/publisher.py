@@ -82,10 +82,10 @@ class Publisher:
         return self.out.child(name)
 
     def writer(self, name: str, expected_size: Optional[int] = None, hashed: bool = True,
-               share: int = 1) -> ObjectWriter:
+               side_by_side: int = 1) -> ObjectWriter:
         """An ObjectWriter for OUT/`name`, tracked: committed through it, rolled back with the rest."""
         self._check_held()
-        w = _Tracked(self, self.store, self.place(name), expected_size, hashed=hashed, share=share)
+        w = _Tracked(self, self.store, self.place(name), expected_size, hashed=hashed, side_by_side=side_by_side)
         self.started.add(w.location.key)
         self.open.append(w)
         return w
@@ -176,7 +176,6 @@ class Publisher:
         (with `everything`: every upload pending under OUT, a task's too), let the lock go; each step
         is tried whatever the others did, and what failed is returned (one line each). Nothing is
         deleted once the lock was taken over (it is the other run's OUT now)."""
-        import obstore
         problems = []
 
         def attempt(step, *args):

@@ -17,10 +17,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import BadInput, CkptError, OutputError, printable
-from ..signals import check, deferred, published as announce
-from ..io.output import replaceable
-from .urls import StorageOptions, is_url, parse, redact
+from ..errors import BadInput, OutputError
 
 
 def write_all(fileobj, data):
@@ -226,14 +223,14 @@ class LocalTarget(Target):
 # ---- an object-store prefix -----------------------------------------------------------------------
 
 @dataclass
-class _Out:
+class BucketOut:
     """What every folder of one bucket output shares: its publisher, its pointer's name, how many
     files are written side by side, and the objects under OUT this run knows of, {path: size}."""
 
     publisher: object
     pointer: str | None
     session: object = None    # bucket.Session: reads of what is under OUT (a journal, --resume's re-hash)
-    share: int = 1
+    side_by_side: int = 1
     known: dict = field(default_factory=dict)
 
 
@@ -242,7 +239,7 @@ class _ObjectSink:
     committed on close (or, for the pointer, finished: written, to be published last), aborted on
     abandon."""
 
-    def __init__(self, out: _Out, rel: str, writer, pointer: bool):
+    def __init__(self, out: BucketOut, rel: str, writer, pointer: bool):
         self.out, self.rel, self.writer, self.pointer = out, rel, writer, pointer
 
     def write(self, data):
@@ -264,7 +261,7 @@ class _ObjectFile(_ObjectSink):
     handed to the object's writer, which sends them part by part, while the hash threads read the
     same buffer (the file's digest is the pipeline's: the writer does not hash them again)."""
 
-    def __init__(self, out: _Out, rel: str, writer, pool, pointer: bool):
+    def __init__(self, out: BucketOut, rel: str, writer, pool, pointer: bool):
         self.out, self.rel, self.writer, self.pool, self.pointer = out, rel, writer, pool, pointer
         self.name = str(writer.location)
 
@@ -288,7 +285,7 @@ class BucketTarget(Target):
 
     remote = True
 
-    def __init__(self, out: _Out, prefix: str = ""):
+    def __init__(self, out: BucketOut, prefix: str = ""):
         self.out, self.prefix = out, prefix
 
     def __repr__(self) -> str:
@@ -305,7 +302,7 @@ class BucketTarget(Target):
         return BucketTarget(self.out, self._rel(folder))
 
     def side_by_side(self, files: int):
-        self.out.share = max(1, files)
+        self.out.side_by_side = max(1, files)
 
     def _is_pointer(self, full: str) -> bool:
         return full == self.out.pointer
@@ -315,7 +312,7 @@ class BucketTarget(Target):
         publisher = self.out.publisher
         if self._is_pointer(full):
             return _ObjectFile(self.out, full, publisher.pointer(full, size, head), pool, True)
-        return _ObjectFile(self.out, full, publisher.writer(full, size, hashed=False, share=self.out.share), pool,
+        return _ObjectFile(self.out, full, publisher.writer(full, size, hashed=False, side_by_side=self.out.side_by_side), pool,
                            False)
 
     def open(self, rel: str, mode: int = 0o666, exclusive: bool = False, size=None):

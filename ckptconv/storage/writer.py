@@ -60,14 +60,14 @@ class ObjectWriter:
     buffer and `upload_concurrency` parts in flight."""
 
     def __init__(self, store: Store, location: Location, expected_size: Optional[int] = None,
-                 mode: str = "overwrite", hashed: bool = True, share: int = 1):
+                 mode: str = "overwrite", hashed: bool = True, side_by_side: int = 1):
         """`hashed=False`: the caller hashes the bytes (the write pipeline does: io/hashing.py) and
-        `commit` gives no digest; `share`: how many objects are written side by side (a reshard's
+        `commit` gives no digest; `side_by_side`: how many objects are written side by side (a reshard's
         ranks), among which the options' upload concurrency is divided and parts are made smaller."""
         self.store, self.location, self.mode = store, location, mode
-        share = max(1, share)
-        self.part = part_size_for(expected_size, max(MIN_PART, store.options.part_size // share))
-        self.concurrency = max(1, store.options.upload_concurrency // share)
+        side_by_side = max(1, side_by_side)
+        self.part = part_size_for(expected_size, max(MIN_PART, store.options.part_size // side_by_side))
+        self.concurrency = max(1, store.options.upload_concurrency // side_by_side)
         self.size, self.state = 0, "open"
         self._hash, self._buf = (sha256.new() if hashed else None), bytearray()
         self._queue: queue.Queue = queue.Queue(maxsize=1)

@@ -3,7 +3,7 @@
 A rule set is `layout` ("torch": Linear weights are [out, in]; "jax": [in, out]) plus an ordered
 list of rules; the first whose pattern fully matches a name wins, and unmatched tensors are
 replicated. Presets (presets.py) are rule sets too, built from a model's config; `--rules FILE`
-reads the same thing from TOML (docs/reshard.md). tp/layout.py turns a rule into per-rank intervals.
+reads the same thing from TOML (docs/reshard.md). tp/intervals.py turns a rule into per-rank intervals.
 """
 import functools
 import re

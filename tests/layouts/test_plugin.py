@@ -49,7 +49,7 @@ def test_nothing_but_the_layouts_names_a_layout_module():
 
 def test_every_layout_is_registered_and_detected_in_its_order():
     assert {"sharded", "single", "mesh", "vllm", "foreign", "diffusers"} <= set(LAYOUTS)
-    assert list(layouts.targets()) == ["mesh", "vllm"]
+    assert list(layouts.target_choices()) == ["mesh", "vllm"]
     orders = [cls.order for cls in LAYOUTS.values()]
     assert len(set(orders)) == len(orders)   # (no two tried at the same step)
 
@@ -90,7 +90,7 @@ def test_a_registered_layout_is_written_checked_and_replayed(toy, tmp_path):
     src = tmp_path / "m.pt"
     torch.save({"a.weight": torch.arange(24, dtype=torch.float32).reshape(6, 4),
                 "b.bias": torch.arange(6, dtype=torch.int64)}, src)
-    assert "toy" in layouts.targets()
+    assert "toy" in layouts.target_choices()
     out = tmp_path / "out"
     ckptconv.reshard(src, out, 2, rules=split_all_rules(tmp_path), target="toy")
     mesh = json.loads((out / "mesh.json").read_text())

@@ -626,7 +626,7 @@ def test_against_compares_the_other_facts_a_manifest_records(trained, tmp_path):
 
 
 def test_jobs_that_differ_by_a_missing_key_are_named():
-    from ckptconv.run.cluster import _difference
+    from ckptconv.jobs.verify.cluster import _difference
     assert _difference({"options": {"--dtype": None}}, {"options": {}}) == \
         "its options --dtype is None, process 0's None"
     assert _difference({"a": 1}, {"a": 1, "b": 2}) == "its b differs (2 against process 0's None)"

@@ -2,7 +2,6 @@
 1,000 new keys and "more follow" (or a real prefix of millions of objects) stops the run at the
 documented bound in one line, in bounded memory; and a store's own failure becomes our line: the
 URL, the operation, the attempts and the time, the server's answer."""
-import json
 import os
 import re
 import subprocess

@@ -2,7 +2,6 @@
 endpoint the command was given (moto behind the fault proxy, on a port of its own), with its part
 size and concurrency, and writes what `--workers 1` writes, byte for byte — from a bucket SRC, into
 a bucket OUT, for convert, reshard and verify (issue 47: they went to AWS's own endpoint)."""
-import numpy as np
 import pytest
 
 from tests.helpers import run

@@ -297,7 +297,7 @@ def test_verify_reads_the_linked_parts_once(hf_llama, tmp_path, monkeypatch):
 
 def test_one_check_of_expert_numbering_for_every_mode_that_groups_experts(mixtral, tmp_path):
     """Experts 0, 1, 2, 5 of 4 (issue 28): `reshard --ep 2` put 2 and 5 in group 1 while `--target
-    vllm` refused; both now refuse with the same words (tp/layout.expert_numbers)."""
+    vllm` refused; both now refuse with the same words (tp/intervals.expert_numbers)."""
     d, _ = mixtral
     src = tmp_path / "renumbered"
     shutil.copytree(d / "per_expert", src)

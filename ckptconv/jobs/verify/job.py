@@ -218,7 +218,7 @@ def _merge(cluster, stage, report: Report, request: VerifyRequest):
     signals.check()
     if cluster is None or stage != "device" or cluster._client is None:
         return
-    from ...run.cluster import agree, gather
+    from .cluster import agree, gather
     agree(cluster, _job(request))
     found = {"problems": [asdict(p) for p in report.problems[report.shared:]]}
     results = gather(cluster, f"verify/{stage}", found)

@@ -2,7 +2,7 @@
 `rank-XXXXX/`, holding exactly that rank's pieces, and mesh.json with the global digests.
 
 The layout (which rank holds which intervals of which tensor) is decided before, as pure data
-(tp/layout.py's TensorPlans); the units of this writer are rank directories. The ranks a process owns
+(tp/intervals.py's TensorPlans); the units of this writer are rank directories. The ranks a process owns
 are written side by side, tensor by tensor: a tensor split on a later axis is read once for all
 ranks and scattered (each rank gathers its columns of each block); the others are sliced per rank,
 so only what a rank needs is read. A process that writes every rank also gets the global digests
@@ -17,7 +17,7 @@ from ...io import sha256
 from ...formats import mesh as fmt
 from ...io.hashing import SMALL, Digests, Pipeline
 from ...tensor import sha256_of
-from ...tp.layout import RankPieces, holds
+from ...tp.intervals import RankPieces, holds
 from ...run.share import Share, assign
 from ..base import Content, Layout, MeshPlan, RunFacts, WriteOptions, register
 from ..files import InlineTap, OutputStream, check_space, copy_files, finish_dir, plan_shards, write_json

@@ -31,7 +31,7 @@ class MeshResult:
     shards: dict                # rank -> [[name, sha256], ...]
 
     def to_json(self) -> dict:
-        """As it crosses processes (run/cluster.py): bytes as hex, ranks as JSON keys."""
+        """As it crosses processes (run/tasks.py: a task's answer): bytes as hex, ranks as JSON keys."""
         return {"global": self.global_digests.hex(), "global_at": self.global_at.hex(),
                 "shards": {str(rank): files for rank, files in self.shards.items()}}
 
@@ -56,7 +56,7 @@ class MeshResult:
 
 def rank_piece(src, p, rank):
     """Rank `rank`'s piece of plan `p` of the global tensor `src`, as a lazy source: a slice of it,
-    its intervals joined in range order (made as it is written: tp/layout.RankPieces)."""
+    its intervals joined in range order (made as it is written: tp/intervals.RankPieces)."""
     src = src if p.padded is None else zero_padded(src, p.axis, p.padded)
     if p.axis is None:
         return src

@@ -29,7 +29,7 @@ import re
 from ... import dtypes
 from ...errors import BadInput, UsageError, brief
 from ...tensor import Concat, Stacked, constant, zero_padded
-from ...tp.layout import expert_numbers
+from ...tp.intervals import expert_numbers
 from ...tp.rules import Rule, RuleSet
 
 TARGET = "vllm"

@@ -18,9 +18,9 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from .. import safejson, signals
-from ..errors import OutputError, UsageError, brief, printable
-from ..storage.urls import is_url, redact
+from ... import safejson, signals
+from ...errors import OutputError, UsageError, brief, printable
+from ...storage.urls import is_url, redact
 
 JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 MAX_PROCESSES = 4096   # processes in one job

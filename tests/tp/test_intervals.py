@@ -8,7 +8,7 @@ import pytest
 from ckptconv import dtypes
 from ckptconv.errors import BadInput, UsageError
 from ckptconv.formats.mesh import recorded_cut
-from ckptconv.tp.layout import plan, split
+from ckptconv.tp.intervals import plan, split
 from ckptconv.tp.presets import PRESETS, MeshSpec, choose_rules
 from ckptconv.tp.rules import Rule, RuleSet
 
